@@ -1,0 +1,23 @@
+# Two commands for a newcomer; each sets up its own virtual environment in .venv first.
+#   make train   train the default GPT on the embedded Python-stdlib corpus (~4 min on 2 CPU cores)
+#   make test    run the test suite (what CI runs)
+PYTHON ?= python3
+VENV   ?= .venv
+BIN     = $(VENV)/bin
+
+.PHONY: train test bench clean
+
+$(BIN)/.installed: pyproject.toml .ci/constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -c .ci/constraints.txt -e ".[test]"
+	touch $@
+
+train: $(BIN)/.installed
+	$(BIN)/transformer-jax train --workdir runs/stdlib_gpt $(ARGS)
+
+test: $(BIN)/.installed
+	$(BIN)/python -m pytest -q $(ARGS)
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

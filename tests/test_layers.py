@@ -1,0 +1,327 @@
+"""Golden values and equivalences for the pure functions and the linen building blocks."""
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from transformer_jax.layers import (
+    EncoderBlock, DecoderBlock, FeedForward, LayerNorm, MultiHeadAttention, RMSNorm, apply_rope,
+    causal_mask, combine_masks, dot_product_attention, key_padding_mask, padding_mask_from_ids,
+    padding_mask_from_lengths, query_key_mask, sinusoidal_table, sliding_window_mask)
+
+FP32_TOL = dict(rtol=1e-5, atol=1e-5)
+# bf16 has an 8-bit mantissa: inputs, weights and outputs are each rounded to ~3e-3 relative.
+# With fp32 softmax and fp32 accumulation, attention outputs of unit-scale inputs stay
+# within 2e-2 absolute of the fp32 result; this is the library's documented bf16 tolerance.
+BF16_ATOL = 2e-2
+
+
+def rand(key, shape, dtype=jnp.float32):
+    return jax.random.normal(jax.random.PRNGKey(key), shape, dtype)
+
+
+# --------------------------------------------------------------------------- masks
+
+def test_causal_mask_golden():
+    np.testing.assert_array_equal(causal_mask(4)[0, 0].astype(int),
+                                  [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]])
+    # two new queries after 3 cached keys (KV-cache decoding), 6 cache slots
+    np.testing.assert_array_equal(causal_mask(2, 6, offset=3)[0, 0].astype(int),
+                                  [[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0]])
+
+
+def test_sliding_window_golden():
+    np.testing.assert_array_equal(sliding_window_mask(5, window=2)[0, 0].astype(int),
+                                  [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 1, 1, 0, 0],
+                                   [0, 0, 1, 1, 0], [0, 0, 0, 1, 1]])
+    np.testing.assert_array_equal(sliding_window_mask(4, window=2, causal=False)[0, 0].astype(int),
+                                  [[1, 1, 0, 0], [1, 1, 1, 0], [0, 1, 1, 1], [0, 0, 1, 1]])
+    with pytest.raises(ValueError, match="window"):
+        sliding_window_mask(4, window=0)
+
+
+def test_padding_masks_golden():
+    m = padding_mask_from_lengths(jnp.array([2, 4]), 4)
+    assert m.shape == (2, 1, 1, 4)
+    np.testing.assert_array_equal(m[:, 0, 0].astype(int), [[1, 1, 0, 0], [1, 1, 1, 1]])
+    ids = jnp.array([[5, 7, 0, 0], [3, 0, 9, 1]])
+    np.testing.assert_array_equal(padding_mask_from_ids(ids, pad_id=0)[:, 0, 0].astype(int),
+                                  [[1, 1, 0, 0], [1, 0, 1, 1]])
+    np.testing.assert_array_equal(key_padding_mask(ids != 0), padding_mask_from_ids(ids))
+    qk = query_key_mask(jnp.array([[1, 0]]), jnp.array([[1, 1, 0]]))
+    np.testing.assert_array_equal(qk[0, 0].astype(int), [[1, 1, 0], [0, 0, 0]])
+    both = combine_masks(causal_mask(4), padding_mask_from_lengths(jnp.array([3]), 4))
+    np.testing.assert_array_equal(both[0, 0].astype(int),
+                                  [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 0]])
+    assert combine_masks(None, None) is None
+    with pytest.raises(ValueError, match="2-D"):
+        padding_mask_from_ids(jnp.zeros((2, 3, 4), jnp.int32))
+
+
+# --------------------------------------------------------------------------- positions
+
+def test_sinusoidal_table_golden():
+    pe = np.asarray(sinusoidal_table(3, 4))
+    expected = np.array([
+        [0.0, 1.0, 0.0, 1.0],
+        [math.sin(1.0), math.cos(1.0), math.sin(0.01), math.cos(0.01)],
+        [math.sin(2.0), math.cos(2.0), math.sin(0.02), math.cos(0.02)],
+    ])
+    np.testing.assert_allclose(pe, expected, rtol=0, atol=1e-6)
+    # the formula for a wider table: PE(pos, 2i) = sin(pos / 10000^(2i/D)), PE(pos, 2i+1) = cos(.)
+    pe = np.asarray(sinusoidal_table(50, 16), np.float64)
+    pos, i = np.arange(50)[:, None], np.arange(8)[None, :]
+    angle = pos / 10000 ** (2 * i / 16)
+    np.testing.assert_allclose(pe[:, 0::2], np.sin(angle), atol=2e-5)
+    np.testing.assert_allclose(pe[:, 1::2], np.cos(angle), atol=2e-5)
+
+
+def test_rope_golden_and_relative():
+    x = jnp.array([1.0, 2.0, 3.0, 4.0]).reshape(1, 1, 1, 4)
+    out = np.asarray(apply_rope(x, jnp.array([[1]])))[0, 0, 0]
+    c1, s1, c2, s2 = math.cos(1), math.sin(1), math.cos(0.01), math.sin(0.01)
+    np.testing.assert_allclose(out, [1 * c1 - 3 * s1, 2 * c2 - 4 * s2, 3 * c1 + 1 * s1, 4 * c2 + 2 * s2],
+                               atol=1e-6)
+    out_i = np.asarray(apply_rope(x, jnp.array([[1]]), interleaved=True))[0, 0, 0]
+    np.testing.assert_allclose(out_i, [1 * c1 - 2 * s1, 2 * c1 + 1 * s1, 3 * c2 - 4 * s2, 4 * c2 + 3 * s2],
+                               atol=1e-6)
+    # q.k after RoPE depends only on the relative offset
+    q, k = rand(0, (1, 1, 1, 8)), rand(1, (1, 1, 1, 8))
+    dot = lambda i, j: float(jnp.sum(apply_rope(q, jnp.array([[i]])) * apply_rope(k, jnp.array([[j]]))))
+    assert dot(5, 2) == pytest.approx(dot(13, 10), abs=1e-5)
+    np.testing.assert_allclose(jnp.linalg.norm(apply_rope(q, jnp.array([[7]]))), jnp.linalg.norm(q), rtol=1e-6)
+
+
+# --------------------------------------------------------------------------- attention
+
+def test_attention_golden_by_hand():
+    q = jnp.array([1.0, 0.0]).reshape(1, 1, 1, 2)
+    k = jnp.array([[1.0, 0.0], [0.0, 1.0]]).reshape(1, 2, 1, 2)
+    v = jnp.array([[1.0, 2.0], [3.0, 4.0]]).reshape(1, 2, 1, 2)
+    w0 = math.exp(1 / math.sqrt(2)) / (math.exp(1 / math.sqrt(2)) + 1)   # softmax([1/sqrt2, 0])[0]
+    out, weights = dot_product_attention(q, k, v, return_weights=True)
+    np.testing.assert_allclose(weights[0, 0, 0], [w0, 1 - w0], atol=1e-6)
+    np.testing.assert_allclose(out[0, 0, 0], [w0 * 1 + (1 - w0) * 3, w0 * 2 + (1 - w0) * 4], atol=1e-6)
+    # mask 1 = may attend: blocking key 0 sends all weight to key 1
+    out = dot_product_attention(q, k, v, mask=jnp.array([[0, 1]]))
+    np.testing.assert_allclose(out[0, 0, 0], [3.0, 4.0], atol=1e-6)
+    # an additive bias shifts the logits
+    out, weights = dot_product_attention(q, k, v, bias=jnp.array([[0.0, 1 / math.sqrt(2)]]),
+                                         return_weights=True)
+    np.testing.assert_allclose(weights[0, 0, 0], [0.5, 0.5], atol=1e-6)
+
+
+def _attention_inputs(n=8, kv=2, t=37, s=53, h=16):
+    q, k, v = rand(0, (2, t, n, h)), rand(1, (2, s, kv, h)), rand(2, (2, s, kv, h))
+    mask = jax.random.bernoulli(jax.random.PRNGKey(3), 0.8, (2, 1, t, s))
+    bias = rand(4, (1, n, t, s))
+    return q, k, v, mask, bias
+
+
+@pytest.mark.parametrize("impl", ["jax", "chunked"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_implementations_agree_forward_and_grad(impl, causal):
+    q, k, v, mask, bias = _attention_inputs()
+    kw = dict(mask=mask, bias=bias, causal=causal, q_chunk=16, kv_chunk=16)
+    ref = dot_product_attention(q, k, v, **kw)
+    out = dot_product_attention(q, k, v, implementation=impl, **kw)
+    np.testing.assert_allclose(out, ref, **FP32_TOL)
+
+    ct = rand(5, ref.shape)
+    def loss(impl):
+        return lambda q, k, v, b: jnp.sum(dot_product_attention(
+            q, k, v, mask=mask, bias=b, causal=causal, implementation=impl, q_chunk=16, kv_chunk=16) * ct)
+    g_ref = jax.grad(loss("xla"), argnums=(0, 1, 2, 3))(q, k, v, bias)
+    g = jax.grad(loss(impl), argnums=(0, 1, 2, 3))(q, k, v, bias)
+    for a, b in zip(g, g_ref):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_chunked_handles_uneven_blocks_and_fully_masked_rows():
+    q, k, v, _, _ = _attention_inputs(n=4, kv=4, t=9, s=11)
+    mask = jnp.ones((1, 1, 9, 11), bool).at[:, :, 3].set(False)   # query 3 sees nothing
+    ref = dot_product_attention(q, k, v, mask=mask)
+    out = dot_product_attention(q, k, v, mask=mask, implementation="chunked", q_chunk=4, kv_chunk=3)
+    np.testing.assert_allclose(out, ref, **FP32_TOL)
+    # a fully blocked row averages the values (no NaN)
+    np.testing.assert_allclose(ref[:, 3], jnp.mean(v, axis=1), atol=1e-5)
+
+
+def test_bf16_within_documented_tolerance():
+    q, k, v, mask, _ = _attention_inputs()
+    ref = dot_product_attention(q, k, v, mask=mask, causal=True)
+    for impl in ("xla", "jax", "chunked"):
+        out = dot_product_attention(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16),
+                                    mask=mask, causal=True, implementation=impl, q_chunk=16, kv_chunk=16)
+        assert out.dtype == jnp.bfloat16
+        err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref)))
+        assert err < BF16_ATOL, (impl, err)
+    _, w = dot_product_attention(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16),
+                                 return_weights=True)
+    assert w.dtype == jnp.float32  # softmax in fp32
+    np.testing.assert_allclose(jnp.sum(w, -1), 1.0, atol=1e-6)
+
+
+def test_attention_dropout():
+    q, k, v, _, _ = _attention_inputs(n=2, kv=2, t=16, s=16)
+    rng = jax.random.PRNGKey(7)
+    _, w_clean = dot_product_attention(q, k, v, return_weights=True)
+    _, w = dot_product_attention(q, k, v, dropout_rate=0.25, dropout_rng=rng, deterministic=False,
+                                 return_weights=True)
+    kept = w != 0
+    assert 0.65 < float(kept.mean()) < 0.85
+    np.testing.assert_allclose(w[kept], (w_clean / 0.75)[kept], rtol=1e-6)
+    a = dot_product_attention(q, k, v, dropout_rate=0.25, dropout_rng=rng, deterministic=False,
+                              implementation="chunked", q_chunk=4, kv_chunk=4)
+    b = dot_product_attention(q, k, v, dropout_rate=0.25, dropout_rng=rng, deterministic=False,
+                              implementation="chunked", q_chunk=4, kv_chunk=4)
+    np.testing.assert_array_equal(a, b)   # the same rng gives the same mask
+    assert float(jnp.abs(a - dot_product_attention(q, k, v)).max()) > 1e-2
+    with pytest.raises(ValueError, match="dropout_rng"):
+        dot_product_attention(q, k, v, dropout_rate=0.1, deterministic=False)
+    with pytest.raises(ValueError, match="no attention dropout"):
+        dot_product_attention(q, k, v, dropout_rate=0.1, dropout_rng=rng, deterministic=False,
+                              implementation="jax")
+
+
+def test_attention_bad_input():
+    q, k, v = rand(0, (2, 5, 4, 8)), rand(1, (2, 6, 4, 8)), rand(2, (2, 6, 4, 8))
+    with pytest.raises(ValueError, match="head dim"):
+        dot_product_attention(q, rand(1, (2, 6, 4, 16)), v)
+    with pytest.raises(ValueError, match="multiple of key/value heads"):
+        dot_product_attention(q, rand(1, (2, 6, 3, 8)), rand(2, (2, 6, 3, 8)))
+    with pytest.raises(ValueError, match=r"does not broadcast .* \(2, 4, 5, 6\)"):
+        dot_product_attention(q, k, v, mask=jnp.ones((5, 5), bool))
+    with pytest.raises(ValueError, match="4-D"):
+        dot_product_attention(q[0], k, v)
+    with pytest.raises(ValueError, match="unknown attention implementation"):
+        dot_product_attention(q, k, v, implementation="flash9000")
+    with pytest.raises(ValueError, match="return_weights"):
+        dot_product_attention(q, k, v, return_weights=True, implementation="chunked")
+
+
+# --------------------------------------------------------------------------- modules
+
+def test_mha_matches_manual_math():
+    x = rand(0, (2, 5, 16))
+    mha = MultiHeadAttention(num_heads=4)
+    p = nn.meta.unbox(mha.init(jax.random.PRNGKey(1), x))["params"]
+    q = jnp.einsum("BTD,DNH->BTNH", x, p["query"]["kernel"]) + p["query"]["bias"]
+    k = jnp.einsum("BSD,DNH->BSNH", x, p["key"]["kernel"]) + p["key"]["bias"]
+    v = jnp.einsum("BSD,DNH->BSNH", x, p["value"]["kernel"]) + p["value"]["bias"]
+    logits = jnp.einsum("BTNH,BSNH->BNTS", q, k) / math.sqrt(4)
+    logits = jnp.where(causal_mask(5), logits, -jnp.inf)
+    ctx = jnp.einsum("BNTS,BSNH->BTNH", jax.nn.softmax(logits), v)
+    expected = jnp.einsum("BTNH,NHD->BTD", ctx, p["out"]["kernel"]) + p["out"]["bias"]
+    np.testing.assert_allclose(mha.apply({"params": p}, x, causal=True), expected, **FP32_TOL)
+
+
+def test_gqa_equals_mha_with_repeated_kv_heads():
+    x = rand(0, (2, 6, 32))
+    gqa = MultiHeadAttention(num_heads=8, num_kv_heads=2)
+    p = nn.meta.unbox(gqa.init(jax.random.PRNGKey(1), x))["params"]
+    full = MultiHeadAttention(num_heads=8)
+    rep = lambda a: jnp.repeat(a, 4, axis=-2)   # kv head k serves query heads 4k..4k+3
+    pf = dict(p, key={"kernel": rep(p["key"]["kernel"]), "bias": rep(p["key"]["bias"])},
+              value={"kernel": rep(p["value"]["kernel"]), "bias": rep(p["value"]["bias"])})
+    np.testing.assert_allclose(gqa.apply({"params": p}, x, causal=True),
+                               full.apply({"params": pf}, x, causal=True), **FP32_TOL)
+    assert p["key"]["kernel"].shape == (32, 2, 4)
+
+
+@pytest.mark.parametrize("rope", [None, 10000.0])
+def test_kv_cache_decode_equals_full_pass(rope):
+    x = rand(0, (2, 7, 32))
+    mha = MultiHeadAttention(num_heads=4, num_kv_heads=2, rope_base=rope)
+    p = nn.meta.unbox(mha.init(jax.random.PRNGKey(1), x))["params"]
+    full = mha.apply({"params": p}, x, causal=True)
+    cache = mha.init(jax.random.PRNGKey(1), x, decode=True)["cache"]
+    cache = jax.tree_util.tree_map(jnp.zeros_like, cache)
+    outs = []
+    for lo, hi in [(0, 3), (3, 4), (4, 5), (5, 7)]:   # a prefill of 3, then 1, 1 and 2 tokens
+        y, state = mha.apply({"params": p, "cache": cache}, x[:, lo:hi], causal=True, decode=True,
+                             mutable=["cache"])
+        cache = state["cache"]
+        outs.append(y)
+    np.testing.assert_allclose(jnp.concatenate(outs, 1), full, **FP32_TOL)
+    assert int(cache["cache_index"]) == 7
+
+
+def test_mha_bad_input():
+    with pytest.raises(ValueError, match="not divisible by num_heads"):
+        MultiHeadAttention(num_heads=5).init(jax.random.PRNGKey(0), jnp.ones((1, 3, 32)))
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        MultiHeadAttention(num_heads=4, num_kv_heads=3).init(jax.random.PRNGKey(0), jnp.ones((1, 3, 32)))
+    with pytest.raises(ValueError, match="does not broadcast"):
+        MultiHeadAttention(num_heads=4).init(jax.random.PRNGKey(0), jnp.ones((1, 3, 32)),
+                                             mask=jnp.ones((1, 1, 3, 4)))
+
+
+def test_norms_golden():
+    x = jnp.array([[1.0, 2.0, 3.0, 4.0]])
+    ln = LayerNorm(eps=0.0)
+    y = ln.apply(ln.init(jax.random.PRNGKey(0), x), x)
+    np.testing.assert_allclose(y[0], np.array([-3, -1, 1, 3]) / math.sqrt(5), atol=1e-6)
+    rms = RMSNorm(eps=0.0)
+    y = rms.apply(rms.init(jax.random.PRNGKey(0), x), x)
+    np.testing.assert_allclose(y[0], np.array([1, 2, 3, 4]) / math.sqrt(7.5), atol=1e-6)
+    xb = x.astype(jnp.bfloat16)
+    assert LayerNorm(dtype=jnp.bfloat16).apply(ln.init(jax.random.PRNGKey(0), x), xb).dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("act,golden", [("relu", 1.0), ("gelu", 0.8413447460685429),
+                                        ("gelu_tanh", 0.8411919906082768), ("silu", 0.7310585786300049)])
+def test_feedforward_activations(act, golden):
+    ff = FeedForward(mlp_dim=1, activation=act, use_bias=False)
+    x = jnp.ones((1, 1, 1))
+    p = {"wi": {"kernel": jnp.ones((1, 1))}, "wo": {"kernel": jnp.ones((1, 1))}}
+    np.testing.assert_allclose(ff.apply({"params": p}, x)[0, 0, 0], golden, rtol=1e-6)
+    gated = FeedForward(mlp_dim=1, activation=act, gated=True, use_bias=False)
+    pg = {"wi_0": {"kernel": jnp.ones((1, 1))}, "wi_1": {"kernel": 2 * jnp.ones((1, 1))},
+          "wo": {"kernel": jnp.ones((1, 1))}}
+    np.testing.assert_allclose(gated.apply({"params": pg}, x)[0, 0, 0], 2 * golden, rtol=1e-6)
+    with pytest.raises(ValueError, match="unknown activation"):
+        FeedForward(mlp_dim=1, activation="swishy").init(jax.random.PRNGKey(0), x)
+
+
+@pytest.mark.parametrize("pre_norm", [True, False])
+def test_encoder_block_composition(pre_norm):
+    """The block equals its sublayers composed by hand (pre: x + f(norm x); post: norm(x + f(x)))."""
+    x = rand(0, (2, 5, 16))
+    mask = padding_mask_from_lengths(jnp.array([5, 3]), 5)
+    blk = EncoderBlock(num_heads=4, mlp_dim=32, pre_norm=pre_norm)
+    p = nn.meta.unbox(blk.init(jax.random.PRNGKey(1), x))["params"]
+    mha, ff, ln = MultiHeadAttention(num_heads=4), FeedForward(mlp_dim=32), LayerNorm()
+    attn = lambda h: mha.apply({"params": p["self_attn"]}, h, mask=mask)
+    mlp = lambda h: ff.apply({"params": p["mlp"]}, h)
+    n1 = lambda h: ln.apply({"params": p["norm1"]}, h)
+    n2 = lambda h: ln.apply({"params": p["norm2"]}, h)
+    if pre_norm:
+        h = x + attn(n1(x))
+        expected = h + mlp(n2(h))
+    else:
+        h = n1(x + attn(x))
+        expected = n2(h + mlp(h))
+    np.testing.assert_allclose(blk.apply({"params": p}, x, mask), expected, **FP32_TOL)
+
+
+def test_decoder_block_cross_attention_uses_memory():
+    x, mem = rand(0, (2, 4, 16)), rand(1, (2, 6, 16))
+    blk = DecoderBlock(num_heads=4, mlp_dim=32, pre_norm=False)
+    p = nn.meta.unbox(blk.init(jax.random.PRNGKey(1), x, mem))["params"]
+    assert set(p) == {"self_attn", "cross_attn", "mlp", "norm1", "norm2", "norm3"}
+    y1 = blk.apply({"params": p}, x, mem)
+    y2 = blk.apply({"params": p}, x, mem.at[:, -1].set(0.0))
+    masked = blk.apply({"params": p}, x, mem.at[:, -1].set(0.0),
+                       cross_mask=padding_mask_from_lengths(jnp.array([5, 5]), 6))
+    masked_ref = blk.apply({"params": p}, x, mem, cross_mask=padding_mask_from_lengths(jnp.array([5, 5]), 6))
+    assert float(jnp.abs(y1 - y2).max()) > 1e-3
+    np.testing.assert_allclose(masked, masked_ref, **FP32_TOL)   # masked memory slots are ignored
+    # causality: changing a later target token does not change earlier outputs
+    y3 = blk.apply({"params": p}, x.at[:, -1].set(5.0), mem)
+    np.testing.assert_allclose(y3[:, :-1], y1[:, :-1], **FP32_TOL)
+    with pytest.raises(ValueError, match="memory"):
+        blk.apply({"params": p}, x)

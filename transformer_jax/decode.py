@@ -1,0 +1,185 @@
+"""Autoregressive decoding with a KV cache: greedy, temperature, top-k and top-p sampling.
+
+The whole loop (prefill + every new token) is one jitted function: a ``lax.while_loop``
+over a fixed-size cache, so no token triggers a recompilation. Calls with the same
+(batch, prompt length, max_new_tokens, sampling mode) reuse the compiled program.
+
+Decoder-only models work here when they follow this protocol (``GPT`` does):
+  * ``module.config.max_len``: the longest sequence the model accepts;
+  * ``module.apply(variables, ids, attention_mask=..., position_ids=..., decode=True,
+    mutable=["cache"])`` appends ``ids`` (B, T) to the KV cache held in the ``cache``
+    collection and returns logits (B, T, V); ``attention_mask`` is (B, S_max), 1 = real
+    token, over the whole cache.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = jax.Array
+
+
+def sample_logits(logits: Array, rng: Array | None, *, temperature: float | Array = 0.0,
+                  top_k: int | None = None, top_p: float | Array | None = None,
+                  greedy: bool | None = None) -> Array:
+    """Pick next tokens from logits (B, V) -> (B,) int32.
+
+    ``greedy`` (default: ``temperature == 0``) takes the argmax. Otherwise logits are divided
+    by ``temperature``; ``top_k`` keeps the k largest; ``top_p`` keeps the smallest set of
+    most likely tokens whose probability reaches p (the most likely token is always kept);
+    then one token is drawn.
+    """
+    if greedy is None:
+        greedy = isinstance(temperature, (int, float)) and temperature == 0.0
+    logits = logits.astype(jnp.float32)
+    if greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if rng is None:
+        raise ValueError("sampling (temperature > 0) needs an rng: pass rng=jax.random.PRNGKey(seed)")
+    logits = logits / temperature
+    neg = jnp.finfo(jnp.float32).min
+    if top_k is not None:
+        if top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {top_k}")
+        kth = jax.lax.top_k(logits, min(top_k, logits.shape[-1]))[0][..., -1:]
+        logits = jnp.where(logits < kth, neg, logits)
+    if top_p is not None:
+        sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs       # mass of strictly better tokens
+        keep = mass_before < top_p
+        keep = keep.at[..., 0].set(True)
+        threshold = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
+        logits = jnp.where(logits < threshold, neg, logits)
+    return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
+
+
+def init_cache(module, batch_size: int, max_len: int) -> Any:
+    """A zero KV cache for ``batch_size`` sequences of up to ``max_len`` tokens (no params built)."""
+    shapes = jax.eval_shape(
+        lambda: module.init(jax.random.PRNGKey(0), jnp.zeros((batch_size, max_len), jnp.int32),
+                            decode=True))["cache"]
+    return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+@functools.partial(jax.jit, static_argnames=("module", "max_new_tokens", "greedy", "top_k",
+                                             "use_top_p", "eos_id", "pad_id"))
+def _generate(module, params, prompt, prompt_mask, rng, temperature, top_p, *, max_new_tokens,
+              greedy, top_k, use_top_p, eos_id, pad_id):
+    b, t0 = prompt.shape
+    total = t0 + max_new_tokens
+    cache = init_cache(module, b, total)
+    mask = jnp.concatenate([prompt_mask, jnp.ones((b, max_new_tokens), prompt_mask.dtype)], axis=1)
+    # Positions count real tokens only, so left-padded prompts get the positions they
+    # would have had without padding (as HF's generate does).
+    positions = jnp.maximum(jnp.cumsum(prompt_mask, axis=1) - 1, 0)
+    logits, state = module.apply({"params": params, "cache": cache}, prompt,
+                                 attention_mask=mask, position_ids=positions, decode=True,
+                                 mutable=["cache"])
+    pick = functools.partial(sample_logits, temperature=temperature, top_k=top_k,
+                             top_p=top_p if use_top_p else None, greedy=greedy)
+
+    def cond(carry):
+        i, _, _, _, _, finished, _ = carry
+        return (i < max_new_tokens) & ~jnp.all(finished)
+
+    def body(carry):
+        i, cache, last_logits, pos, rng, finished, out = carry
+        rng, step_rng = jax.random.split(rng)
+        tok = pick(last_logits, step_rng)
+        tok = jnp.where(finished, pad_id, tok)
+        out = jax.lax.dynamic_update_slice(out, tok[:, None], (0, i))
+        if eos_id is not None:
+            finished = finished | (tok == eos_id)
+        logits, state = module.apply({"params": params, "cache": cache}, tok[:, None],
+                                     attention_mask=mask, position_ids=pos[:, None], decode=True,
+                                     mutable=["cache"])
+        return i + 1, state["cache"], logits[:, -1], pos + 1, rng, finished, out
+
+    out = jnp.full((b, max_new_tokens), pad_id, jnp.int32)
+    carry = (jnp.array(0), state["cache"], logits[:, -1], positions[:, -1] + 1, rng,
+             jnp.zeros((b,), bool), out)
+    carry = jax.lax.while_loop(cond, body, carry)
+    return jnp.concatenate([prompt, carry[-1]], axis=1)
+
+
+def generate(module, params, prompt_ids: Array | Sequence[Sequence[int]], *, max_new_tokens: int,
+             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+             rng: Array | None = None, eos_id: int | None = None, pad_id: int | None = None,
+             prompt_mask: Array | None = None):
+    """Extend prompts by ``max_new_tokens`` tokens with the KV cache.
+
+    Args:
+      module, params: a decoder-only model (see the module docstring) and its parameters.
+      prompt_ids: (B, T0) ints, or a list of token lists of different lengths (then they are
+        left-padded internally and the result is a list of lists).
+      max_new_tokens: how many tokens to add; T0 + max_new_tokens must fit ``max_len``.
+      temperature: 0 = greedy; otherwise sample from softmax(logits / temperature).
+      top_k, top_p: restrict sampling to the k most likely tokens / the nucleus of mass p.
+      rng: a PRNG key; required when sampling.
+      eos_id: once a row emits it, the rest of that row is ``pad_id`` and the loop stops
+        early when every row has finished.
+      pad_id: filler after eos and for internal left padding (default: eos_id, else 0).
+      prompt_mask: (B, T0), 1 = real token, for prompts that are already left-padded.
+
+    Returns:
+      (B, T0 + max_new_tokens) int32: the prompt followed by the new tokens; for list input,
+      a list of lists holding each prompt and its new tokens (cut after eos).
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    greedy = temperature == 0.0
+    if not greedy and rng is None:
+        raise ValueError("sampling (temperature > 0) needs an rng: pass rng=jax.random.PRNGKey(seed)")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    pad_id = pad_id if pad_id is not None else (eos_id if eos_id is not None else 0)
+
+    ragged = not hasattr(prompt_ids, "shape")
+    if ragged:
+        rows = [list(map(int, r)) for r in prompt_ids]
+        if not rows or min(map(len, rows)) == 0:
+            raise ValueError("every prompt needs at least one token")
+        t0 = max(map(len, rows))
+        ids = np.full((len(rows), t0), pad_id, np.int32)
+        pmask = np.zeros((len(rows), t0), np.int32)
+        for i, r in enumerate(rows):
+            ids[i, t0 - len(r):] = r
+            pmask[i, t0 - len(r):] = 1
+        prompt, prompt_mask = jnp.asarray(ids), jnp.asarray(pmask)
+    else:
+        prompt = jnp.asarray(prompt_ids, jnp.int32)
+        if prompt.ndim != 2 or prompt.shape[1] == 0:
+            raise ValueError(f"prompt_ids must be (B, T0) with T0 >= 1; got shape {prompt.shape}")
+        prompt_mask = (jnp.ones_like(prompt) if prompt_mask is None
+                       else jnp.asarray(prompt_mask, jnp.int32))
+        if prompt_mask.shape != prompt.shape:
+            raise ValueError(f"prompt_mask shape {prompt_mask.shape} != prompt shape {prompt.shape}")
+    max_len = module.config.max_len
+    if prompt.shape[1] + max_new_tokens > max_len:
+        raise ValueError(f"prompt length {prompt.shape[1]} + max_new_tokens {max_new_tokens} exceeds "
+                         f"the model's max_len={max_len}")
+
+    out = _generate(module, params, prompt, prompt_mask,
+                    rng if rng is not None else jax.random.PRNGKey(0),
+                    jnp.float32(temperature if not greedy else 1.0),
+                    jnp.float32(top_p if top_p is not None else 1.0),
+                    max_new_tokens=max_new_tokens, greedy=greedy, top_k=top_k,
+                    use_top_p=top_p is not None, eos_id=eos_id, pad_id=pad_id)
+    if not ragged:
+        return out
+    result = []
+    out_np = np.asarray(out)
+    t0 = prompt.shape[1]
+    for i, r in enumerate(rows):
+        new = out_np[i, t0:].tolist()
+        if eos_id is not None and eos_id in new:
+            new = new[: new.index(eos_id) + 1]
+        result.append(r + new)
+    return result

@@ -1,0 +1,70 @@
+"""LayerNorm and RMSNorm: statistics in fp32, output in the compute dtype.
+
+Parameters: ``scale`` (D,) and, for LayerNorm, ``bias`` (D,); logical axis ``norm``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from .dense import canonical_dtype
+
+Array = jax.Array
+
+
+class LayerNorm(nn.Module):
+    """``y = (x - mean) / sqrt(var + eps) * scale + bias`` over the last axis (biased var, as torch)."""
+    eps: float = 1e-5
+    use_bias: bool = True
+    use_scale: bool = True
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        d = x.shape[-1]
+        x32 = x.astype(jnp.float32)
+        mean = jnp.mean(x32, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
+        if self.use_scale:
+            scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
+                               (d,), self.param_dtype)
+            y = y * scale.astype(jnp.float32)
+        if self.use_bias:
+            bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, ("norm",)),
+                              (d,), self.param_dtype)
+            y = y + bias.astype(jnp.float32)
+        return y.astype(canonical_dtype(self.dtype))
+
+
+class RMSNorm(nn.Module):
+    """``y = x / sqrt(mean(x^2) + eps) * scale`` (T5 / LLaMA style: no mean subtraction, no bias)."""
+    eps: float = 1e-6
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        d = x.shape[-1]
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
+        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
+                           (d,), self.param_dtype)
+        return (y * scale.astype(jnp.float32)).astype(canonical_dtype(self.dtype))
+
+
+def make_norm(kind: str, eps: float, dtype: Any, param_dtype: Any, name: str | None = None,
+              use_bias: bool = True) -> nn.Module:
+    """``"layernorm"`` or ``"rmsnorm"`` by name, with a clear error for anything else.
+
+    ``use_bias`` applies to LayerNorm only (RMSNorm never has a bias).
+    """
+    if kind == "layernorm":
+        return LayerNorm(eps=eps, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, name=name)
+    if kind == "rmsnorm":
+        return RMSNorm(eps=eps, dtype=dtype, param_dtype=param_dtype, name=name)
+    raise ValueError(f"unknown norm {kind!r}; expected 'layernorm' or 'rmsnorm'")

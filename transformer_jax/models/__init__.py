@@ -1,0 +1,34 @@
+"""Model families. Each family is one file: config + presets + linen module."""
+from __future__ import annotations
+
+from typing import Any
+
+from .base import PresetConfig, stack_layers, unstack_layers
+from .gpt import GPT, GPTConfig
+
+# family name -> (config class, module class); the training CLI builds models through this table.
+FAMILIES: dict[str, tuple[type, type]] = {
+    "gpt": (GPTConfig, GPT),
+}
+
+
+def build_model(family: str, preset: str, overrides: dict[str, Any] | None = None):
+    """``(config, module)`` for a family, a named preset and field overrides."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown model family {family!r}; choose one of {sorted(FAMILIES)}")
+    config_cls, module_cls = FAMILIES[family]
+    config = config_cls.preset(preset, **(overrides or {}))
+    return config, module_cls(config)
+
+
+def model_from_config(family: str, config: dict[str, Any]):
+    """Rebuild ``(config, module)`` from a saved ``config.to_dict()``."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown model family {family!r}; choose one of {sorted(FAMILIES)}")
+    config_cls, module_cls = FAMILIES[family]
+    cfg = config_cls.from_dict(config)
+    return cfg, module_cls(cfg)
+
+
+__all__ = ["FAMILIES", "GPT", "GPTConfig", "PresetConfig", "build_model", "model_from_config",
+           "stack_layers", "unstack_layers"]

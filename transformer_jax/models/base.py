@@ -1,0 +1,72 @@
+"""Frozen-dataclass configs with named presets, shared by every model family."""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from typing import Any, ClassVar, TypeVar
+
+C = TypeVar("C", bound="PresetConfig")
+
+
+class PresetConfig:
+    """Mixin for ``@dataclasses.dataclass(frozen=True)`` configs.
+
+    Subclasses define ``PRESETS: ClassVar[dict[str, dict]]`` (field overrides per name).
+    ``Config.preset("name", **overrides)`` builds one; ``to_dict``/``from_dict`` round-trip
+    through JSON (checkpoints store the config this way).
+    """
+    PRESETS: ClassVar[dict[str, dict[str, Any]]] = {}
+
+    @classmethod
+    def preset(cls: type[C], name: str, **overrides: Any) -> C:
+        if name not in cls.PRESETS:
+            hint = difflib.get_close_matches(name, cls.PRESETS, n=1)
+            extra = f" Did you mean {hint[0]!r}?" if hint else ""
+            raise ValueError(f"unknown {cls.__name__} preset {name!r}; choose one of "
+                             f"{sorted(cls.PRESETS)}.{extra}")
+        return cls.from_dict({**cls.PRESETS[name], **overrides})
+
+    @classmethod
+    def from_dict(cls: type[C], values: dict[str, Any]) -> C:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - names)
+        if unknown:
+            hints = {u: difflib.get_close_matches(u, names, n=1) for u in unknown}
+            detail = ", ".join(f"{u!r}" + (f" (did you mean {h[0]!r}?)" if h else "")
+                               for u, h in hints.items())
+            raise ValueError(f"unknown {cls.__name__} field(s): {detail}; valid fields: {sorted(names)}")
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def replace(self: C, **changes: Any) -> C:
+        return type(self).from_dict({**self.to_dict(), **changes})
+
+
+def stack_layers(params: dict, num_layers: int, *, prefix: str = "h_", name: str = "h") -> dict:
+    """Unscanned ``{prefix}0 .. {prefix}{L-1}`` subtrees -> one ``name`` subtree with a leading (L,) axis."""
+    import jax
+    import jax.numpy as jnp
+
+    missing = [f"{prefix}{i}" for i in range(num_layers) if f"{prefix}{i}" not in params]
+    if missing:
+        raise KeyError(f"cannot stack layers: missing {missing}")
+    layers = [params[f"{prefix}{i}"] for i in range(num_layers)]
+    out = {k: v for k, v in params.items() if not (k.startswith(prefix) and k[len(prefix):].isdigit())}
+    out[name] = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *layers)
+    return out
+
+
+def unstack_layers(params: dict, *, prefix: str = "h_", name: str = "h") -> dict:
+    """Inverse of :func:`stack_layers`."""
+    import jax
+
+    if name not in params:
+        raise KeyError(f"cannot unstack layers: no {name!r} subtree in params")
+    stacked = params[name]
+    num_layers = jax.tree_util.tree_leaves(stacked)[0].shape[0]
+    out = {k: v for k, v in params.items() if k != name}
+    for i in range(num_layers):
+        out[f"{prefix}{i}"] = jax.tree_util.tree_map(lambda x: x[i], stacked)
+    return out

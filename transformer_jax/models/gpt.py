@@ -1,0 +1,215 @@
+"""GPT: a decoder-only Transformer (GPT-2 layout), with KV-cache decoding.
+
+Read top to bottom: config and presets -> the layer adapter (scan/remat) -> the model.
+
+  tokens (B, T) -> wte (B, T, D) + wpe (T, D) -> dropout
+    -> L x pre-norm DecoderBlock (causal self-attention, MLP; no cross-attention)
+    -> final LayerNorm -> logits (B, T, V) through the tied embedding (fp32)
+
+Parameter names (unscanned): ``wte``, ``wpe``, ``h_0`` ... ``h_{L-1}`` (each a
+``DecoderBlock``: norm1, self_attn{query,key,value,out}, norm2, mlp{wi,wo}), ``ln_f`` and,
+when embeddings are untied, ``lm_head``. With ``scan_layers=True`` the blocks are one
+module ``h`` whose parameters carry a leading (L,) axis (logical axis ``layers``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, ClassVar
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from ..layers.blocks import DecoderBlock
+from ..layers.dense import Dense, Embed, canonical_dtype
+from ..layers.masks import causal_mask, combine_masks, key_padding_mask
+from ..layers.norms import make_norm
+from .base import PresetConfig
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig(PresetConfig):
+    vocab_size: int = 50257
+    max_len: int = 1024                  # learned position table size (n_positions)
+    num_layers: int = 12
+    num_heads: int = 12
+    num_kv_heads: int | None = None      # grouped-query attention when < num_heads
+    d_model: int = 768
+    mlp_dim: int | None = None           # default 4 * d_model
+    activation: str = "gelu_tanh"        # GPT-2's "gelu_new"
+    gated_mlp: bool = False
+    norm: str = "layernorm"
+    norm_eps: float = 1e-5
+    position: str = "learned"            # "learned" (GPT-2) or "rope"
+    rope_base: float = 10000.0
+    use_bias: bool = True
+    tie_embeddings: bool = True
+    dropout_rate: float = 0.1            # embedding and residual dropout
+    attention_dropout_rate: float = 0.1
+    initializer_range: float = 0.02
+    scan_layers: bool = False
+    remat: bool = False
+    attention_impl: str = "xla"
+    dtype: str = "float32"               # compute dtype
+    param_dtype: str = "float32"
+
+    PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
+        "tiny": dict(vocab_size=512, max_len=128, num_layers=2, num_heads=4, d_model=64),
+        "gpt2": dict(),
+        "gpt2-medium": dict(num_layers=24, num_heads=16, d_model=1024),
+        "gpt2-large": dict(num_layers=36, num_heads=20, d_model=1280),
+        "gpt2-xl": dict(num_layers=48, num_heads=25, d_model=1600),
+    }
+
+    def __post_init__(self):
+        if self.d_model % self.num_heads:
+            raise ValueError(f"GPTConfig: d_model={self.d_model} is not divisible by "
+                             f"num_heads={self.num_heads}")
+        if self.num_kv_heads is not None and self.num_heads % self.num_kv_heads:
+            raise ValueError(f"GPTConfig: num_heads={self.num_heads} must be a multiple of "
+                             f"num_kv_heads={self.num_kv_heads}")
+        if self.position not in ("learned", "rope"):
+            raise ValueError(f"GPTConfig: position must be 'learned' or 'rope', got {self.position!r}")
+        canonical_dtype(self.dtype), canonical_dtype(self.param_dtype)
+
+    @property
+    def mlp_features(self) -> int:
+        return self.mlp_dim or 4 * self.d_model
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
+
+    def num_params(self, *, non_embedding: bool = False) -> int:
+        """Parameter count from the config alone (equals HF's for the GPT-2 presets)."""
+        d, f, h = self.d_model, self.mlp_features, self.head_dim
+        kv = (self.num_kv_heads or self.num_heads) * h
+        b = int(self.use_bias)
+        norm = 2 * d if self.norm == "layernorm" else d
+        attn = d * d + 2 * d * kv + d * d + b * (d + 2 * kv + d)
+        mlp = (2 if self.gated_mlp else 1) * (d * f + b * f) + f * d + b * d
+        total = self.num_layers * (attn + mlp + 2 * norm) + norm
+        emb = self.vocab_size * d + (self.max_len * d if self.position == "learned" else 0)
+        if not self.tie_embeddings:
+            emb += self.vocab_size * d
+        return total if non_embedding else total + emb
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token, PaLM/nanoGPT convention: 6 N + 12 L D T.
+
+        N excludes the position table (a lookup, not a matmul) but includes the token
+        embedding, whose transpose is the read-out matmul when tied.
+        """
+        n = self.num_params() - (self.max_len * self.d_model if self.position == "learned" else 0)
+        return 6 * n + 12 * self.num_layers * self.d_model * seq_len
+
+
+class GPTLayer(DecoderBlock):
+    """A GPT block whose static flags are fields, so it can be scanned and rematerialised."""
+    deterministic: bool = True
+    decode: bool = False
+    scanned: bool = False
+
+    @nn.compact
+    def __call__(self, x: Array, mask: Array | None, positions: Array | None):
+        y = self.forward(x, self_mask=mask, positions=positions, causal=True,
+                         deterministic=self.deterministic, decode=self.decode)
+        return (y, None) if self.scanned else y
+
+
+class GPT(nn.Module):
+    """Decoder-only language model. ``apply(variables, input_ids)`` -> logits (B, T, V) fp32."""
+    config: GPTConfig
+
+    @nn.compact
+    def __call__(self, input_ids: Array, attention_mask: Array | None = None,
+                 position_ids: Array | None = None, *, deterministic: bool = True,
+                 decode: bool = False) -> Array:
+        """input_ids (B, T) int; attention_mask (B, S) with 1 = real token (HF convention).
+
+        Without ``decode``, S = T and the causal mask is added here. With ``decode=True``
+        (a KV cache in the ``cache`` collection), ``attention_mask`` covers the whole cache
+        length S_max and the attention layers add the causal part themselves;
+        ``position_ids`` default to the running cache position.
+        """
+        cfg = self.config
+        dtype, param_dtype = canonical_dtype(cfg.dtype), canonical_dtype(cfg.param_dtype)
+        if input_ids.ndim != 2:
+            raise ValueError(f"input_ids must be (B, T); got shape {input_ids.shape}")
+        b, t = input_ids.shape
+        if not decode and t > cfg.max_len:
+            raise ValueError(f"sequence length {t} exceeds the model's max_len={cfg.max_len}; "
+                             "shorten the input or use a config with a larger max_len")
+        init = nn.initializers.normal(cfg.initializer_range)
+        # GPT-2: residual projections scaled by 1/sqrt(2L) at init.
+        out_init = nn.initializers.normal(cfg.initializer_range / math.sqrt(2 * cfg.num_layers))
+
+        if position_ids is None:
+            if decode:
+                index = self.variable("cache", "position_index", lambda: jnp.array(0, jnp.int32))
+                position_ids = index.value + jnp.arange(t)[None, :]
+                if self.is_initializing():
+                    position_ids = jnp.arange(t)[None, :]
+                else:
+                    index.value = index.value + t
+            else:
+                position_ids = jnp.arange(t)[None, :]
+        position_ids = jnp.broadcast_to(position_ids, (b, t))
+
+        wte = Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=param_dtype,
+                    embedding_init=init, name="wte")
+        x = wte(input_ids)
+        if cfg.position == "learned":
+            wpe = Embed(cfg.max_len, cfg.d_model, embedding_axes=(None, "embed"), dtype=dtype,
+                        param_dtype=param_dtype, embedding_init=init, name="wpe")
+            x = x + wpe(position_ids)
+        x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
+        x = nn.with_logical_constraint(x, ("act_batch", "act_length", "act_embed"))
+
+        if attention_mask is not None:
+            attention_mask = jnp.asarray(attention_mask)
+            if attention_mask.ndim != 2 or attention_mask.shape[0] != b:
+                raise ValueError(f"attention_mask must be (B, S) = ({b}, S); got {attention_mask.shape}")
+            if not decode and attention_mask.shape[1] != t:
+                raise ValueError(f"attention_mask length {attention_mask.shape[1]} != input length {t}")
+        pad = None if attention_mask is None else key_padding_mask(attention_mask)
+        mask = pad if decode else combine_masks(causal_mask(t), pad)
+        rope_positions = position_ids if cfg.position == "rope" else None
+
+        layer_kwargs = dict(
+            num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, mlp_dim=cfg.mlp_features,
+            activation=cfg.activation, gated_mlp=cfg.gated_mlp, pre_norm=True, norm=cfg.norm,
+            norm_eps=cfg.norm_eps, use_bias=cfg.use_bias, dropout_rate=cfg.dropout_rate,
+            attention_dropout_rate=cfg.attention_dropout_rate, attention_impl=cfg.attention_impl,
+            rope_base=cfg.rope_base if cfg.position == "rope" else None, dtype=dtype,
+            param_dtype=param_dtype, kernel_init=init, out_kernel_init=out_init,
+            cross_attention=False, deterministic=deterministic, decode=decode)
+        layer_cls = GPTLayer
+        if cfg.remat:
+            layer_cls = nn.remat(layer_cls, prevent_cse=not cfg.scan_layers)
+        if cfg.scan_layers:
+            stack = nn.scan(layer_cls, variable_axes={"params": 0, "cache": 0, "intermediates": 0},
+                            split_rngs={"params": True, "dropout": True},
+                            in_axes=(nn.broadcast, nn.broadcast), length=cfg.num_layers,
+                            metadata_params={nn.PARTITION_NAME: "layers"})
+            x, _ = stack(**layer_kwargs, scanned=True, name="h")(x, mask, rope_positions)
+        else:
+            for i in range(cfg.num_layers):
+                x = layer_cls(**layer_kwargs, name=f"h_{i}")(x, mask, rope_positions)
+
+        x = make_norm(cfg.norm, cfg.norm_eps, dtype, param_dtype, name="ln_f")(x)
+        if cfg.tie_embeddings:
+            return wte.attend(x)
+        head = Dense(cfg.vocab_size, use_bias=False, kernel_axes=("embed", "vocab"), dtype=dtype,
+                     param_dtype=param_dtype, kernel_init=init, name="lm_head")
+        return head(x).astype(jnp.float32)
+
+
+def init_params(model: GPT, rng: Array, batch_size: int = 1, seq_len: int | None = None):
+    """Initialised, unboxed parameters."""
+    seq_len = seq_len or min(model.config.max_len, 8)
+    ids = jnp.zeros((batch_size, seq_len), jnp.int32)
+    return nn.meta.unbox(model.init(rng, ids)["params"])
