@@ -1,0 +1,381 @@
+"""Tests for transformer_jax.train.optim: schedules, decay mask, AdamW, loss."""
+
+import inspect
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from transformer_jax.train import optim
+
+torch = pytest.importorskip("torch")
+
+
+def _values(schedule, steps):
+    return np.array([float(schedule(s)) for s in steps], dtype=np.float64)
+
+
+# ---------------------------------------------------------------------------
+# Schedules
+# ---------------------------------------------------------------------------
+
+
+def _noam_reference(step, d_model, warmup, scale=1.0):
+    s = max(step, 1)
+    return scale * d_model**-0.5 * min(s**-0.5, s * warmup**-1.5)
+
+
+@pytest.mark.parametrize("d_model,warmup,scale", [(64, 4000, 1.0), (512, 10, 2.0)])
+def test_noam_matches_reference_formula(d_model, warmup, scale):
+    steps = [0, 1, 2, 5, warmup - 1, warmup, warmup + 1, 2 * warmup, 100_000]
+    steps += [100, 4000, 8000]
+    got = _values(optim.noam(d_model, warmup, scale), steps)
+    want = np.array([_noam_reference(s, d_model, warmup, scale) for s in steps])
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_noam_known_values():
+    sched = optim.noam(64, 4000)
+    # lr(0) == lr(1) because of max(step, 1); both are 0.125 * 4000**-1.5.
+    assert float(sched(0)) == pytest.approx(4.9410588e-07, rel=1e-6)
+    assert float(sched(1)) == pytest.approx(4.9410588e-07, rel=1e-6)
+    assert float(sched(100)) == pytest.approx(4.9410588e-05, rel=1e-6)
+    assert float(sched(4000)) == pytest.approx(1.9764235e-03, rel=1e-6)
+    assert float(sched(8000)) == pytest.approx(1.3975425e-03, rel=1e-6)
+
+
+def test_noam_warmup_one_and_jit():
+    sched = optim.noam(16, 1)
+    want = [_noam_reference(s, 16, 1) for s in (0, 1, 4, 9)]
+    np.testing.assert_allclose(_values(sched, (0, 1, 4, 9)), want, rtol=1e-6)
+    # Schedules are traced inside optax's jitted update; check under jit too.
+    jitted = jax.jit(optim.noam(64, 4000))
+    assert float(jitted(jnp.int32(8000))) == pytest.approx(0.0013975425, rel=1e-6)
+
+
+def test_warmup_cosine_closed_form():
+    peak, warm, total, end, init = 1e-3, 10, 110, 1e-5, 1e-4
+    sched = optim.warmup_cosine(peak, warm, total, end_lr=end, init_lr=init)
+
+    def ref(step):
+        if step < warm:
+            return init + (peak - init) * step / warm
+        t = min(step - warm, total - warm) / (total - warm)
+        return end + (peak - end) * 0.5 * (1 + math.cos(math.pi * t))
+
+    steps = [0, 1, 5, 9, 10, 11, 35, 60, 85, 109, 110, 111, 10_000]
+    np.testing.assert_allclose(
+        _values(sched, steps), [ref(s) for s in steps], rtol=1e-5, atol=1e-10
+    )
+    # Spot values: peak at the end of warm-up, midpoint of the cosine, end.
+    assert float(sched(10)) == pytest.approx(1e-3, rel=1e-6)
+    assert float(sched(60)) == pytest.approx((1e-3 + 1e-5) / 2, rel=1e-5)
+    assert float(sched(500)) == pytest.approx(1e-5, rel=1e-5)
+
+
+def test_warmup_cosine_without_warmup_starts_at_peak():
+    sched = optim.warmup_cosine(2.0, 0, 4)
+    np.testing.assert_allclose(
+        _values(sched, [0, 1, 2, 3, 4, 5]),
+        [2.0, 1.0 + math.cos(math.pi / 4), 1.0, 1.0 - math.cos(math.pi / 4), 0, 0],
+        rtol=1e-6,
+        atol=1e-7,
+    )
+
+
+def test_warmup_rsqrt_closed_form():
+    peak, warm = 3e-4, 100
+    sched = optim.warmup_rsqrt(peak, warm)
+    steps = [0, 1, 50, 99, 100, 101, 400, 10_000]
+    want = [
+        peak * s / warm if s < warm else peak * math.sqrt(warm / s) for s in steps
+    ]
+    np.testing.assert_allclose(_values(sched, steps), want, rtol=1e-6)
+    assert float(sched(400)) == pytest.approx(1.5e-4, rel=1e-6)
+
+
+def test_constant():
+    np.testing.assert_allclose(
+        _values(optim.constant(0.1), [0, 1, 10**6]), [0.1] * 3, rtol=1e-7
+    )
+    np.testing.assert_allclose(
+        _values(optim.constant(0.1, warmup_steps=4), [0, 1, 2, 4, 100]),
+        [0.0, 0.025, 0.05, 0.1, 0.1],
+        rtol=1e-6,
+    )
+
+
+def test_make_schedule_factory():
+    a = optim.make_schedule("noam", d_model=64, warmup_steps=4000)
+    assert float(a(8000)) == pytest.approx(0.0013975425, rel=1e-6)
+    b = optim.make_schedule("constant", lr=0.5)
+    assert float(b(3)) == 0.5
+    with pytest.raises(ValueError) as err:
+        optim.make_schedule("linear_cosine_whatever", lr=1.0)
+    msg = str(err.value)
+    assert "linear_cosine_whatever" in msg
+    for name in ("noam", "warmup_cosine", "warmup_rsqrt", "constant"):
+        assert name in msg
+    with pytest.raises(ValueError, match="noam"):
+        optim.make_schedule("noam", d_model=64)  # missing warmup_steps
+
+
+def test_schedule_argument_validation():
+    with pytest.raises(ValueError):
+        optim.noam(64, 0)
+    with pytest.raises(ValueError):
+        optim.warmup_cosine(1.0, 10, 10)
+    with pytest.raises(ValueError):
+        optim.warmup_rsqrt(1.0, 0)
+
+
+# ---------------------------------------------------------------------------
+# Weight-decay mask
+# ---------------------------------------------------------------------------
+
+
+def _sample_params():
+    return {
+        "params": {
+            "embed": {"embedding": jnp.ones((10, 4))},
+            "encoder": {
+                "layer_0": {
+                    "attention": {
+                        "query": {"kernel": jnp.ones((4, 2, 2)), "bias": jnp.ones((2, 2))},
+                    },
+                    "ln": {"scale": jnp.ones(4), "bias": jnp.zeros(4)},
+                    "mlp": {"kernel": jnp.ones((4, 8)), "bias": jnp.zeros(8)},
+                }
+            },
+            "final_norm": {"scale": jnp.ones(4)},
+        }
+    }
+
+
+def test_decay_mask_on_nested_params():
+    mask = optim.decay_mask(_sample_params())
+    assert mask == {
+        "params": {
+            "embed": {"embedding": True},
+            "encoder": {
+                "layer_0": {
+                    "attention": {"query": {"kernel": True, "bias": False}},
+                    "ln": {"scale": False, "bias": False},
+                    "mlp": {"kernel": True, "bias": False},
+                }
+            },
+            "final_norm": {"scale": False},
+        }
+    }
+
+
+def test_decay_mask_frozen_dict_and_boxed_params():
+    import flax.linen as nn
+    from flax.core import FrozenDict
+
+    frozen = optim.decay_mask(FrozenDict({"d": {"kernel": 1.0, "bias": 0.0}}))
+    assert dict(frozen["d"]) == {"kernel": True, "bias": False}
+    boxed = {"d": {"kernel": nn.Partitioned(jnp.ones((2, 2)), names=("a", "b"))}}
+    assert jax.tree.leaves(optim.decay_mask(boxed)) == [True]
+
+
+def test_weight_decay_skips_bias_and_norm():
+    params = {"d": {"kernel": jnp.full((2,), 2.0), "bias": jnp.full((2,), 2.0)},
+              "n": {"scale": jnp.full((2,), 2.0)}}
+    tx = optim.make_optimizer(schedule=0.1, weight_decay=0.5, clip_norm=None)
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    updates, _ = tx.update(zeros, tx.init(params), params)
+    # Zero gradients: only decoupled decay moves parameters: -lr * wd * p.
+    np.testing.assert_allclose(updates["d"]["kernel"], [-0.1, -0.1], rtol=1e-6)
+    np.testing.assert_array_equal(updates["d"]["bias"], [0.0, 0.0])
+    np.testing.assert_array_equal(updates["n"]["scale"], [0.0, 0.0])
+
+
+# ---------------------------------------------------------------------------
+# make_optimizer vs torch.optim.AdamW
+# ---------------------------------------------------------------------------
+
+
+def test_make_optimizer_defaults():
+    sig = inspect.signature(optim.make_optimizer)
+    assert (sig.parameters["b1"].default, sig.parameters["b2"].default) == (0.9, 0.98)
+    assert sig.parameters["eps"].default == 1e-9
+    assert sig.parameters["weight_decay"].default == 0.01
+    assert sig.parameters["clip_norm"].default == 1.0
+
+
+def test_make_optimizer_matches_torch_adamw():
+    """Three updates with default b1/b2/eps/weight decay equal torch AdamW.
+
+    With a single step Adam's update is g / (|g| + eps) whatever the betas, so
+    several steps with changing gradients are needed to pin b1 and b2 down.
+    Decay goes to the kernel only (torch: a second parameter group with
+    weight_decay=0 for the bias).
+    """
+    rng = np.random.default_rng(0)
+    kernel0 = rng.normal(size=(3, 4)).astype(np.float32)
+    bias0 = rng.normal(size=(4,)).astype(np.float32)
+    grads = [
+        (rng.normal(size=(3, 4)).astype(np.float32), rng.normal(size=(4,)).astype(np.float32))
+        for _ in range(3)
+    ]
+    lr = 1e-2
+
+    tx = optim.make_optimizer(schedule=optax.constant_schedule(lr), clip_norm=None)
+    params = {"dense": {"kernel": jnp.asarray(kernel0), "bias": jnp.asarray(bias0)}}
+    state = tx.init(params)
+    for gk, gb in grads:
+        g = {"dense": {"kernel": jnp.asarray(gk), "bias": jnp.asarray(gb)}}
+        updates, state = tx.update(g, state, params)
+        params = optax.apply_updates(params, updates)
+
+    tk = torch.nn.Parameter(torch.tensor(kernel0))
+    tb = torch.nn.Parameter(torch.tensor(bias0))
+    topt = torch.optim.AdamW(
+        [{"params": [tk], "weight_decay": 0.01}, {"params": [tb], "weight_decay": 0.0}],
+        lr=lr,
+        betas=(0.9, 0.98),
+        eps=1e-9,
+    )
+    for gk, gb in grads:
+        tk.grad = torch.tensor(gk)
+        tb.grad = torch.tensor(gb)
+        topt.step()
+
+    np.testing.assert_allclose(params["dense"]["kernel"], tk.detach().numpy(), atol=1e-6)
+    np.testing.assert_allclose(params["dense"]["bias"], tb.detach().numpy(), atol=1e-6)
+
+    # Sanity check that the comparison is sensitive to b2: torch's default
+    # b2=0.999 gives different parameters.
+    tk2 = torch.nn.Parameter(torch.tensor(kernel0))
+    topt2 = torch.optim.AdamW([tk2], lr=lr, betas=(0.9, 0.999), eps=1e-9, weight_decay=0.01)
+    for gk, _ in grads:
+        tk2.grad = torch.tensor(gk)
+        topt2.step()
+    assert np.max(np.abs(np.asarray(params["dense"]["kernel"]) - tk2.detach().numpy())) > 1e-5
+
+
+def test_make_optimizer_uses_schedule_per_update():
+    sched = optim.constant(1.0, warmup_steps=2)  # 0, 0.5, 1, 1, ...
+    tx = optim.make_optimizer(schedule=sched, weight_decay=0.0, clip_norm=None)
+    params = {"kernel": jnp.zeros(())}
+    state = tx.init(params)
+    deltas = []
+    for _ in range(3):
+        updates, state = tx.update({"kernel": jnp.ones(())}, state, params)
+        deltas.append(float(updates["kernel"]))
+    # Adam's normalised step is ~1 for a constant gradient, so the update is
+    # -lr(k) for update k = 0, 1, 2.
+    np.testing.assert_allclose(deltas, [0.0, -0.5, -1.0], atol=1e-6)
+
+
+def _first_moment(opt_state):
+    """The Adam first moment ``mu`` inside a (possibly chained) optax state."""
+    return optax.tree.get(opt_state, "mu")
+
+
+def test_clipping_caps_global_norm():
+    big = {"a": jnp.full((4,), 3.0), "b": {"kernel": jnp.full((2, 2), 4.0)}}
+    assert float(optax.tree.norm(big)) == pytest.approx(10.0)
+    b1 = 0.9
+    for clip, grads, want_norm in [(1.0, big, 1.0), (0.5, big, 0.5),
+                                   (100.0, big, 10.0), (None, big, 10.0)]:
+        tx = optim.make_optimizer(schedule=1.0, b1=b1, clip_norm=clip)
+        params = jax.tree.map(jnp.zeros_like, grads)
+        _, state = tx.update(grads, tx.init(params), params)
+        # After one update mu = (1 - b1) * g_seen, so mu / (1 - b1) is the
+        # gradient AdamW received after clipping.
+        seen = jax.tree.map(lambda m: m / (1 - b1), _first_moment(state))
+        assert float(optax.tree.norm(seen)) == pytest.approx(want_norm, rel=1e-5)
+        # Clipping rescales the whole tree uniformly (direction preserved).
+        np.testing.assert_allclose(
+            seen["a"] / seen["b"]["kernel"][0, 0], big["a"] / 4.0, rtol=1e-5
+        )
+    with pytest.raises(ValueError):
+        optim.make_optimizer(schedule=1.0, clip_norm=0.0)
+
+
+def test_mu_dtype_is_used():
+    tx = optim.make_optimizer(schedule=1e-3, mu_dtype=jnp.bfloat16)
+    state = tx.init({"kernel": jnp.ones((2, 2))})
+    assert _first_moment(state)["kernel"].dtype == jnp.bfloat16
+
+
+# ---------------------------------------------------------------------------
+# Label-smoothed cross-entropy
+# ---------------------------------------------------------------------------
+
+
+def test_label_smoothing_hand_computed():
+    # One token, V = 3, logits log([1, 2, 1]) -> p = [0.25, 0.5, 0.25].
+    logits = jnp.log(jnp.array([[[1.0, 2.0, 1.0]]]))
+    targets = jnp.array([[1]])
+    eps = 0.1
+    # loss = (1-eps) * -log 0.5 + eps * mean(-log p)
+    #      = 0.9 * ln 2 + 0.1 * (ln 4 + ln 2 + ln 4) / 3 = (0.9 + 0.1 * 5 / 3) ln 2
+    want = (0.9 + 0.5 / 3) * math.log(2.0)
+    loss_sum, weight_sum = optim.label_smoothed_cross_entropy(logits, targets, smoothing=eps)
+    assert float(loss_sum) == pytest.approx(want, rel=1e-6)
+    assert float(weight_sum) == 1.0
+    plain, _ = optim.label_smoothed_cross_entropy(logits, targets)
+    assert float(plain) == pytest.approx(math.log(2.0), rel=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_label_smoothing_matches_torch(dtype):
+    rng = np.random.default_rng(1)
+    b, t, v = 3, 5, 11
+    logits = (rng.normal(size=(b, t, v)) * 3).astype(np.float32)
+    targets = rng.integers(0, v, size=(b, t))
+    targets[0, 3:] = -100  # padding, ignored by torch via ignore_index
+    targets[2, 1] = -100
+    weights = targets != -100
+
+    logits_j = jnp.asarray(logits, dtype)
+    # torch sees exactly the values the JAX loss sees (after the fp32 upcast).
+    logits_t = torch.tensor(np.asarray(logits_j.astype(jnp.float32)))
+    want = torch.nn.functional.cross_entropy(
+        logits_t.reshape(-1, v), torch.tensor(targets).reshape(-1),
+        ignore_index=-100, label_smoothing=0.1,
+    ).item()
+    loss_sum, weight_sum = optim.label_smoothed_cross_entropy(
+        logits_j, jnp.asarray(targets), jnp.asarray(weights), smoothing=0.1
+    )
+    assert loss_sum.dtype == jnp.float32
+    assert float(weight_sum) == weights.sum()
+    assert float(optim.mean_loss(loss_sum, weight_sum)) == pytest.approx(want, abs=1e-6)
+
+
+def test_loss_sums_combine_exactly_over_microbatches():
+    rng = np.random.default_rng(2)
+    logits = jnp.asarray(rng.normal(size=(4, 6, 7)), jnp.float32)
+    targets = jnp.asarray(rng.integers(0, 7, size=(4, 6)))
+    weights = jnp.asarray(rng.integers(0, 2, size=(4, 6)))
+    full = optim.label_smoothed_cross_entropy(logits, targets, weights, 0.2)
+    parts = [
+        optim.label_smoothed_cross_entropy(logits[i:i + 1], targets[i:i + 1],
+                                           weights[i:i + 1], 0.2)
+        for i in range(4)
+    ]
+    loss = sum(p[0] for p in parts)
+    count = sum(p[1] for p in parts)
+    assert float(optim.mean_loss(loss, count)) == pytest.approx(
+        float(optim.mean_loss(*full)), rel=1e-6
+    )
+    assert float(optim.mean_loss(jnp.float32(0.0), jnp.float32(0.0))) == 0.0
+
+
+def test_loss_gradient_is_finite_with_masked_infinities():
+    logits = jnp.array([[[0.0, 1.0], [-jnp.inf, 0.0]]])
+    targets = jnp.array([[1, 0]])
+    weights = jnp.array([[1.0, 0.0]])
+
+    def f(x):
+        return optim.mean_loss(*optim.label_smoothed_cross_entropy(x, targets, weights, 0.1))
+
+    value, grad = jax.value_and_grad(f)(logits)
+    assert np.isfinite(float(value))
+    assert np.all(np.isfinite(np.asarray(grad[0, 0])))

@@ -1,0 +1,123 @@
+"""``transformer-jax``: train, eval and generate from the command line.
+
+  transformer-jax train [--experiment NAME|FILE] [--workdir DIR] [--steps N] [--resume] [--set k=v ...]
+  transformer-jax eval --workdir DIR [--batches N]
+  transformer-jax generate --workdir DIR --prompt TEXT --max-new-tokens N [--temperature T] [--top-k K] [--top-p P] [--seed S]
+  transformer-jax experiments
+
+This module only parses flags; the work happens in ``transformer_jax.train.loop``.
+Expected problems (a bad flag, config or workdir, an empty dataset, a non-finite loss) are
+printed as one ``error:`` line with exit status 2 (3 for a non-finite loss), not a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="transformer-jax", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="train a model (default: a small GPT on the embedded Python-stdlib corpus)")
+    t.add_argument("--experiment", default=None, help="experiment name in experiments/ or a path to one")
+    t.add_argument("--workdir", default=None, help="run directory (default: runs/<experiment name>)")
+    t.add_argument("--steps", type=int, default=None, help="total training steps (overrides the config)")
+    t.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --workdir")
+    t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field; model fields as model.FIELD=VALUE (repeatable)")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    e = sub.add_parser("eval", help="evaluate the latest checkpoint of a workdir")
+    e.add_argument("--workdir", required=True)
+    e.add_argument("--batches", type=int, default=None, help="number of eval batches (default: the config's)")
+
+    g = sub.add_parser("generate", help="generate text with the latest checkpoint of a workdir")
+    g.add_argument("--workdir", required=True)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.8)
+    g.add_argument("--top-k", type=int, default=40)
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--seed", type=int, default=0)
+
+    sub.add_parser("experiments", help="list the experiments that --experiment accepts")
+    return p
+
+
+def _train(args) -> int:
+    from .train.config import apply_overrides, load_experiment
+    from .train.loop import train
+
+    cfg = load_experiment(args.experiment)
+    overrides = list(args.overrides)
+    if args.steps is not None:
+        overrides.append(f"steps={args.steps}")
+    cfg = apply_overrides(cfg, overrides)
+    workdir = args.workdir or os.path.join("runs", cfg.name)
+    print(f"training {cfg.name}: {cfg.model}/{cfg.model_preset} on {cfg.dataset}, {cfg.steps} steps "
+          f"-> {workdir}", flush=True)
+    summary = train(cfg, workdir, resume=args.resume, progress=not args.no_progress)
+    print(json.dumps(summary, indent=2))
+    if summary.get("interrupted"):
+        print(f"stopped by {summary['interrupted']} at step {summary['final_step']}; checkpoint saved. "
+              f"Continue with: transformer-jax train --workdir {workdir} --resume"
+              + (f" --experiment {args.experiment}" if args.experiment else ""), file=sys.stderr)
+        return 143 if summary["interrupted"] == "SIGTERM" else 130
+    return 0
+
+
+def _eval(args) -> int:
+    from .train.loop import evaluate_workdir
+
+    print(json.dumps(evaluate_workdir(args.workdir, batches=args.batches), indent=2))
+    return 0
+
+
+def _generate(args) -> int:
+    import jax
+
+    from .decode import generate
+    from .train.loop import load_run
+
+    _, model, params, tokenizer = load_run(args.workdir)
+    ids = tokenizer.encode(args.prompt) or [tokenizer.eos_id]
+    room = model.config.max_len - len(ids)
+    if room < 1:
+        raise ValueError(f"the prompt is {len(ids)} tokens; the model's max_len is {model.config.max_len}")
+    out = generate(model, params, [ids], max_new_tokens=min(args.max_new_tokens, room),
+                   temperature=args.temperature, top_k=args.top_k or None, top_p=args.top_p,
+                   rng=jax.random.PRNGKey(args.seed), eos_id=tokenizer.eos_id)
+    print(tokenizer.decode(out[0]))
+    return 0
+
+
+def _experiments(args) -> int:
+    from .train.config import available_experiments, experiment_dirs
+
+    names = available_experiments()
+    print("\n".join(names) if names else
+          f"no experiments found in {', '.join(str(d) for d in experiment_dirs())}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    from .train.loop import NonFiniteLossError
+
+    handlers = {"train": _train, "eval": _eval, "generate": _generate, "experiments": _experiments}
+    try:
+        return handlers[args.command](args)
+    except NonFiniteLossError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 3
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,321 @@
+"""Tokenizers with one small common interface.
+
+Every tokenizer has:
+
+* ``encode(text, add_eos=False) -> list[int]``: ids of ``text`` (``str``, or
+  ``bytes`` holding UTF-8); an eos id is appended only if ``add_eos``.
+* ``encode_array(text, add_eos=False) -> np.ndarray``: the same ids as a 1-D
+  int32 array (fast path used by the data pipeline).
+* ``decode(ids) -> str``: the text of a sequence of ids (a list, a NumPy or a
+  JAX array).  Pad and eos ids are dropped, as are ids outside the vocabulary,
+  so a padded or packed row can be decoded as it is.
+* ``vocab_size``, ``pad_id`` (always 0), ``eos_id`` (always 1), ``unk_id``.
+* ``cache_key``: a short string that identifies the tokenizer's exact mapping,
+  used to key cached token streams.
+
+Two tokenizers are provided:
+
+* :class:`ByteTokenizer` (the default): UTF-8 bytes with the ByT5 convention:
+  pad 0, eos 1, unk 2, byte ``b`` -> ``b + 3``, ``vocab_size`` 259.
+* :class:`SentencePieceTokenizer`: a SentencePiece model, e.g. one trained
+  locally on a corpus with :func:`train_sentencepiece` (pad 0, eos 1, unk 2).
+
+:func:`get_tokenizer` builds either from a short spec string.
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+import io
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "Tokenizer",
+    "ByteTokenizer",
+    "SentencePieceTokenizer",
+    "get_tokenizer",
+    "train_sentencepiece",
+]
+
+
+def _ids_as_list(ids: Any) -> list[int]:
+    """Converts a list, tuple, NumPy or JAX array of ids into a flat list."""
+    return np.asarray(ids, dtype=np.int64).reshape(-1).tolist()
+
+
+class Tokenizer(abc.ABC):
+    """The interface shared by all tokenizers (see the module docstring)."""
+
+    pad_id: int = 0
+    eos_id: int = 1
+    unk_id: int = 2
+
+    @property
+    @abc.abstractmethod
+    def vocab_size(self) -> int:
+        """Number of ids; every id produced by ``encode`` is below it."""
+
+    @property
+    @abc.abstractmethod
+    def cache_key(self) -> str:
+        """A short string identifying this tokenizer's exact id mapping."""
+
+    @abc.abstractmethod
+    def encode(self, text: str | bytes, add_eos: bool = False) -> list[int]:
+        """Returns the ids of ``text``, followed by ``eos_id`` if ``add_eos``."""
+
+    @abc.abstractmethod
+    def decode(self, ids: Any) -> str:
+        """Returns the text of ``ids``, dropping pad, eos and unknown ids."""
+
+    def encode_array(self, text: str | bytes, add_eos: bool = False) -> np.ndarray:
+        """Returns ``encode(text, add_eos)`` as a 1-D int32 array."""
+        return np.asarray(self.encode(text, add_eos=add_eos), dtype=np.int32)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(vocab_size={self.vocab_size})"
+
+
+class ByteTokenizer(Tokenizer):
+    """Byte-level tokenizer with the ByT5 id layout.
+
+    ``pad_id`` = 0, ``eos_id`` = 1, ``unk_id`` = 2; the UTF-8 byte ``b`` has id
+    ``b + 3``; ``vocab_size`` = 259.  For example ``"Hi"`` -> ``[75, 108]``.
+
+    ``decode`` drops pad and eos ids and ids outside ``[0, 259)`` (a model's
+    output layer may be larger than the vocabulary), turns ``unk_id`` into
+    U+FFFD, and decodes the bytes as UTF-8 with ``errors="replace"``, so a
+    sequence cut inside a multi-byte character still decodes.
+    """
+
+    BYTE_OFFSET = 3
+
+    @property
+    def vocab_size(self) -> int:
+        return 256 + self.BYTE_OFFSET
+
+    @property
+    def cache_key(self) -> str:
+        return "byte"
+
+    def encode(self, text: str | bytes, add_eos: bool = False) -> list[int]:
+        return self.encode_array(text, add_eos=add_eos).tolist()
+
+    def encode_array(self, text: str | bytes, add_eos: bool = False) -> np.ndarray:
+        data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+        ids = np.empty(len(data) + int(add_eos), dtype=np.int32)
+        ids[: len(data)] = np.frombuffer(data, dtype=np.uint8)
+        ids[: len(data)] += self.BYTE_OFFSET
+        if add_eos:
+            ids[-1] = self.eos_id
+        return ids
+
+    def decode(self, ids: Any) -> str:
+        out = bytearray()
+        replacement = "\ufffd".encode("utf-8")
+        for i in _ids_as_list(ids):
+            if self.BYTE_OFFSET <= i < self.vocab_size:
+                out.append(i - self.BYTE_OFFSET)
+            elif i == self.unk_id:
+                out += replacement
+        return out.decode("utf-8", errors="replace")
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A SentencePiece model behind the common tokenizer interface.
+
+    Args:
+      model: path of a ``.model`` file, or the serialized model as ``bytes``.
+
+    The model must use pad id 0 and eos id 1 (as :func:`train_sentencepiece`
+    sets); otherwise a ``ValueError`` is raised.  ``decode`` drops pad and eos
+    ids and ids outside the vocabulary; SentencePiece itself renders the unk
+    piece as `` ⁇ ``.
+    """
+
+    def __init__(self, model: str | os.PathLike | bytes):
+        import sentencepiece as spm  # Imported here: optional dependency.
+
+        if isinstance(model, (bytes, bytearray)):
+            proto = bytes(model)
+            self.model_path: str | None = None
+        else:
+            self.model_path = os.fspath(model)
+            if not os.path.isfile(self.model_path):
+                raise FileNotFoundError(
+                    f"SentencePiece model file {self.model_path!r} does not exist."
+                )
+            with open(self.model_path, "rb") as f:
+                proto = f.read()
+        self._processor = spm.SentencePieceProcessor(model_proto=proto)
+        self._cache_key = "spm-" + hashlib.sha256(proto).hexdigest()[:16]
+        self.unk_id = self._processor.unk_id()
+        if self._processor.pad_id() != 0 or self._processor.eos_id() != 1:
+            raise ValueError(
+                "SentencePiece model must have pad_id=0 and eos_id=1, got "
+                f"pad_id={self._processor.pad_id()} eos_id={self._processor.eos_id()}; "
+                "train it with transformer_jax.data.train_sentencepiece."
+            )
+
+    @property
+    def vocab_size(self) -> int:
+        return self._processor.get_piece_size()
+
+    @property
+    def cache_key(self) -> str:
+        return self._cache_key
+
+    def encode(self, text: str | bytes, add_eos: bool = False) -> list[int]:
+        if isinstance(text, (bytes, bytearray)):
+            text = bytes(text).decode("utf-8", errors="replace")
+        ids = self._processor.encode(text, out_type=int)
+        if add_eos:
+            ids.append(self.eos_id)
+        return ids
+
+    def decode(self, ids: Any) -> str:
+        kept = [
+            i
+            for i in _ids_as_list(ids)
+            if 0 <= i < self.vocab_size and i not in (self.pad_id, self.eos_id)
+        ]
+        return self._processor.decode(kept)
+
+    def __repr__(self) -> str:
+        where = self.model_path or "<bytes>"
+        return f"SentencePieceTokenizer({where!r}, vocab_size={self.vocab_size})"
+
+
+def _training_sentences(texts: Iterable[str | bytes], max_chunk_chars: int):
+    """Yields each text cut at line ends into chunks of about max_chunk_chars.
+
+    SentencePiece trains on "sentences"; cutting documents at line boundaries
+    (keeping the newline characters) keeps newlines and indentation in the
+    training data while bounding the sentence length.
+    """
+    for text in texts:
+        if isinstance(text, (bytes, bytearray)):
+            text = bytes(text).decode("utf-8", errors="replace")
+        chunk: list[str] = []
+        size = 0
+        for line in text.splitlines(keepends=True):
+            chunk.append(line)
+            size += len(line)
+            if size >= max_chunk_chars:
+                yield "".join(chunk)
+                chunk, size = [], 0
+        if chunk:
+            yield "".join(chunk)
+
+
+def train_sentencepiece(
+    texts: Iterable[str | bytes],
+    vocab_size: int,
+    model_path: str | os.PathLike,
+    *,
+    model_type: str = "unigram",
+    max_chunk_chars: int = 2000,
+    num_threads: int | None = None,
+) -> SentencePieceTokenizer:
+    """Trains a SentencePiece model on ``texts`` and writes it to ``model_path``.
+
+    The model keeps text exactly: no normalisation, no dummy prefix, spaces and
+    indentation preserved, newline and tab as single pieces, and byte fallback
+    so that any character can be encoded.  ``decode(encode(s)) == s`` for any
+    string that does not contain U+2581 (SentencePiece's own space marker,
+    which decodes as a space).
+
+    Ids: pad 0, eos 1, unk 2, no bos.  ``vocab_size`` is a soft limit (a small
+    corpus may give fewer pieces) and must be at least 300, because the 256
+    byte-fallback pieces are part of the vocabulary.
+
+    Args:
+      texts: the training documents.
+      vocab_size: the requested number of pieces.
+      model_path: where to write the model (e.g. ``".../spm.model"``); parent
+        directories are created.
+      model_type: ``"unigram"`` or ``"bpe"``.
+      max_chunk_chars: documents are cut at line ends into training sentences of
+        about this many characters.
+      num_threads: trainer threads (default: the CPU count, at most 8).
+
+    Returns:
+      A :class:`SentencePieceTokenizer` for the written model.
+    """
+    import sentencepiece as spm  # Imported here: optional dependency.
+
+    if vocab_size < 300:
+        raise ValueError(
+            f"vocab_size must be at least 300 (256 byte pieces + specials), got {vocab_size}."
+        )
+    sentences = _training_sentences(texts, max_chunk_chars)
+    first = next(sentences, None)
+    if first is None:
+        raise ValueError("train_sentencepiece got no non-empty text to train on.")
+
+    def all_sentences():
+        yield first
+        yield from sentences
+
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=all_sentences(),
+        model_writer=model,
+        vocab_size=vocab_size,
+        model_type=model_type,
+        pad_id=0,
+        eos_id=1,
+        unk_id=2,
+        bos_id=-1,
+        byte_fallback=True,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        add_dummy_prefix=False,
+        allow_whitespace_only_pieces=True,
+        user_defined_symbols=["\n", "\t"],
+        character_coverage=1.0,
+        hard_vocab_limit=False,
+        # In bytes: room for 4-byte characters and a line longer than a chunk;
+        # longer sentences would be skipped by the trainer.
+        max_sentence_length=max(16 * max_chunk_chars, 4192),
+        num_threads=num_threads or min(os.cpu_count() or 1, 8),
+        minloglevel=2,
+    )
+    model_path = os.fspath(model_path)
+    os.makedirs(os.path.dirname(os.path.abspath(model_path)), exist_ok=True)
+    tmp_path = f"{model_path}.tmp{os.getpid()}"
+    with open(tmp_path, "wb") as f:
+        f.write(model.getvalue())
+    os.replace(tmp_path, model_path)
+    return SentencePieceTokenizer(model_path)
+
+
+def get_tokenizer(spec: str | Tokenizer | None = "byte") -> Tokenizer:
+    """Returns a tokenizer from a spec.
+
+    Args:
+      spec: ``"byte"`` (the default; also ``None``, ``"bytes"``, ``"byt5"``),
+        ``"sentencepiece:PATH"`` (or ``"spm:PATH"``), the path of an existing
+        ``.model`` file, or a :class:`Tokenizer`, returned as it is.
+    """
+    if isinstance(spec, Tokenizer):
+        return spec
+    if spec is None or spec in ("byte", "bytes", "byt5"):
+        return ByteTokenizer()
+    if not isinstance(spec, str):
+        raise TypeError(f"tokenizer spec must be a str or a Tokenizer, got {spec!r}")
+    for prefix in ("sentencepiece:", "spm:"):
+        if spec.startswith(prefix):
+            return SentencePieceTokenizer(spec[len(prefix) :])
+    if spec.endswith(".model") and os.path.isfile(spec):
+        return SentencePieceTokenizer(spec)
+    raise ValueError(
+        f"unknown tokenizer {spec!r}: use 'byte', 'sentencepiece:PATH' or the "
+        "path of a SentencePiece .model file."
+    )
+

@@ -1,0 +1,416 @@
+"""Checkpointing: one wrapper around ``orbax.checkpoint.CheckpointManager``.
+
+A checkpoint *step* is a single orbax composite checkpoint with three items:
+
+``state``
+    The train state: any pytree of arrays (a ``flax.training.TrainState``, a
+    dict of params and optimizer state, ...), written with orbax's
+    ``StandardSave`` (tensorstore; every dtype incl. bfloat16, sharded arrays).
+``config``
+    The model/run configuration as a JSON dict, so that a tool can rebuild the
+    model from a work directory alone (see :func:`read_config`).
+``data``
+    The data-iterator position as a JSON dict (e.g. epoch, example offset,
+    RNG seed), so that training resumes on the exact next batch.
+
+Orbax also stores the optional eval ``metrics`` next to them; they drive the
+"keep the best checkpoint" policy and survive restarts.
+
+Guarantees relied on (verified by ``tests/test_checkpoint.py``):
+
+* **Atomic saves.** Orbax writes a step into
+  ``<step>.orbax-checkpoint-tmp/`` and renames it to ``<step>/``
+  only once everything, including the commit marker, is on disk. Steps are
+  discovered by their final names only, so a process killed mid-save leaves the
+  previous checkpoints intact and :meth:`CheckpointManager.latest_step` /
+  :meth:`CheckpointManager.restore` never see the incomplete one. A writing
+  manager deletes such leftover temporary directories when it is created; a
+  ``read_only`` manager leaves them alone (they may belong to a live writer).
+* **Async by default.** :meth:`CheckpointManager.maybe_save` returns once the
+  arrays have been copied off the accelerator; files are written by a
+  background thread. :meth:`CheckpointManager.wait` (and ``close()``, and
+  leaving a ``with`` block) block until the checkpoint is committed.
+* **Retention.** The last ``keep`` steps are kept, plus (``keep_best``) the
+  step with the lowest ``metrics[best_metric]``; everything else is deleted
+  after each successful save.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import pathlib
+from typing import Any, Optional
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+from orbax.checkpoint import checkpoint_managers as ocp_policies
+
+__all__ = ["CheckpointManager", "read_config"]
+
+logger = logging.getLogger(__name__)
+
+_STATE, _CONFIG, _DATA = "state", "config", "data"
+
+
+def _json_default(obj: Any) -> Any:
+    """``json.dumps`` fallback for numpy/JAX scalars and arrays, paths, dataclasses."""
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, (np.ndarray, jax.Array)):
+        return np.asarray(obj).tolist()
+    if isinstance(obj, pathlib.PurePath):
+        return str(obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.asdict(obj)
+    raise TypeError(f"object of type {type(obj).__name__} is not JSON serializable")
+
+
+def _to_json(obj: Any, what: str) -> dict:
+    """Returns a plain-JSON deep copy of the dict ``obj``.
+
+    Copying up front (instead of letting orbax serialise ``obj`` later on its
+    background thread) reports errors at the call site and makes the saved
+    value independent of later mutations by the caller.
+    """
+    if not isinstance(obj, dict):
+        raise TypeError(f"{what} must be a dict, got {type(obj).__name__}")
+    try:
+        return json.loads(json.dumps(obj, default=_json_default))
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{what} must be JSON-serializable: {e}") from None
+
+
+def _as_path(directory: os.PathLike | str) -> epath.Path:
+    """``epath.Path`` for ``directory``; local paths are made absolute."""
+    text = os.fspath(directory)
+    if "://" in text:  # gs://, s3://, ...: leave remote URLs untouched
+        return epath.Path(text)
+    return epath.Path(os.path.abspath(os.path.expanduser(text)))
+
+
+class CheckpointManager:
+    """Periodic, atomic, (by default) asynchronous checkpoints of a training run.
+
+    Example::
+
+        with CheckpointManager(workdir / "checkpoints", save_every=1000) as ckpt:
+            if ckpt.latest_step() is not None:
+                state, config, data_state = ckpt.restore(target=state)
+            for step in range(start, num_steps + 1):
+                state = train_step(state, batch)
+                ckpt.maybe_save(step, state, config=config,
+                                data_state=loader.state(),
+                                metrics={"eval_loss": eval_loss} if evaluated else None)
+            ckpt.maybe_save(num_steps, state, config=config,
+                            data_state=loader.state(), force=True)
+
+    Args:
+      directory: root directory; step ``N`` lives in ``directory/N``.
+      save_every: :meth:`maybe_save` saves when ``step % save_every == 0``.
+      keep: number of most recent steps to keep (``None`` keeps all).
+      keep_best: additionally keep the step with the lowest
+        ``metrics[best_metric]`` (lower is better). Steps saved without that
+        metric, or with a non-finite value, never count as best.
+      best_metric: name of the metric that ranks checkpoints.
+      async_save: write checkpoints on a background thread.
+      read_only: open an existing directory for reading only: saving raises,
+        nothing is created or cleaned up. Use it to inspect the directory of a
+        run that may still be writing to it.
+    """
+
+    def __init__(
+        self,
+        directory: os.PathLike | str,
+        *,
+        save_every: int = 1000,
+        keep: Optional[int] = 3,
+        keep_best: bool = True,
+        best_metric: str = "eval_loss",
+        async_save: bool = True,
+        read_only: bool = False,
+    ):
+        if save_every < 1:
+            raise ValueError(f"save_every must be >= 1, got {save_every}")
+        if keep is not None and keep < 1:
+            raise ValueError(f"keep must be >= 1 or None, got {keep}")
+        self._directory = _as_path(directory)
+        self._save_every = int(save_every)
+        self._keep = keep
+        self._keep_best = keep_best
+        self._best_metric = best_metric
+        self._read_only = read_only
+
+        policies: list[Any] = [ocp_policies.LatestN(n=keep)]
+        if keep_best:
+            policies.append(
+                ocp_policies.BestN(
+                    get_metric_fn=self._metric_value,
+                    reverse=True,  # sorted high -> low; BestN keeps the tail
+                    n=1,
+                    keep_checkpoints_without_metrics=False,
+                )
+            )
+        options = ocp.CheckpointManagerOptions(
+            # Orbax only writes/reads the per-step ``metrics`` item when a
+            # ``best_fn`` is set, so set it even if metrics do not affect
+            # retention (keep_best=False): they stay available via metrics().
+            best_fn=self._metric_value,
+            best_mode="min",
+            preservation_policy=ocp_policies.AnyPreservationPolicy(policies),
+            enable_async_checkpointing=async_save,
+            # Saves are decided by ``maybe_save``; 0 also keeps orbax from
+            # warning about the interval of read-only managers.
+            save_interval_steps=0 if read_only else 1,
+            cleanup_tmp_directories=not read_only,
+            create=not read_only,
+            read_only=read_only,
+        )
+        self._manager = ocp.CheckpointManager(
+            self._directory,
+            item_handlers={
+                _STATE: ocp.StandardCheckpointHandler(),
+                _CONFIG: ocp.JsonCheckpointHandler(),
+                _DATA: ocp.JsonCheckpointHandler(),
+            },
+            options=options,
+        )
+
+    # -- properties ----------------------------------------------------------
+
+    @property
+    def directory(self) -> epath.Path:
+        """Root directory of the checkpoints."""
+        return self._directory
+
+    @property
+    def save_every(self) -> int:
+        return self._save_every
+
+    # -- saving --------------------------------------------------------------
+
+    def _metric_value(self, metrics: Any) -> float:
+        """Ranking value of a step's metrics: lower is better, +inf if absent."""
+        try:
+            value = float(metrics[self._best_metric])
+        except (KeyError, TypeError, ValueError):
+            return math.inf
+        return value if math.isfinite(value) else math.inf
+
+    def should_save(self, step: int) -> bool:
+        """Whether :meth:`maybe_save` (without ``force``) saves at ``step``."""
+        return step % self._save_every == 0
+
+    def maybe_save(
+        self,
+        step: int,
+        state: Any,
+        *,
+        config: dict,
+        data_state: dict,
+        metrics: Optional[dict] = None,
+        force: bool = False,
+    ) -> bool:
+        """Saves a checkpoint if ``step`` is a multiple of ``save_every`` or ``force``.
+
+        ``state`` is saved as it is (NaNs included; deciding whether a
+        diverged state is worth saving is the trainer's job). With
+        ``async_save`` the call returns once device arrays have been copied to
+        host memory; numpy arrays in ``state`` must not be modified in place
+        until :meth:`wait` returns.
+
+        Args:
+          step: the training step (number of updates applied to ``state``).
+          state: pytree of arrays to save.
+          config: JSON-serialisable model/run configuration.
+          data_state: JSON-serialisable data-iterator position.
+          metrics: optional JSON-serialisable metrics, e.g.
+            ``{"eval_loss": 2.1}``; ``metrics[best_metric]`` ranks checkpoints.
+          force: save even if ``step`` is not a multiple of ``save_every``.
+
+        Returns:
+          True if a save was started; False if none was due, or ``step`` is
+          already the latest checkpoint (e.g. a forced final save right after
+          the periodic one).
+
+        Raises:
+          ValueError: if ``step`` is older than the latest checkpoint.
+          TypeError: if ``config``, ``data_state`` or ``metrics`` is not a
+            JSON-serialisable dict.
+          RuntimeError: on a ``read_only`` manager.
+        """
+        if self._read_only:
+            raise RuntimeError(f"CheckpointManager({self._directory}) is read-only")
+        step = int(step)
+        if not (force or self.should_save(step)):
+            return False
+        latest = self.latest_step()
+        if latest is not None and step <= latest:
+            if step == latest:
+                logger.info("Step %d is already checkpointed; not saving again.", step)
+                return False
+            raise ValueError(
+                f"Cannot save step {step}: {self._directory} already holds the "
+                f"newer step {latest}. Resume from the latest step, or delete the "
+                "newer checkpoints / use a fresh directory to branch off."
+            )
+        args = ocp.args.Composite(
+            **{
+                _STATE: ocp.args.StandardSave(state),
+                _CONFIG: ocp.args.JsonSave(_to_json(config, "config")),
+                _DATA: ocp.args.JsonSave(_to_json(data_state, "data_state")),
+            }
+        )
+        saved = self._manager.save(
+            step,
+            args=args,
+            # An empty dict rather than None: orbax warns on every save
+            # without metrics; {} simply never ranks as best.
+            metrics=_to_json({} if metrics is None else metrics, "metrics"),
+            # The save decision is made above; orbax's own policy would also
+            # save the very first step it sees.
+            force=True,
+        )
+        if saved:
+            logger.info("Started checkpoint save of step %d to %s", step, self._directory)
+        return bool(saved)
+
+    # -- restoring -----------------------------------------------------------
+
+    def _resolve_step(self, step: Optional[int]) -> int:
+        # A step still being written asynchronously is listed already, but
+        # cannot be read before it is committed.
+        self.wait()
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise FileNotFoundError(f"No checkpoint found in {self._directory}")
+        elif step not in self.all_steps():
+            raise FileNotFoundError(
+                f"No checkpoint for step {step} in {self._directory}; "
+                f"available steps: {self.all_steps()}"
+            )
+        return int(step)
+
+    def restore(
+        self, step: Optional[int] = None, *, target: Any = None
+    ) -> tuple[Any, dict, dict]:
+        """Restores ``(state, config, data_state)`` of ``step`` (default: latest).
+
+        Args:
+          step: step to restore; ``None`` for the latest.
+          target: optional pytree giving the structure, dtypes and placement
+            of the result: concrete arrays, or abstract ones
+            (``jax.ShapeDtypeStruct``, e.g. from ``jax.eval_shape``). Leaves
+            with a ``sharding`` are restored with that sharding; leaves
+            without one get the sharding they were saved with. Custom pytree
+            nodes (e.g. ``TrainState``) come back as the same type. Without a
+            target the state comes back as nested dicts/lists, with arrays of
+            the kind that was saved (jax arrays as ``jax.Array`` with the saved
+            sharding - or on the first local device if that sharding does not
+            exist on this host - numpy arrays as ``np.ndarray``, Python scalars
+            as Python scalars).
+
+        Raises:
+          FileNotFoundError: if there is no (such) checkpoint.
+        """
+        step = self._resolve_step(step)
+        if target is None:
+            state_args = ocp.args.StandardRestore(
+                fallback_sharding=jax.sharding.SingleDeviceSharding(
+                    jax.local_devices()[0]
+                )
+            )
+        else:
+            state_args = ocp.args.StandardRestore(target)
+        restored = self._manager.restore(
+            step,
+            args=ocp.args.Composite(
+                **{
+                    _STATE: state_args,
+                    _CONFIG: ocp.args.JsonRestore(),
+                    _DATA: ocp.args.JsonRestore(),
+                }
+            ),
+        )
+        return restored[_STATE], restored[_CONFIG], restored[_DATA]
+
+    def restore_config(self, step: Optional[int] = None) -> dict:
+        """The ``config`` dict of ``step`` (default: latest), without the state."""
+        step = self._resolve_step(step)
+        restored = self._manager.restore(
+            step, args=ocp.args.Composite(**{_CONFIG: ocp.args.JsonRestore()})
+        )
+        return restored[_CONFIG]
+
+    # -- bookkeeping ---------------------------------------------------------
+
+    def latest_step(self) -> Optional[int]:
+        """Latest committed (or, with async saving, in-flight) step, or None."""
+        return self._manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        """All retained steps, ascending."""
+        return sorted(self._manager.all_steps())
+
+    def metrics(self, step: int) -> Optional[dict]:
+        """The metrics saved with ``step`` (``{}`` if saved without metrics)."""
+        self.wait()
+        return self._manager.metrics(step)
+
+    def best_step(self) -> Optional[int]:
+        """Retained step with the lowest finite ``metrics[best_metric]``, or None."""
+        self.wait()
+        best, best_value = None, math.inf
+        for step in self.all_steps():
+            value = self._metric_value(self._manager.metrics(step) or {})
+            if value <= best_value and math.isfinite(value):
+                best, best_value = step, value
+        return best
+
+    def wait(self) -> None:
+        """Blocks until pending asynchronous saves (and deletions) are committed.
+
+        Re-raises an error of a failed background save.
+        """
+        self._manager.wait_until_finished()
+        self._manager.check_for_errors()
+
+    def close(self) -> None:
+        """Waits for pending saves, then releases orbax's resources."""
+        self._manager.close()
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"CheckpointManager({str(self._directory)!r}, save_every={self._save_every}, "
+            f"keep={self._keep}, keep_best={self._keep_best}, "
+            f"best_metric={self._best_metric!r}, read_only={self._read_only})"
+        )
+
+
+def read_config(directory: os.PathLike | str, step: Optional[int] = None) -> dict:
+    """The ``config`` dict stored with the latest (or given) checkpoint.
+
+    Lets tools rebuild the model from a work directory alone, before they know
+    the structure of the train state. Opens the directory read-only, so it is
+    safe to call while a training run is writing to it.
+
+    Raises:
+      FileNotFoundError: if ``directory`` holds no (such) checkpoint.
+    """
+    manager = CheckpointManager(directory, read_only=True, async_save=False)
+    try:
+        return manager.restore_config(step)
+    finally:
+        manager.close()

@@ -1,0 +1,180 @@
+"""Experiment configs: one frozen dataclass per run, files in ``experiments/``, CLI overrides.
+
+An experiment file is a Python module defining ``get_config() -> ExperimentConfig``; its
+docstring gives the command, the runtime and the metric it reaches. ``--set key=value``
+overrides any field; ``--set model.FIELD=value`` overrides a field of the model config.
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import importlib.util
+import os
+from pathlib import Path
+from typing import Any, ClassVar
+
+from ..models.base import PresetConfig
+
+Field = dataclasses.field
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentConfig(PresetConfig):
+    """Everything a training run needs, JSON-serialisable (it is saved in every checkpoint)."""
+    name: str = "stdlib_gpt"
+    # model: a family, a preset of that family's config, and field overrides
+    model: str = "gpt"
+    model_preset: str = "tiny"
+    model_overrides: dict = Field(default_factory=lambda: dict(
+        num_layers=4, d_model=128, num_heads=4, max_len=256, dropout_rate=0.0,
+        attention_dropout_rate=0.0))
+    # data
+    dataset: str = "python_stdlib"
+    eval_split: str = "validation"
+    tokenizer: str = "byte"            # "byte", "sentencepiece" (trained into the workdir), or "sentencepiece:PATH"
+    sentencepiece_vocab_size: int = 8192
+    data_dir: str | None = None
+    seq_len: int = 128
+    batch_size: int = 32               # global batch (all devices, all micro-batches)
+    # optimisation
+    steps: int = 600
+    accum_steps: int = 1
+    schedule: str = "warmup_cosine"    # warmup_cosine | warmup_rsqrt | noam | constant
+    learning_rate: float = 2e-3        # peak (noam: the scale factor)
+    warmup_steps: int = 50
+    end_learning_rate: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.98
+    eps: float = 1e-9
+    weight_decay: float = 0.01
+    clip_norm: float | None = 1.0
+    label_smoothing: float = 0.0
+    seed: int = 0
+    # bookkeeping
+    log_every: int = 10
+    eval_every: int = 100
+    eval_batches: int = 16
+    save_every: int = 100
+    keep: int = 2
+    sample_prompt: str = "def "
+    sample_tokens: int = 96
+
+    PRESETS: ClassVar[dict[str, dict[str, Any]]] = {}
+
+    def __post_init__(self):
+        for name in ("steps", "seq_len", "batch_size", "accum_steps", "log_every", "eval_every",
+                     "save_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ExperimentConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.batch_size % self.accum_steps:
+            raise ValueError(f"batch_size={self.batch_size} is not divisible by "
+                             f"accum_steps={self.accum_steps}")
+
+    def schedule_kwargs(self, d_model: int) -> dict[str, Any]:
+        """Keyword arguments of ``optim.make_schedule(self.schedule, ...)``."""
+        if self.schedule == "warmup_cosine":
+            return dict(peak_lr=self.learning_rate, warmup_steps=self.warmup_steps,
+                        total_steps=self.steps, end_lr=self.end_learning_rate)
+        if self.schedule == "warmup_rsqrt":
+            return dict(peak_lr=self.learning_rate, warmup_steps=self.warmup_steps)
+        if self.schedule == "noam":
+            return dict(d_model=d_model, warmup_steps=self.warmup_steps, scale=self.learning_rate)
+        if self.schedule == "constant":
+            return dict(lr=self.learning_rate, warmup_steps=self.warmup_steps)
+        raise ValueError(f"unknown schedule {self.schedule!r}; choose warmup_cosine, "
+                         "warmup_rsqrt, noam or constant")
+
+
+# ----------------------------------------------------------------------------- overrides
+
+def parse_value(text: str) -> Any:
+    """``"3"`` -> 3, ``"1e-3"`` -> 0.001, ``"true"`` -> True, ``"none"`` -> None, else the string."""
+    lowered = text.strip().lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered in ("none", "null"):
+        return None
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def apply_overrides(cfg: ExperimentConfig, overrides: list[str] | dict[str, Any]) -> ExperimentConfig:
+    """Apply ``key=value`` strings (or a dict); ``model.FIELD`` goes into ``model_overrides``."""
+    if isinstance(overrides, dict):
+        items = list(overrides.items())
+    else:
+        items = []
+        for item in overrides:
+            if "=" not in item:
+                raise ValueError(f"override {item!r} is not of the form key=value")
+            key, value = item.split("=", 1)
+            items.append((key.strip(), parse_value(value)))
+    changes: dict[str, Any] = {}
+    model_overrides = dict(cfg.model_overrides)
+    names = {f.name for f in dataclasses.fields(ExperimentConfig)}
+    for key, value in items:
+        if key.startswith("model."):
+            model_overrides[key[len("model."):]] = value
+        elif key in names:
+            changes[key] = value
+        else:
+            hint = difflib.get_close_matches(key, names, n=1)
+            raise ValueError(f"unknown config field {key!r}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
+                             + "; model fields are set as model.FIELD=value")
+    return cfg.replace(**changes, model_overrides=model_overrides)
+
+
+# ----------------------------------------------------------------------------- experiments
+
+def experiment_dirs() -> list[Path]:
+    """Where experiment names are looked up: $TRANSFORMER_JAX_EXPERIMENTS, ./experiments, the repo's."""
+    dirs = []
+    if os.environ.get("TRANSFORMER_JAX_EXPERIMENTS"):
+        dirs.append(Path(os.environ["TRANSFORMER_JAX_EXPERIMENTS"]))
+    dirs.append(Path.cwd() / "experiments")
+    dirs.append(Path(__file__).resolve().parents[2] / "experiments")
+    seen, out = set(), []
+    for d in dirs:
+        if d.resolve() not in seen:
+            seen.add(d.resolve())
+            out.append(d)
+    return out
+
+
+def available_experiments() -> list[str]:
+    names = set()
+    for d in experiment_dirs():
+        if d.is_dir():
+            names.update(p.stem for p in d.glob("*.py") if not p.stem.startswith("_"))
+    return sorted(names)
+
+
+def load_experiment(name_or_path: str | None) -> ExperimentConfig:
+    """The default config (``None``), an experiment by name, or a path to an experiment file."""
+    if name_or_path is None:
+        return ExperimentConfig()
+    path = Path(name_or_path)
+    if path.suffix != ".py":
+        path = next((d / f"{name_or_path}.py" for d in experiment_dirs()
+                     if (d / f"{name_or_path}.py").is_file()), None)
+        if path is None:
+            names = available_experiments()
+            hint = difflib.get_close_matches(name_or_path, names, n=1)
+            raise ValueError(f"unknown experiment {name_or_path!r}"
+                             + (f" (did you mean {hint[0]!r}?)" if hint else "")
+                             + f"; available: {', '.join(names) or 'none found'} "
+                             f"(searched {', '.join(str(d) for d in experiment_dirs())})")
+    if not path.is_file():
+        raise ValueError(f"experiment file {path} does not exist")
+    spec = importlib.util.spec_from_file_location(f"_experiment_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        raise ValueError(f"experiment file {path} defines no get_config()")
+    cfg = module.get_config()
+    if not isinstance(cfg, ExperimentConfig):
+        raise ValueError(f"{path}: get_config() must return an ExperimentConfig, got {type(cfg).__name__}")
+    return cfg

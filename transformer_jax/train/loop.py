@@ -1,0 +1,308 @@
+"""The training loop: data -> jitted train step -> logs, evals, samples and checkpoints.
+
+``train(cfg, workdir)`` runs an :class:`~transformer_jax.train.config.ExperimentConfig`.
+Everything a run produces lives in ``workdir``:
+
+  config.json      the resolved run config (also stored inside every checkpoint)
+  checkpoints/N/   orbax checkpoints: train state + config + data-iterator position
+  metrics.jsonl    one JSON object per logged step ({"step", "loss", ...}) and per eval
+  tb/              TensorBoard event files
+  samples.txt      text generated at each eval
+  loss.png         the loss curve, written at the end
+
+Reliability: SIGTERM/SIGINT finish the current step, save a checkpoint and stop; a
+non-finite loss stops the run without saving the bad state; ``resume=True`` restores the
+latest checkpoint, including the data position and dropout key, so the resumed run
+computes exactly the losses the uninterrupted run would have.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import data as data_lib
+from ..decode import generate
+from ..models import build_model, model_from_config
+from .checkpoint import CheckpointManager
+from .config import ExperimentConfig
+from .monitor import MetricsWriter, peak_flops_per_device, plot_loss
+from .optim import make_optimizer, make_schedule, mean_loss
+from .step import TrainState, create_train_state, eval_step, make_train_step
+
+# Fields that must not change when resuming: they fix the model and the data stream.
+_RESUME_FIXED = ("model", "model_preset", "dataset", "tokenizer", "seq_len", "batch_size", "seed")
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss became NaN or Inf; the run stopped and kept its last good checkpoint."""
+
+
+class _StopRequest:
+    """Turns SIGTERM/SIGINT into a flag checked between steps."""
+
+    def __init__(self):
+        self.signal: int | None = None
+
+    def __call__(self, signum, frame):
+        self.signal = signum
+
+    @contextlib.contextmanager
+    def installed(self):
+        previous = {}
+        try:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                previous[sig] = signal.signal(sig, self)
+        except ValueError:  # not the main thread: leave signals alone
+            pass
+        try:
+            yield self
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+# ----------------------------------------------------------------------------- pieces
+
+def build_tokenizer(cfg: ExperimentConfig, workdir: Path) -> tuple[data_lib.Tokenizer, str]:
+    """The tokenizer and the spec that rebuilds it (a trained SentencePiece model lives in workdir)."""
+    if cfg.tokenizer == "sentencepiece":
+        path = Path(workdir) / "spm.model"
+        if not path.exists():
+            texts = data_lib.load_texts(cfg.dataset, "train", data_dir=cfg.data_dir,
+                                        max_documents=200_000)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            data_lib.train_sentencepiece(texts, cfg.sentencepiece_vocab_size, str(path))
+        spec = f"sentencepiece:{path.resolve()}"
+    else:
+        spec = cfg.tokenizer
+    return data_lib.get_tokenizer(spec), spec
+
+
+def build(cfg: ExperimentConfig, vocab_size: int):
+    """``(model_config, model)`` for an experiment, the vocabulary sized to the tokenizer."""
+    overrides = dict(cfg.model_overrides)
+    overrides.setdefault("vocab_size", vocab_size)
+    if overrides["vocab_size"] < vocab_size:
+        raise ValueError(f"model.vocab_size={overrides['vocab_size']} is smaller than the "
+                         f"tokenizer's vocabulary ({vocab_size})")
+    model_cfg, model = build_model(cfg.model, cfg.model_preset, overrides)
+    if cfg.seq_len > model_cfg.max_len:
+        raise ValueError(f"seq_len={cfg.seq_len} exceeds the model's max_len={model_cfg.max_len}; "
+                         f"lower seq_len or set model.max_len>={cfg.seq_len}")
+    return model_cfg, model
+
+
+def make_tx(cfg: ExperimentConfig, model_cfg):
+    schedule = make_schedule(cfg.schedule, **cfg.schedule_kwargs(model_cfg.d_model))
+    tx = make_optimizer(schedule=schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                        weight_decay=cfg.weight_decay, clip_norm=cfg.clip_norm)
+    return tx, schedule
+
+
+def evaluate(state: TrainState, cfg: ExperimentConfig, tokenizer, eval_fn=None) -> dict[str, float]:
+    """Mean cross-entropy over the first ``eval_batches`` batches of the eval split."""
+    it = data_lib.make_lm_iterator(cfg.dataset, cfg.eval_split, tokenizer=tokenizer,
+                                   seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=cfg.seed,
+                                   shuffle=False, repeat=False, data_dir=cfg.data_dir,
+                                   process_index=jax.process_index(),
+                                   process_count=jax.process_count())
+    eval_fn = eval_fn or jax.jit(eval_step)
+    loss_sum, weight_sum = 0.0, 0.0
+    for i, batch in enumerate(it):
+        if i >= cfg.eval_batches:
+            break
+        l, w = eval_fn(state, batch)
+        loss_sum += float(l)
+        weight_sum += float(w)
+    loss = float(mean_loss(jnp.float32(loss_sum), jnp.float32(weight_sum)))
+    return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), "eval_tokens": weight_sum}
+
+
+def sample_text(model, params, tokenizer, prompt: str, max_new_tokens: int, seed: int = 0) -> str:
+    """Sampled continuation of ``prompt`` (temperature 0.8, top-k 40), decoded to text."""
+    ids = tokenizer.encode(prompt) or [tokenizer.eos_id]
+    room = model.config.max_len - len(ids)
+    if room < 1:
+        raise ValueError(f"prompt of {len(ids)} tokens leaves no room in max_len={model.config.max_len}")
+    out = generate(model, params, [ids], max_new_tokens=min(max_new_tokens, room), temperature=0.8,
+                   top_k=40, rng=jax.random.PRNGKey(seed), eos_id=tokenizer.eos_id)
+    return tokenizer.decode(out[0])
+
+
+def _check_resume_compatible(saved: dict, run_config: dict) -> None:
+    problems = []
+    if saved.get("model") != run_config["model"]:
+        diff = {k: (saved.get("model", {}).get(k), v) for k, v in run_config["model"].items()
+                if saved.get("model", {}).get(k) != v}
+        problems.append(f"model config differs (field: (checkpoint, now)) {diff}")
+    for key in _RESUME_FIXED:
+        a, b = saved.get("experiment", {}).get(key), run_config["experiment"].get(key)
+        if a != b:
+            problems.append(f"{key}: checkpoint has {a!r}, config has {b!r}")
+    if problems:
+        raise ValueError("the checkpoint in this workdir does not match the config: "
+                         + "; ".join(problems)
+                         + ". Resume with the original config, or start in a new --workdir.")
+
+
+# ----------------------------------------------------------------------------- loop
+
+def train(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
+          progress: bool = True) -> dict[str, Any]:
+    """Train (or resume) a run; returns a summary dict. See the module docstring."""
+    workdir = Path(workdir)
+    tokenizer, tokenizer_spec = build_tokenizer(cfg, workdir)
+    model_cfg, model = build(cfg, tokenizer.vocab_size)
+    tx, schedule = make_tx(cfg, model_cfg)
+    run_config = {"experiment": cfg.to_dict(), "family": cfg.model, "model": model_cfg.to_dict(),
+                  "tokenizer": tokenizer_spec}
+
+    ckpt = CheckpointManager(workdir / "checkpoints", save_every=cfg.save_every, keep=cfg.keep)
+    latest = ckpt.latest_step()
+    if latest is not None and not resume:
+        ckpt.close()
+        raise ValueError(f"{workdir} already holds checkpoints (latest step {latest}); pass "
+                         "--resume to continue that run, or choose another --workdir")
+    is_main = jax.process_index() == 0
+    if is_main:
+        workdir.mkdir(parents=True, exist_ok=True)
+        (workdir / "config.json").write_text(json.dumps(run_config, indent=2) + "\n")
+
+    train_it = data_lib.make_lm_iterator(
+        cfg.dataset, "train", tokenizer=tokenizer, seq_len=cfg.seq_len, batch_size=cfg.batch_size,
+        seed=cfg.seed, data_dir=cfg.data_dir, process_index=jax.process_index(),
+        process_count=jax.process_count())
+    rng = jax.random.PRNGKey(cfg.seed)
+    sample = jnp.zeros((1, cfg.seq_len), jnp.int32)
+    if latest is not None:
+        _check_resume_compatible(ckpt.restore_config(), run_config)
+        abstract = jax.eval_shape(lambda: create_train_state(model, tx, rng, sample))
+        state, _, data_state = ckpt.restore(target=abstract)
+        train_it.set_state(data_state)
+        start = int(state.step)
+    else:
+        state = create_train_state(model, tx, rng, sample)
+        start = 0
+
+    train_step = jax.jit(make_train_step(label_smoothing=cfg.label_smoothing,
+                                         accum_steps=cfg.accum_steps, schedule=schedule),
+                         donate_argnums=(0,))
+    eval_fn = jax.jit(eval_step)
+    writer = MetricsWriter(workdir, resume_step=start if latest is not None else None, enabled=is_main)
+    peak, peak_source = peak_flops_per_device()
+    flops_per_step = model_cfg.flops_per_token(cfg.seq_len) * cfg.batch_size * cfg.seq_len
+    peak_total = peak * jax.device_count()
+
+    summary: dict[str, Any] = {"workdir": str(workdir), "start_step": start, "interrupted": None,
+                               "peak_flops": peak, "peak_source": peak_source}
+    last_loss = eval_row = None
+    stop = _StopRequest()
+    bar = None
+    if progress and is_main:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=cfg.steps, initial=start, desc=cfg.name, dynamic_ncols=True, mininterval=1.0)
+    t_start = time.perf_counter()
+    t_log, steps_since_log = time.perf_counter(), 0
+    step = start
+    try:
+        with stop.installed():
+            while step < cfg.steps:
+                batch = next(train_it)
+                state, metrics = train_step(state, batch)
+                step += 1
+                steps_since_log += 1
+                loss = float(metrics["loss"])
+                if not math.isfinite(loss):
+                    ckpt.wait()
+                    good = ckpt.latest_step()
+                    raise NonFiniteLossError(
+                        f"loss became {loss} at step {step}; the run stopped without saving this "
+                        f"state. The last good checkpoint is step {good} in {workdir / 'checkpoints'}"
+                        " — lower learning_rate or clip_norm and resume with --resume.")
+                last_loss = loss
+                if step == start + 1:   # the first step compiles: keep it out of tokens/s
+                    t_log, steps_since_log = time.perf_counter(), 0
+                if step % cfg.log_every == 0 or step == cfg.steps:
+                    dt = time.perf_counter() - t_log
+                    row = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                    if steps_since_log:
+                        tok_s = steps_since_log * cfg.batch_size * cfg.seq_len / dt
+                        row.update(tokens_per_s=tok_s, mfu=steps_since_log * flops_per_step / dt / peak_total)
+                    row["elapsed_s"] = time.perf_counter() - t_start
+                    writer.write(step, row)
+                    if bar is not None and "mfu" in row:
+                        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}",
+                                        mfu=f"{row['mfu']:.0%}")
+                    t_log, steps_since_log = time.perf_counter(), 0
+                if bar is not None:
+                    bar.update(1)
+                eval_metrics = None
+                if step % cfg.eval_every == 0 or step == cfg.steps:
+                    eval_metrics = evaluate(state, cfg, tokenizer, eval_fn)
+                    eval_row = eval_metrics
+                    writer.write(step, eval_metrics)
+                    if is_main and cfg.sample_tokens > 0:
+                        text = sample_text(model, state.params, tokenizer, cfg.sample_prompt,
+                                           cfg.sample_tokens, seed=step)
+                        with (workdir / "samples.txt").open("a") as f:
+                            f.write(f"=== step {step} (eval loss {eval_metrics['eval_loss']:.3f})\n{text}\n")
+                        writer.text("sample", step, text)
+                    t_log = time.perf_counter()  # evals don't count against tokens/s
+                ckpt.maybe_save(step, state, config=run_config, data_state=train_it.get_state(),
+                                metrics=eval_metrics, force=step == cfg.steps)
+                if stop.signal is not None:
+                    ckpt.maybe_save(step, state, config=run_config, data_state=train_it.get_state(),
+                                    metrics=eval_metrics, force=True)
+                    summary["interrupted"] = signal.Signals(stop.signal).name
+                    break
+    finally:
+        if bar is not None:
+            bar.close()
+        ckpt.close()   # waits for pending async saves
+        writer.close()
+    summary.update(final_step=step, loss=last_loss, seconds=time.perf_counter() - t_start,
+                   **(eval_row or {}))
+    if is_main:
+        png = plot_loss(workdir)
+        summary["loss_png"] = str(png) if png else None
+    return summary
+
+
+# ----------------------------------------------------------------------------- workdir tools
+
+def load_run(workdir: str | Path, step: int | None = None):
+    """Rebuild ``(run_config, model, params, tokenizer)`` from a workdir alone."""
+    workdir = Path(workdir)
+    ckpt_dir = workdir / "checkpoints"
+    if not ckpt_dir.is_dir():
+        raise ValueError(f"{workdir} has no checkpoints/ directory; train into it first")
+    mgr = CheckpointManager(ckpt_dir, read_only=True)
+    try:
+        if mgr.latest_step() is None:
+            raise ValueError(f"{ckpt_dir} holds no complete checkpoint")
+        run_config = mgr.restore_config(step)
+        _, model = model_from_config(run_config["family"], run_config["model"])
+        state, _, _ = mgr.restore(step)
+    finally:
+        mgr.close()
+    params = jax.tree_util.tree_map(jnp.asarray, state["params"])
+    tokenizer = data_lib.get_tokenizer(run_config["tokenizer"])
+    return run_config, model, params, tokenizer
+
+
+def evaluate_workdir(workdir: str | Path, *, batches: int | None = None) -> dict[str, float]:
+    run_config, model, params, tokenizer = load_run(workdir)
+    cfg = ExperimentConfig.from_dict(run_config["experiment"])
+    if batches:
+        cfg = cfg.replace(eval_batches=batches)
+    eval_fn = jax.jit(lambda p, b: eval_step(p, b, model.apply))
+    return evaluate(params, cfg, tokenizer, eval_fn)
