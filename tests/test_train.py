@@ -70,8 +70,8 @@ def test_default_run_learns_and_writes_everything(tmp_path, data_dir):
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
     assert (tmp_path / "samples.txt").read_text().count("=== step") == 6
     # the workdir alone rebuilds the model
-    run_config, model, params, tok = load_run(tmp_path)
-    assert run_config["model"]["d_model"] == 32 and tok.vocab_size == 259
+    run_config, model, params, task = load_run(tmp_path)
+    assert run_config["model"]["d_model"] == 32 and task.tokenizer.vocab_size == 259
     assert model.config.vocab_size == 259
 
 
@@ -252,7 +252,8 @@ def test_sentencepiece_tokenizer_is_trained_into_the_workdir(tmp_path, data_dir)
                    eval_every=3)
     summary = train(cfg, tmp_path, progress=False)
     assert (tmp_path / "spm.model").exists() and np.isfinite(summary["eval_loss"])
-    run_config, model, _, tok = load_run(tmp_path)
-    assert run_config["tokenizer"] == f"sentencepiece:{(tmp_path / 'spm.model').resolve()}"
+    run_config, model, _, task = load_run(tmp_path)
+    tok = task.tokenizer
+    assert run_config["task_spec"]["tokenizer"] == f"sentencepiece:{(tmp_path / 'spm.model').resolve()}"
     assert model.config.vocab_size == tok.vocab_size <= 400
     assert tok.decode(tok.encode("def main():\n    return 0")) == "def main():\n    return 0"

@@ -77,20 +77,12 @@ def _eval(args) -> int:
 
 
 def _generate(args) -> int:
-    import jax
-
-    from .decode import generate
     from .train.loop import load_run
 
-    _, model, params, tokenizer = load_run(args.workdir)
-    ids = tokenizer.encode(args.prompt) or [tokenizer.eos_id]
-    room = model.config.max_len - len(ids)
-    if room < 1:
-        raise ValueError(f"the prompt is {len(ids)} tokens; the model's max_len is {model.config.max_len}")
-    out = generate(model, params, [ids], max_new_tokens=min(args.max_new_tokens, room),
-                   temperature=args.temperature, top_k=args.top_k or None, top_p=args.top_p,
-                   rng=jax.random.PRNGKey(args.seed), eos_id=tokenizer.eos_id)
-    print(tokenizer.decode(out[0]))
+    _, model, params, task = load_run(args.workdir)
+    print(task.generate_text(model, params, args.prompt, max_new_tokens=args.max_new_tokens,
+                             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                             seed=args.seed))
     return 0
 
 

@@ -23,6 +23,8 @@ Field = dataclasses.field
 class ExperimentConfig(PresetConfig):
     """Everything a training run needs, JSON-serialisable (it is saved in every checkpoint)."""
     name: str = "stdlib_gpt"
+    task: str = "lm"                   # see transformer_jax.tasks (lm, ...)
+    task_options: dict = Field(default_factory=dict)
     # model: a family, a preset of that family's config, and field overrides
     model: str = "gpt"
     model_preset: str = "tiny"
@@ -102,7 +104,10 @@ def parse_value(text: str) -> Any:
 
 
 def apply_overrides(cfg: ExperimentConfig, overrides: list[str] | dict[str, Any]) -> ExperimentConfig:
-    """Apply ``key=value`` strings (or a dict); ``model.FIELD`` goes into ``model_overrides``."""
+    """Apply ``key=value`` strings (or a dict).
+
+    ``model.FIELD`` goes into ``model_overrides`` and ``task.OPTION`` into ``task_options``.
+    """
     if isinstance(overrides, dict):
         items = list(overrides.items())
     else:
@@ -114,17 +119,20 @@ def apply_overrides(cfg: ExperimentConfig, overrides: list[str] | dict[str, Any]
             items.append((key.strip(), parse_value(value)))
     changes: dict[str, Any] = {}
     model_overrides = dict(cfg.model_overrides)
+    task_options = dict(cfg.task_options)
     names = {f.name for f in dataclasses.fields(ExperimentConfig)}
     for key, value in items:
         if key.startswith("model."):
             model_overrides[key[len("model."):]] = value
+        elif key.startswith("task."):
+            task_options[key[len("task."):]] = value
         elif key in names:
             changes[key] = value
         else:
             hint = difflib.get_close_matches(key, names, n=1)
             raise ValueError(f"unknown config field {key!r}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
-                             + "; model fields are set as model.FIELD=value")
-    return cfg.replace(**changes, model_overrides=model_overrides)
+                             + "; model fields are set as model.FIELD=value, task options as task.OPTION=value")
+    return cfg.replace(**changes, model_overrides=model_overrides, task_options=task_options)
 
 
 # ----------------------------------------------------------------------------- experiments

@@ -29,17 +29,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import data as data_lib
-from ..decode import generate
 from ..models import build_model, model_from_config
+from ..tasks import Task, make_task
 from .checkpoint import CheckpointManager
 from .config import ExperimentConfig
 from .monitor import MetricsWriter, peak_flops_per_device, plot_loss
-from .optim import make_optimizer, make_schedule, mean_loss
-from .step import TrainState, create_train_state, eval_step, make_train_step
+from .optim import make_optimizer, make_schedule
+from .step import create_train_state, eval_step, make_train_step
 
 # Fields that must not change when resuming: they fix the model and the data stream.
-_RESUME_FIXED = ("model", "model_preset", "dataset", "tokenizer", "seq_len", "batch_size", "seed")
+_RESUME_FIXED = ("task", "task_options", "model", "model_preset", "dataset", "tokenizer", "seq_len",
+                 "batch_size", "seed")
 
 
 class NonFiniteLossError(RuntimeError):
@@ -72,31 +72,19 @@ class _StopRequest:
 
 # ----------------------------------------------------------------------------- pieces
 
-def build_tokenizer(cfg: ExperimentConfig, workdir: Path) -> tuple[data_lib.Tokenizer, str]:
-    """The tokenizer and the spec that rebuilds it (a trained SentencePiece model lives in workdir)."""
-    if cfg.tokenizer == "sentencepiece":
-        path = Path(workdir) / "spm.model"
-        if not path.exists():
-            texts = data_lib.load_texts(cfg.dataset, "train", data_dir=cfg.data_dir,
-                                        max_documents=200_000)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            data_lib.train_sentencepiece(texts, cfg.sentencepiece_vocab_size, str(path))
-        spec = f"sentencepiece:{path.resolve()}"
-    else:
-        spec = cfg.tokenizer
-    return data_lib.get_tokenizer(spec), spec
-
-
-def build(cfg: ExperimentConfig, vocab_size: int):
-    """``(model_config, model)`` for an experiment, the vocabulary sized to the tokenizer."""
+def build(cfg: ExperimentConfig, task_overrides: dict[str, Any]):
+    """``(model_config, model)``: preset + experiment overrides + what the task's data fixes."""
     overrides = dict(cfg.model_overrides)
-    overrides.setdefault("vocab_size", vocab_size)
-    if overrides["vocab_size"] < vocab_size:
+    vocab = task_overrides.get("vocab_size")
+    if vocab is not None and overrides.get("vocab_size", vocab) < vocab:
         raise ValueError(f"model.vocab_size={overrides['vocab_size']} is smaller than the "
-                         f"tokenizer's vocabulary ({vocab_size})")
+                         f"tokenizer's vocabulary ({vocab})")
+    for key, value in task_overrides.items():
+        overrides.setdefault(key, value)
     model_cfg, model = build_model(cfg.model, cfg.model_preset, overrides)
-    if cfg.seq_len > model_cfg.max_len:
-        raise ValueError(f"seq_len={cfg.seq_len} exceeds the model's max_len={model_cfg.max_len}; "
+    max_len = getattr(model_cfg, "max_len", None)
+    if max_len is not None and cfg.seq_len > max_len:
+        raise ValueError(f"seq_len={cfg.seq_len} exceeds the model's max_len={max_len}; "
                          f"lower seq_len or set model.max_len>={cfg.seq_len}")
     return model_cfg, model
 
@@ -108,34 +96,25 @@ def make_tx(cfg: ExperimentConfig, model_cfg):
     return tx, schedule
 
 
-def evaluate(state: TrainState, cfg: ExperimentConfig, tokenizer, eval_fn=None) -> dict[str, float]:
-    """Mean cross-entropy over the first ``eval_batches`` batches of the eval split."""
-    it = data_lib.make_lm_iterator(cfg.dataset, cfg.eval_split, tokenizer=tokenizer,
-                                   seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=cfg.seed,
-                                   shuffle=False, repeat=False, data_dir=cfg.data_dir,
-                                   process_index=jax.process_index(),
-                                   process_count=jax.process_count())
-    eval_fn = eval_fn or jax.jit(eval_step)
-    loss_sum, weight_sum = 0.0, 0.0
-    for i, batch in enumerate(it):
+def evaluate(params, apply_fn, task: Task, eval_fn=None, model=None) -> dict[str, float]:
+    """Per-weight means over the first ``eval_batches`` eval batches, plus the task's extras."""
+    cfg = task.cfg
+    eval_fn = eval_fn or jax.jit(lambda p, b: eval_step(p, b, apply_fn, task.loss_fn))
+    totals: dict[str, float] = {}
+    for i, batch in enumerate(task.eval_batches(jax.process_index(), jax.process_count())):
         if i >= cfg.eval_batches:
             break
-        l, w = eval_fn(state, batch)
-        loss_sum += float(l)
-        weight_sum += float(w)
-    loss = float(mean_loss(jnp.float32(loss_sum), jnp.float32(weight_sum)))
-    return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), "eval_tokens": weight_sum}
-
-
-def sample_text(model, params, tokenizer, prompt: str, max_new_tokens: int, seed: int = 0) -> str:
-    """Sampled continuation of ``prompt`` (temperature 0.8, top-k 40), decoded to text."""
-    ids = tokenizer.encode(prompt) or [tokenizer.eos_id]
-    room = model.config.max_len - len(ids)
-    if room < 1:
-        raise ValueError(f"prompt of {len(ids)} tokens leaves no room in max_len={model.config.max_len}")
-    out = generate(model, params, [ids], max_new_tokens=min(max_new_tokens, room), temperature=0.8,
-                   top_k=40, rng=jax.random.PRNGKey(seed), eos_id=tokenizer.eos_id)
-    return tokenizer.decode(out[0])
+        for k, v in eval_fn(params, batch).items():
+            totals[k] = totals.get(k, 0.0) + float(v)
+    weight = totals.pop("weight", 0.0)
+    if weight <= 0:
+        raise ValueError(f"the eval split {cfg.eval_split!r} of {cfg.dataset!r} gave no tokens to score")
+    out = {f"eval_{'accuracy' if k == 'correct' else k}": v / weight for k, v in totals.items()}
+    out["eval_ppl"] = math.exp(min(out["eval_loss"], 50.0))
+    out["eval_tokens"] = weight
+    if model is not None:
+        out.update({f"eval_{k}": v for k, v in task.extra_eval(model, params).items()})
+    return out
 
 
 def _check_resume_compatible(saved: dict, run_config: dict) -> None:
@@ -160,11 +139,11 @@ def train(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
           progress: bool = True) -> dict[str, Any]:
     """Train (or resume) a run; returns a summary dict. See the module docstring."""
     workdir = Path(workdir)
-    tokenizer, tokenizer_spec = build_tokenizer(cfg, workdir)
-    model_cfg, model = build(cfg, tokenizer.vocab_size)
+    task = make_task(cfg, workdir)
+    model_cfg, model = build(cfg, task.model_overrides())
     tx, schedule = make_tx(cfg, model_cfg)
     run_config = {"experiment": cfg.to_dict(), "family": cfg.model, "model": model_cfg.to_dict(),
-                  "tokenizer": tokenizer_spec}
+                  "task": cfg.task, "task_spec": task.spec()}
 
     ckpt = CheckpointManager(workdir / "checkpoints", save_every=cfg.save_every, keep=cfg.keep)
     latest = ckpt.latest_step()
@@ -177,26 +156,23 @@ def train(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
         workdir.mkdir(parents=True, exist_ok=True)
         (workdir / "config.json").write_text(json.dumps(run_config, indent=2) + "\n")
 
-    train_it = data_lib.make_lm_iterator(
-        cfg.dataset, "train", tokenizer=tokenizer, seq_len=cfg.seq_len, batch_size=cfg.batch_size,
-        seed=cfg.seed, data_dir=cfg.data_dir, process_index=jax.process_index(),
-        process_count=jax.process_count())
+    train_it = task.train_iterator(jax.process_index(), jax.process_count())
     rng = jax.random.PRNGKey(cfg.seed)
-    sample = jnp.zeros((1, cfg.seq_len), jnp.int32)
+    init_args = task.init_args()
     if latest is not None:
         _check_resume_compatible(ckpt.restore_config(), run_config)
-        abstract = jax.eval_shape(lambda: create_train_state(model, tx, rng, sample))
+        abstract = jax.eval_shape(lambda: create_train_state(model, tx, rng, *init_args))
         state, _, data_state = ckpt.restore(target=abstract)
         train_it.set_state(data_state)
         start = int(state.step)
     else:
-        state = create_train_state(model, tx, rng, sample)
+        state = create_train_state(model, tx, rng, *init_args)
         start = 0
 
-    train_step = jax.jit(make_train_step(label_smoothing=cfg.label_smoothing,
+    train_step = jax.jit(make_train_step(loss_fn=task.loss_fn, label_smoothing=cfg.label_smoothing,
                                          accum_steps=cfg.accum_steps, schedule=schedule),
                          donate_argnums=(0,))
-    eval_fn = jax.jit(eval_step)
+    eval_fn = jax.jit(lambda p, b: eval_step(p, b, model.apply, task.loss_fn))
     writer = MetricsWriter(workdir, resume_step=start if latest is not None else None, enabled=is_main)
     peak, peak_source = peak_flops_per_device()
     flops_per_step = model_cfg.flops_per_token(cfg.seq_len) * cfg.batch_size * cfg.seq_len
@@ -247,12 +223,11 @@ def train(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
                     bar.update(1)
                 eval_metrics = None
                 if step % cfg.eval_every == 0 or step == cfg.steps:
-                    eval_metrics = evaluate(state, cfg, tokenizer, eval_fn)
+                    eval_metrics = evaluate(state.params, model.apply, task, eval_fn, model)
                     eval_row = eval_metrics
                     writer.write(step, eval_metrics)
-                    if is_main and cfg.sample_tokens > 0:
-                        text = sample_text(model, state.params, tokenizer, cfg.sample_prompt,
-                                           cfg.sample_tokens, seed=step)
+                    text = task.sample(model, state.params, step) if is_main else None
+                    if text is not None:
                         with (workdir / "samples.txt").open("a") as f:
                             f.write(f"=== step {step} (eval loss {eval_metrics['eval_loss']:.3f})\n{text}\n")
                         writer.text("sample", step, text)
@@ -280,7 +255,7 @@ def train(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
 # ----------------------------------------------------------------------------- workdir tools
 
 def load_run(workdir: str | Path, step: int | None = None):
-    """Rebuild ``(run_config, model, params, tokenizer)`` from a workdir alone."""
+    """Rebuild ``(run_config, model, params, task)`` from a workdir alone."""
     workdir = Path(workdir)
     ckpt_dir = workdir / "checkpoints"
     if not ckpt_dir.is_dir():
@@ -295,14 +270,13 @@ def load_run(workdir: str | Path, step: int | None = None):
     finally:
         mgr.close()
     params = jax.tree_util.tree_map(jnp.asarray, state["params"])
-    tokenizer = data_lib.get_tokenizer(run_config["tokenizer"])
-    return run_config, model, params, tokenizer
+    cfg = ExperimentConfig.from_dict(run_config["experiment"])
+    task = make_task(cfg, workdir, spec=run_config["task_spec"])
+    return run_config, model, params, task
 
 
 def evaluate_workdir(workdir: str | Path, *, batches: int | None = None) -> dict[str, float]:
-    run_config, model, params, tokenizer = load_run(workdir)
-    cfg = ExperimentConfig.from_dict(run_config["experiment"])
+    _, model, params, task = load_run(workdir)
     if batches:
-        cfg = cfg.replace(eval_batches=batches)
-    eval_fn = jax.jit(lambda p, b: eval_step(p, b, model.apply))
-    return evaluate(params, cfg, tokenizer, eval_fn)
+        task.cfg = task.cfg.replace(eval_batches=batches)
+    return evaluate(params, model.apply, task, model=model)

@@ -30,70 +30,102 @@ class TrainState(train_state.TrainState):
 
 
 def create_train_state(model: nn.Module, tx: optax.GradientTransformation, rng: Array,
-                       sample_inputs: Array) -> TrainState:
-    """Initialise parameters and optimizer state (unboxed: plain arrays)."""
+                       *init_args: Any) -> TrainState:
+    """Initialise parameters (``model.init(rng, *init_args)``, unboxed) and optimizer state."""
     init_rng, dropout_rng = jax.random.split(rng)
-    params = nn.meta.unbox(model.init(init_rng, sample_inputs)["params"])
+    params = nn.meta.unbox(model.init(init_rng, *init_args)["params"])
     return TrainState.create(apply_fn=model.apply, params=params, tx=tx, rng=dropout_rng)
 
 
-def _forward_loss(apply_fn, params, batch, dropout_rng, smoothing, deterministic):
-    logits = apply_fn({"params": params}, batch["inputs"], deterministic=deterministic,
-                      rngs=None if deterministic else {"dropout": dropout_rng})
-    weights = batch.get("weights")
-    loss_sum, weight_sum = label_smoothed_cross_entropy(logits, batch["targets"], weights, smoothing)
+# A loss function maps (apply_fn, params, batch, rngs, deterministic, smoothing) to
+# (loss_sum, sums): the objective summed over tokens/examples, and named sums that the
+# step divides by sums["weight"] to report (at least "weight"; e.g. "nll", "correct").
+LossFn = Callable[..., tuple[Array, dict[str, Array]]]
+
+
+def token_loss(logits: Array, targets: Array, weights: Array | None, smoothing: float):
+    """Cross-entropy terms for logits (..., V) and integer targets (...): (loss_sum, sums).
+
+    sums: ``weight`` (tokens counted), ``nll`` (plain cross-entropy sum) and ``correct``
+    (argmax hits), so that a step reports loss, nll and accuracy per token.
+    """
+    loss_sum, weight_sum = label_smoothed_cross_entropy(logits, targets, weights, smoothing)
     if smoothing:
-        nll_sum, _ = label_smoothed_cross_entropy(jax.lax.stop_gradient(logits), batch["targets"],
-                                                  weights, 0.0)
+        nll_sum, _ = label_smoothed_cross_entropy(jax.lax.stop_gradient(logits), targets, weights, 0.0)
     else:
         nll_sum = jax.lax.stop_gradient(loss_sum)
-    return loss_sum, (weight_sum, nll_sum)
+    w = jnp.ones(targets.shape, jnp.float32) if weights is None else weights.astype(jnp.float32)
+    hits = (jnp.argmax(jax.lax.stop_gradient(logits), axis=-1) == targets).astype(jnp.float32)
+    return loss_sum, {"weight": weight_sum, "nll": nll_sum, "correct": jnp.sum(hits * w)}
+
+
+def lm_loss(apply_fn, params, batch, rngs, deterministic: bool, smoothing: float):
+    """Next-token loss: ``batch = {"inputs", "targets": (B, T) int, "weights": (B, T)}``."""
+    logits = apply_fn({"params": params}, batch["inputs"], deterministic=deterministic, rngs=rngs)
+    return token_loss(logits, batch["targets"], batch.get("weights"), smoothing)
 
 
 def _global_norm(tree) -> Array:
     return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree_util.tree_leaves(tree)))
 
 
-def make_train_step(*, label_smoothing: float = 0.0, accum_steps: int = 1,
+def _means(loss_sum: Array, sums: dict[str, Array]) -> dict[str, Array]:
+    """Per-weight means: loss, and each named sum (``correct`` is reported as ``accuracy``)."""
+    weight = sums["weight"]
+    out = {"loss": mean_loss(loss_sum, weight)}
+    for k, v in sums.items():
+        if k != "weight":
+            out["accuracy" if k == "correct" else k] = mean_loss(v, weight)
+    return out
+
+
+def make_train_step(*, loss_fn: LossFn = lm_loss, label_smoothing: float = 0.0,
+                    accum_steps: int = 1,
                     schedule: Callable[[Array], Array] | None = None) -> Callable:
     """Build ``train_step(state, batch) -> (state, metrics)``.
 
     Metrics (fp32 scalars): ``loss`` (the training objective, label smoothing included),
-    ``nll`` (plain cross-entropy per token), ``grad_norm`` (before clipping), ``tokens``
-    (sum of weights), and ``lr`` when a schedule is given.
+    the loss function's other sums per weight (``nll``, ``accuracy`` ...), ``grad_norm``
+    (before clipping), ``tokens`` (the weight sum), and ``lr`` when a schedule is given.
     """
     if accum_steps < 1:
         raise ValueError(f"accum_steps must be >= 1, got {accum_steps}")
 
+    def objective(params, apply_fn, batch, rng):
+        return loss_fn(apply_fn, params, batch, {"dropout": rng}, False, label_smoothing)
+
+    grad_fn = jax.value_and_grad(objective, has_aux=True)
+
     def train_step(state: TrainState, batch: dict[str, Array]):
-        b = batch["inputs"].shape[0]
+        b = jax.tree_util.tree_leaves(batch)[0].shape[0]
         if b % accum_steps:
             raise ValueError(f"batch size {b} is not divisible by accum_steps={accum_steps}")
         step_rng = jax.random.fold_in(state.rng, state.step)
-        grad_fn = jax.value_and_grad(_forward_loss, argnums=1, has_aux=True)
 
         def micro(carry, xs):
-            grads, loss_sum, weight_sum, nll_sum = carry
+            grads, loss_sum, sums = carry
             i, mb = xs
-            (l, (w, nll)), g = grad_fn(state.apply_fn, state.params, mb,
-                                       jax.random.fold_in(step_rng, i), label_smoothing, False)
+            (l, s), g = grad_fn(state.params, state.apply_fn, mb, jax.random.fold_in(step_rng, i))
             grads = jax.tree_util.tree_map(jnp.add, grads, g)
-            return (grads, loss_sum + l, weight_sum + w, nll_sum + nll), None
+            sums = {k: sums[k] + s[k] for k in s} if sums else s
+            return (grads, loss_sum + l, sums), None
 
         micro_batches = jax.tree_util.tree_map(
             lambda x: x.reshape((accum_steps, b // accum_steps) + x.shape[1:]), batch)
         zeros = jax.tree_util.tree_map(jnp.zeros_like, state.params)
-        init = (zeros, jnp.float32(0), jnp.float32(0), jnp.float32(0))
         if accum_steps == 1:
-            (grads, loss_sum, weight_sum, nll_sum), _ = micro(
-                init, (0, jax.tree_util.tree_map(lambda x: x[0], micro_batches)))
+            (grads, loss_sum, sums), _ = micro(
+                (zeros, jnp.float32(0), None), (0, jax.tree_util.tree_map(lambda x: x[0], micro_batches)))
         else:
-            (grads, loss_sum, weight_sum, nll_sum), _ = jax.lax.scan(
-                micro, init, (jnp.arange(accum_steps), micro_batches))
-        denom = jnp.maximum(weight_sum, 1.0)
+            first = jax.tree_util.tree_map(lambda x: x[0], micro_batches)
+            shapes = jax.eval_shape(lambda: objective(state.params, state.apply_fn, first, step_rng)[1])
+            init_sums = jax.tree_util.tree_map(lambda sd: jnp.zeros(sd.shape, sd.dtype), shapes)
+            (grads, loss_sum, sums), _ = jax.lax.scan(
+                micro, (zeros, jnp.float32(0), init_sums), (jnp.arange(accum_steps), micro_batches))
+        denom = jnp.maximum(sums["weight"], 1.0)
         grads = jax.tree_util.tree_map(lambda g: g / denom, grads)
-        metrics = {"loss": mean_loss(loss_sum, weight_sum), "nll": mean_loss(nll_sum, weight_sum),
-                   "grad_norm": _global_norm(grads), "tokens": weight_sum}
+        metrics = _means(loss_sum, sums)
+        metrics.update(grad_norm=_global_norm(grads), tokens=sums["weight"])
         if schedule is not None:
             metrics["lr"] = jnp.asarray(schedule(state.step), jnp.float32)
         return state.apply_gradients(grads=grads), metrics
@@ -101,11 +133,8 @@ def make_train_step(*, label_smoothing: float = 0.0, accum_steps: int = 1,
     return train_step
 
 
-def eval_step(state_or_params: Any, batch: dict[str, Array], apply_fn: Callable | None = None):
-    """Deterministic ``(loss_sum, weight_sum)`` of plain cross-entropy on one batch."""
-    if isinstance(state_or_params, TrainState):
-        params, apply_fn = state_or_params.params, state_or_params.apply_fn
-    else:
-        params = state_or_params
-    loss_sum, (weight_sum, _) = _forward_loss(apply_fn, params, batch, None, 0.0, True)
-    return loss_sum, weight_sum
+def eval_step(params: Any, batch: dict[str, Array], apply_fn: Callable,
+              loss_fn: LossFn = lm_loss) -> dict[str, Array]:
+    """Deterministic sums on one batch: ``{"loss": plain cross-entropy sum, "weight", ...}``."""
+    _, sums = loss_fn(apply_fn, params, batch, None, True, 0.0)
+    return {"loss": sums["nll"], **{k: v for k, v in sums.items() if k != "nll"}}

@@ -1,0 +1,87 @@
+"""What a training run needs from a task, and the registry the CLI uses.
+
+A task turns an :class:`~transformer_jax.train.config.ExperimentConfig` into data and a
+loss: it builds its tokenizer (or label set), the training iterator (with a savable
+position), the eval batches, the arguments for ``model.init``, and the loss function the
+train step differentiates. Optional hooks add task metrics (accuracy from decoding, BLEU)
+and samples shown at eval time. ``ExperimentConfig.task`` picks the task by name and
+``ExperimentConfig.task_options`` holds its options (unknown options are an error).
+"""
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, ClassVar, Iterable
+
+from ..train.step import LossFn
+
+
+class Task:
+    """Base class; subclasses set ``name``, ``OPTIONS`` and implement the data methods."""
+    name: ClassVar[str] = ""
+    OPTIONS: ClassVar[dict[str, Any]] = {}   # option name -> default
+
+    def __init__(self, cfg, workdir: str | Path, *, spec: dict | None = None):
+        self.cfg = cfg
+        self.workdir = Path(workdir)
+        unknown = sorted(set(cfg.task_options) - set(self.OPTIONS))
+        if unknown:
+            hints = {u: difflib.get_close_matches(u, self.OPTIONS, n=1) for u in unknown}
+            raise ValueError(
+                f"unknown option(s) for task {self.name!r}: "
+                + ", ".join(f"{u!r}" + (f" (did you mean {h[0]!r}?)" if h else "") for u, h in hints.items())
+                + f"; valid options: {sorted(self.OPTIONS) or 'none'}")
+        self.options = {**self.OPTIONS, **cfg.task_options}
+        self.saved_spec = spec
+
+    # -- required -----------------------------------------------------------------
+    loss_fn: LossFn
+
+    def spec(self) -> dict:
+        """JSON: what rebuilds this task's preprocessing later (tokenizer spec, labels...)."""
+        raise NotImplementedError(f"task {self.name!r} must define spec()")
+
+    def model_overrides(self) -> dict[str, Any]:
+        """Model config fields the data fixes (e.g. ``vocab_size``, ``num_classes``)."""
+        return {}
+
+    def train_iterator(self, process_index: int, process_count: int):
+        """Endless iterator of numpy batches with ``get_state()`` / ``set_state()``."""
+        raise NotImplementedError(f"task {self.name!r} must define train_iterator()")
+
+    def eval_batches(self, process_index: int, process_count: int) -> Iterable[dict]:
+        """A finite iterable of eval batches (at most ``cfg.eval_batches`` are used)."""
+        raise NotImplementedError(f"task {self.name!r} must define eval_batches()")
+
+    def init_args(self) -> tuple:
+        """Positional arguments for ``model.init(rng, *args)``."""
+        raise NotImplementedError(f"task {self.name!r} must define init_args()")
+
+    # -- optional -----------------------------------------------------------------
+    def extra_eval(self, model, params) -> dict[str, float]:
+        """Metrics beyond the loss (e.g. exact match or BLEU from decoding)."""
+        return {}
+
+    def sample(self, model, params, step: int) -> str | None:
+        """Text shown at each eval (a sampled continuation, translations, predictions)."""
+        return None
+
+    def generate_text(self, model, params, prompt: str, **kw) -> str:
+        raise ValueError(f"task {self.name!r} has no text generation; "
+                         "`transformer-jax generate` works for language-model and seq2seq runs")
+
+
+TASKS: dict[str, type[Task]] = {}
+
+
+def register_task(cls: type[Task]) -> type[Task]:
+    TASKS[cls.name] = cls
+    return cls
+
+
+def make_task(cfg, workdir: str | Path, *, spec: dict | None = None) -> Task:
+    if cfg.task not in TASKS:
+        hint = difflib.get_close_matches(cfg.task, TASKS, n=1)
+        raise ValueError(f"unknown task {cfg.task!r}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
+                         + f"; choose one of {sorted(TASKS)}")
+    return TASKS[cfg.task](cfg, workdir, spec=spec)
