@@ -58,6 +58,18 @@ class Task:
         raise NotImplementedError(f"task {self.name!r} must define init_args()")
 
     # -- optional -----------------------------------------------------------------
+    def init_params(self, params):
+        """Adjust freshly initialised params (e.g. load a pretrained encoder); default: unchanged."""
+        return params
+
+    def tokens_per_step(self) -> int:
+        """Tokens (or patches) one global batch holds, for tokens/s."""
+        return self.cfg.batch_size * self.cfg.seq_len
+
+    def flops_per_step(self, model_cfg) -> float:
+        """Model FLOPs of one training step (6N + attention, PaLM convention), for MFU."""
+        return model_cfg.flops_per_token(self.cfg.seq_len) * self.tokens_per_step()
+
     def extra_eval(self, model, params) -> dict[str, float]:
         """Metrics beyond the loss (e.g. exact match or BLEU from decoding)."""
         return {}

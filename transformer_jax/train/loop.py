@@ -167,6 +167,8 @@ def train(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
         start = int(state.step)
     else:
         state = create_train_state(model, tx, rng, *init_args)
+        state = state.replace(params=task.init_params(state.params))
+        state = state.replace(opt_state=tx.init(state.params))
         start = 0
 
     train_step = jax.jit(make_train_step(loss_fn=task.loss_fn, label_smoothing=cfg.label_smoothing,
@@ -175,7 +177,8 @@ def train(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
     eval_fn = jax.jit(lambda p, b: eval_step(p, b, model.apply, task.loss_fn))
     writer = MetricsWriter(workdir, resume_step=start if latest is not None else None, enabled=is_main)
     peak, peak_source = peak_flops_per_device()
-    flops_per_step = model_cfg.flops_per_token(cfg.seq_len) * cfg.batch_size * cfg.seq_len
+    flops_per_step = task.flops_per_step(model_cfg)
+    tokens_per_step = task.tokens_per_step()
     peak_total = peak * jax.device_count()
 
     summary: dict[str, Any] = {"workdir": str(workdir), "start_step": start, "interrupted": None,
@@ -211,7 +214,7 @@ def train(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
                     dt = time.perf_counter() - t_log
                     row = {k: float(v) for k, v in jax.device_get(metrics).items()}
                     if steps_since_log:
-                        tok_s = steps_since_log * cfg.batch_size * cfg.seq_len / dt
+                        tok_s = steps_since_log * tokens_per_step / dt
                         row.update(tokens_per_s=tok_s, mfu=steps_since_log * flops_per_step / dt / peak_total)
                     row["elapsed_s"] = time.perf_counter() - t_start
                     writer.write(step, row)
