@@ -622,3 +622,6 @@ register_hf_family(HFFamily(
     name="gpt2", model_types=("gpt2",), config_type=GPTConfig,
     from_state_dict=_gpt2_from_state_dict, to_state_dict=_gpt2_to_state_dict,
     make_hf_config=gpt2_hf_config))
+
+from . import hf_vit  # noqa: E402,F401  (registers the "vit" family)
+from . import hf_bert  # noqa: E402,F401  (registers the "bert" family)

@@ -4,11 +4,15 @@ from __future__ import annotations
 from typing import Any
 
 from .base import PresetConfig, stack_layers, unstack_layers
+from .bert import Bert, BertConfig
 from .gpt import GPT, GPTConfig
+from .vit import ViT, ViTConfig
 
 # family name -> (config class, module class); the training CLI builds models through this table.
 FAMILIES: dict[str, tuple[type, type]] = {
     "gpt": (GPTConfig, GPT),
+    "vit": (ViTConfig, ViT),
+    "bert": (BertConfig, Bert),
 }
 
 
@@ -31,4 +35,5 @@ def model_from_config(family: str, config: dict[str, Any]):
 
 
 __all__ = ["FAMILIES", "GPT", "GPTConfig", "PresetConfig", "build_model", "model_from_config",
-           "stack_layers", "unstack_layers"]
+           "stack_layers", "unstack_layers", "ViT", "ViTConfig", "Bert",
+           "BertConfig"]

@@ -1,0 +1,346 @@
+"""ViT parity with Hugging Face ``ViTForImageClassification`` (PyTorch), through ``interop``.
+
+HF models are built from configs with random weights (no hub access), perturbed off HF's
+init (zero biases, identity LayerNorms) so that every mapping is exercised. HF takes NCHW
+``pixel_values``; our ViT takes NHWC, so images are transposed with (0, 2, 3, 1).
+"""
+import functools
+import json
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import textwrap  # noqa: E402
+
+import jax  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+import flax.linen as nn  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+import pytest  # noqa: E402
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from transformer_jax.interop import from_hf, hf_config, to_hf  # noqa: E402
+from transformer_jax.interop.hf import from_hf_state_dict, to_hf_numpy  # noqa: E402
+from transformer_jax.interop.hf_vit import vit_to_state_dict  # noqa: E402
+from transformer_jax.models.vit import ViT, ViTConfig, resize_pos_embedding  # noqa: E402
+
+# fp32 tolerances. Measured: logits (|logit| ~1) differ by <= 4e-7, gradients by <= 1e-7.
+LOGITS_RTOL, LOGITS_ATOL = 1e-5, 1e-5
+GRAD_RTOL, GRAD_ATOL = 1e-4, 1e-6
+
+HF_KWARGS = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                 image_size=16, patch_size=4, num_channels=3, num_labels=5)
+
+
+def make_hf(seed: int = 0, cls=None, **overrides):
+    """A random HF ViT in eval mode, weights perturbed off HF's init."""
+    torch.manual_seed(seed)
+    cls = cls or transformers.ViTForImageClassification
+    model = cls(transformers.ViTConfig(**{**HF_KWARGS, **overrides}))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+def random_images(seed, batch=3, size=16, channels=3) -> np.ndarray:
+    """NCHW float32, HF's layout."""
+    return np.random.default_rng(seed).standard_normal((batch, channels, size, size)).astype(np.float32)
+
+
+def nhwc(x):
+    return np.ascontiguousarray(x.transpose(0, 2, 3, 1))
+
+
+def hf_logits(model, pixels, **kw) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.from_numpy(pixels), **kw).logits.numpy()
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_apply(module):
+    return jax.jit(module.apply)
+
+
+def our_logits(module, params, pixels) -> np.ndarray:
+    return np.asarray(_jitted_apply(module)({"params": params}, nhwc(pixels)))
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    return make_hf()
+
+
+@pytest.fixture(scope="module")
+def converted(hf_model):
+    return from_hf(hf_model)
+
+
+# ----------------------------------------------------------------------------- forward
+
+def test_config_mapping(hf_model, converted):
+    module, _ = converted
+    cfg = module.config
+    assert isinstance(module, ViT)
+    assert (cfg.d_model, cfg.num_layers, cfg.num_heads, cfg.mlp_features) == (32, 2, 4, 64)
+    assert (cfg.image_size, cfg.patch_size, cfg.num_channels, cfg.num_classes) == (16, 4, 3, 5)
+    assert cfg.activation == "gelu" and cfg.norm_eps == 1e-12
+    back = hf_config(cfg)
+    for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                 "image_size", "patch_size", "num_channels", "num_labels", "hidden_act",
+                 "layer_norm_eps", "qkv_bias", "hidden_dropout_prob", "attention_probs_dropout_prob"):
+        assert getattr(back, name) == getattr(hf_model.config, name), name
+
+
+def test_logits_parity(hf_model, converted):
+    pixels = random_images(0)
+    ours, theirs = our_logits(*converted, pixels), hf_logits(hf_model, pixels)
+    assert np.abs(theirs).max() > 0.3
+    np.testing.assert_allclose(ours, theirs, rtol=LOGITS_RTOL, atol=LOGITS_ATOL)
+
+
+def test_scan_layers_conversion(hf_model, converted):
+    smod, sparams = from_hf(hf_model, scan_layers=True)
+    assert "encoderblock" in sparams and "encoderblock_0" not in sparams
+    pixels = random_images(1)
+    np.testing.assert_allclose(our_logits(smod, sparams, pixels), hf_logits(hf_model, pixels),
+                               rtol=LOGITS_RTOL, atol=LOGITS_ATOL)
+    a, b = to_hf_numpy(smod, sparams), to_hf_numpy(*converted)
+    assert set(a) == set(b)
+    for key in a:
+        np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+
+def test_vit_model_without_head_gives_the_cls_representation():
+    base = make_hf(seed=1, cls=lambda c: transformers.ViTModel(c, add_pooling_layer=False))
+    module, params = from_hf(base)
+    assert module.config.num_classes == 0 and "head" not in params
+    pixels = random_images(2)
+    with torch.no_grad():
+        cls = base(torch.from_numpy(pixels)).last_hidden_state[:, 0].numpy()
+    np.testing.assert_allclose(our_logits(module, params, pixels), cls, rtol=LOGITS_RTOL, atol=LOGITS_ATOL)
+    # back to HF: a ViTForImageClassification with num_labels=0 (identity classifier)
+    headless = transformers.ViTForImageClassification(hf_config(module.config)).eval()
+    headless.load_state_dict(to_hf(module, params), strict=True)
+    np.testing.assert_array_equal(hf_logits(headless, pixels), cls)
+
+
+def test_pooler_is_rejected_unless_dropped():
+    base = make_hf(seed=2, cls=transformers.ViTModel)          # add_pooling_layer=True
+    with pytest.raises(ValueError, match=r"pooler.*drop_pooler=True"):
+        from_hf(base)
+    module, params = from_hf(base, drop_pooler=True)
+    assert module.config.num_classes == 0
+
+
+# ----------------------------------------------------------------------------- gradients
+
+def test_gradient_parity_params_and_image(hf_model, converted):
+    module, params = converted
+    pixels = random_images(3, batch=4)
+    labels = np.array([0, 3, 4, 1])
+
+    def loss_fn(p, x):
+        logits = module.apply({"params": p}, x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+    jax_loss, (jax_grads, jax_image_grad) = jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 1)))(
+        params, jnp.asarray(nhwc(pixels)))
+
+    hf_model.zero_grad()
+    x = torch.from_numpy(pixels).requires_grad_(True)
+    loss = torch.nn.functional.cross_entropy(hf_model(x).logits, torch.as_tensor(labels))
+    loss.backward()
+    np.testing.assert_allclose(float(jax_loss), loss.item(), rtol=LOGITS_RTOL)
+    torch_grads = {name: p.grad for name, p in hf_model.named_parameters()}
+    _, mapped = from_hf_state_dict(hf_model.config, torch_grads)
+    hf_model.zero_grad()
+
+    flat_jax = jax.tree_util.tree_leaves_with_path(jax_grads)
+    flat_torch = dict(jax.tree_util.tree_leaves_with_path(mapped))
+    assert len(flat_jax) == len(flat_torch) == len(jax.tree_util.tree_leaves(params)) == 40
+    for path, g in flat_jax:
+        name = jax.tree_util.keystr(path)
+        # the key bias shifts a whole softmax row: its exact gradient is 0 (rounding noise)
+        if "'key']['bias'" not in name:
+            assert float(jnp.abs(g).max()) > 1e-4, f"{name}: (near-)zero gradient, vacuous test"
+        np.testing.assert_allclose(np.asarray(g), np.asarray(flat_torch[path]), rtol=GRAD_RTOL,
+                                   atol=GRAD_ATOL, err_msg=name)
+    image_grad = nhwc(x.grad.numpy())
+    assert np.abs(image_grad).max() > 1e-4
+    np.testing.assert_allclose(np.asarray(jax_image_grad), image_grad, rtol=GRAD_RTOL, atol=GRAD_ATOL)
+
+
+# ----------------------------------------------------------------------------- round trips
+
+def test_round_trip_strict_load(hf_model, converted):
+    module, params = converted
+    sd = to_hf(module, params)
+    assert set(sd) == set(hf_model.state_dict())
+    fresh = transformers.ViTForImageClassification(hf_config(module.config)).eval()
+    fresh.load_state_dict(sd, strict=True)
+    pixels = random_images(4)
+    np.testing.assert_array_equal(hf_logits(fresh, pixels), hf_logits(hf_model, pixels))
+    for key, value in hf_model.state_dict().items():
+        torch.testing.assert_close(sd[key], value, rtol=0, atol=0, msg=key)
+
+
+def test_legacy_layout_round_trip_and_hf_loads_it(hf_model, converted, tmp_path):
+    """transformers 4.x / hub key names: we read them, and HF itself maps them to ours."""
+    from safetensors.numpy import save_file
+
+    module, params = converted
+    legacy = vit_to_state_dict(module, params, layout="legacy")
+    assert "vit.encoder.layer.1.attention.attention.query.weight" in legacy
+    assert "vit.encoder.layer.0.intermediate.dense.weight" in legacy
+    _, back = from_hf_state_dict(hf_model.config, legacy)
+    for (path, a), (_, b) in zip(jax.tree_util.tree_leaves_with_path(back),
+                                 jax.tree_util.tree_leaves_with_path(params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
+    save_file(legacy, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(hf_model.config.to_dict()))
+    loaded = transformers.ViTForImageClassification.from_pretrained(tmp_path).eval()
+    pixels = random_images(5)
+    np.testing.assert_array_equal(hf_logits(loaded, pixels), hf_logits(hf_model, pixels))
+
+
+_LOAD_WITHOUT_TORCH = textwrap.dedent("""
+    import sys
+    sys.modules["torch"] = None          # any `import torch` now raises ImportError
+    import jax
+    jax.config.update("jax_default_matmul_precision", "highest")
+    import numpy as np
+    from transformer_jax.interop import from_hf
+    module, params = from_hf(sys.argv[1])
+    images = np.load(sys.argv[2])
+    np.save(sys.argv[3], np.asarray(module.apply({"params": params}, images)))
+    assert "torch" not in [m.split(".")[0] for m in sys.modules if sys.modules[m] is not None]
+""")
+
+
+def test_load_save_pretrained_dir_without_torch(hf_model, tmp_path):
+    hf_model.save_pretrained(tmp_path / "ckpt", safe_serialization=True)
+    pixels = random_images(6)
+    np.save(tmp_path / "images.npy", nhwc(pixels))
+    subprocess.run([sys.executable, "-c", _LOAD_WITHOUT_TORCH, str(tmp_path / "ckpt"),
+                    str(tmp_path / "images.npy"), str(tmp_path / "out.npy")], check=True)
+    np.testing.assert_allclose(np.load(tmp_path / "out.npy"), hf_logits(hf_model, pixels),
+                               rtol=LOGITS_RTOL, atol=LOGITS_ATOL)
+
+
+# ----------------------------------------------------------------------------- position resizing
+
+@pytest.mark.parametrize("size", [24, 8, 20])
+def test_resize_on_load_matches_hf_interpolate_pos_encoding(hf_model, size):
+    """HF interpolates bicubically at run time; we resize the table once on load: same logits."""
+    module, params = from_hf(hf_model, image_size=size)
+    assert module.config.image_size == size and params["pos_embedding"].shape == ((size // 4) ** 2 + 1, 32)
+    pixels = random_images(7, size=size)
+    np.testing.assert_allclose(our_logits(module, params, pixels),
+                               hf_logits(hf_model, pixels, interpolate_pos_encoding=True),
+                               rtol=LOGITS_RTOL, atol=LOGITS_ATOL)
+
+
+def test_resize_pos_embedding_equals_hf_function(hf_model):
+    emb = hf_model.vit.embeddings
+    table = emb.position_embeddings.detach().numpy()                        # (1, 17, 32)
+    with torch.no_grad():
+        theirs = emb.interpolate_pos_encoding(torch.zeros(1, 50, 32), 28, 28).numpy()   # 7x7 grid
+    ours = np.asarray(resize_pos_embedding(table, 7))
+    assert ours.shape == theirs.shape == (1, 50, 32)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-6)
+    with torch.no_grad():
+        bilinear = torch.nn.functional.interpolate(
+            torch.from_numpy(table[0, 1:].reshape(4, 4, 32)).permute(2, 0, 1)[None], size=(7, 7),
+            mode="bilinear", align_corners=False)[0].permute(1, 2, 0).reshape(49, 32).numpy()
+    np.testing.assert_allclose(np.asarray(resize_pos_embedding(table[0], 7, method="bilinear"))[1:],
+                               bilinear, rtol=1e-6, atol=1e-6)
+
+
+def test_task_starts_from_a_pretrained_hf_dir(tmp_path):
+    """Fine-tuning start: HF weights, position table resized to the task's size, new head."""
+    from transformer_jax.models.vit import init_params
+    from transformer_jax.tasks import make_task
+    from transformer_jax.train.config import ExperimentConfig, apply_overrides
+
+    gray = make_hf(seed=4, num_channels=1)                   # 5 classes, 16 px, like digits' 1 channel
+    gray.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    cfg = apply_overrides(ExperimentConfig(model_overrides={}), [
+        "task=image_classification", "model=vit", "model_preset=tiny", "dataset=digits",
+        "model.d_model=32", "model.num_heads=4", "model.mlp_dim=64", "model.norm_eps=1e-12",
+        "task.image_size=24", f"task.pretrained={tmp_path / 'hf'}"])
+    task = make_task(cfg, tmp_path / "run")
+    fresh = jax.jit(lambda k: init_params(ViT(task.model_config), k))(jax.random.PRNGKey(0))
+    out = task.init_params(fresh)
+    _, want = from_hf(gray, image_size=24)
+    np.testing.assert_array_equal(np.asarray(out["pos_embedding"]), np.asarray(want["pos_embedding"]))
+    assert out["pos_embedding"].shape == (37, 32)
+    np.testing.assert_array_equal(np.asarray(out["encoderblock_1"]["mlp"]["wo"]["kernel"]),
+                                  np.asarray(want["encoderblock_1"]["mlp"]["wo"]["kernel"]))
+    assert out["head"]["kernel"].shape == (32, 10)            # 5 -> 10 classes: the fresh head
+    np.testing.assert_array_equal(np.asarray(out["head"]["kernel"]), 0.0)
+    rgb = cfg.replace(model_overrides={**cfg.model_overrides, "mlp_dim": 48})
+    with pytest.raises(ValueError, match=r"mlp.*shape"):
+        wrong = make_task(rgb, tmp_path / "run2")
+        wrong.init_params(jax.eval_shape(lambda: init_params(ViT(wrong.model_config), jax.random.PRNGKey(0))))
+
+
+# ----------------------------------------------------------------------------- parameter counts
+
+@pytest.mark.parametrize("name", sorted(ViTConfig.PRESETS))
+def test_parameter_counts_match_hf(name):
+    cfg = ViTConfig.preset(name)
+    with torch.device("meta"):
+        hf = transformers.ViTForImageClassification(hf_config(cfg))
+    hf_count = sum(p.numel() for p in hf.parameters())
+    images = jnp.zeros((1, cfg.image_size, cfg.image_size, cfg.num_channels))
+    scanned = ViT(cfg.replace(scan_layers=True))                 # same count, a quicker trace
+    shapes = jax.eval_shape(lambda: scanned.init(jax.random.PRNGKey(0), images))["params"]
+    ours = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(nn.meta.unbox(shapes)))
+    assert cfg.num_params() == ours == hf_count
+    with torch.device("meta"):                        # the pooler exists only in ViTModel
+        pooled = transformers.ViTModel(hf_config(cfg))
+    assert sum(p.numel() for p in pooled.parameters()) == hf_count - (cfg.d_model + 1) * (cfg.num_classes - cfg.d_model)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+def _state_dict(model):
+    return dict(model.state_dict())
+
+
+def test_unknown_missing_and_misshapen_keys_raise(hf_model):
+    sd = _state_dict(hf_model)
+    sd["vit.embeddings.mask_token"] = torch.zeros(1, 1, 32)
+    with pytest.raises(ValueError, match=r"vit\.embeddings\.mask_token"):
+        from_hf_state_dict(hf_model.config, sd)
+    sd = _state_dict(hf_model)
+    del sd["vit.layers.1.mlp.fc1.bias"]
+    with pytest.raises(ValueError, match=r"vit\.layers\.1\.mlp\.fc1\.bias"):
+        from_hf_state_dict(hf_model.config, sd)
+    sd = _state_dict(hf_model)
+    sd["vit.embeddings.patch_embeddings.projection.weight"] = torch.zeros(32, 3, 8, 8)
+    with pytest.raises(ValueError, match=r"projection\.weight.*\(32, 3, 8, 8\).*\(32, 3, 4, 4\)"):
+        from_hf_state_dict(hf_model.config, sd)
+
+
+@pytest.mark.parametrize("option, value", [("qkv_bias", False), ("hidden_act", "quick_gelu"),
+                                           ("image_size", [16, 32]), ("model_type", "deit")])
+def test_unsupported_config_option_raises(hf_model, option, value):
+    config = {**hf_model.config.to_dict(), option: value}
+    with pytest.raises(ValueError, match=option if option != "model_type" else "deit"):
+        from_hf_state_dict(config, _state_dict(hf_model))
+
+
+def test_patch_size_cannot_change_on_load(hf_model):
+    with pytest.raises(ValueError, match="patch_size"):
+        from_hf(hf_model, patch_size=8)

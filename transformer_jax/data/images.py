@@ -1,0 +1,298 @@
+"""Image-classification input pipeline: labelled images -> preprocessed, sharded batches.
+
+Datasets:
+
+* ``"digits"``: scikit-learn's ``load_digits`` (1797 grayscale 8x8 images of the digits
+  0-9, pixel values 0..16), shipped inside the ``scikit-learn`` package, so it works
+  offline. There is no official split: a fixed permutation (``split_seed``) puts
+  ``test_fraction`` of the images (360 of 1797 at 0.2) in ``"test"`` and the rest in
+  ``"train"``.
+* any TFDS dataset with ``image`` and ``label`` features read through
+  ``tfds.data_source`` (array_record, no TensorFlow), e.g. ``"cifar10"`` (train/test) or
+  ``"imagenet2012"`` (train/validation). These are downloaded and prepared by TFDS on
+  first use (tests use ``tfds.testing.mock_data``).
+
+Preprocessing (one function, :func:`preprocess_image`), to ``image_size`` S:
+
+  1. scale pixel values to [-1, 1] (``x / max_value * 2 - 1``; max_value 16 for digits,
+     255 for uint8 images), as HF ViT's processor (mean = std = 0.5) and big_vision;
+  2. resize the shorter side to S (bilinear, antialiased when shrinking: PIL) and take
+     the central S x S crop (a no-op for square images already of size S);
+  3. with ``augment`` (training only): pad by S // 8 pixels with the background value
+     (-1) and take a random S x S crop, then, with ``flip``, mirror left-right with
+     probability 1/2. The random numbers of an example depend only on
+     ``(seed, epoch, example index)``, so a resumed run sees the same augmentations.
+
+Batches (``B = batch_size // process_count`` rows on each process)::
+
+    {"images":  float32 (B, S, S, C)   NHWC
+     "labels":  int32   (B,)
+     "weights": float32 (B,)}          1.0, or 0.0 on rows that pad the last eval batch
+
+Order. Training iterates endlessly over epochs; epoch e visits the examples in the order
+``permutation(n, seed, e)`` (:func:`transformer_jax.data.pipeline.permutation`) and drops
+its last ``n mod batch_size`` examples. Process p of P takes rows [p B/P, (p+1) B/P) of
+every global batch. The position is ``{"mode": "images", "epoch", "index"}``
+(:meth:`ImageIterator.get_state`); ``set_state`` resumes exactly. Evaluation is one
+in-order pass that keeps every example (the last batch padded with weight-0 rows).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from transformer_jax.data.pipeline import _read, default_data_dir, open_source, permutation
+
+__all__ = ["DatasetInfo", "ImageIterator", "dataset_info", "digits_split", "load_digits_arrays",
+           "make_image_iterator", "open_image_source", "preprocess_image"]
+
+DIGITS_SPLITS = ("train", "test")
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetInfo:
+    """What the model and the preprocessing need to know about a dataset."""
+    name: str
+    num_classes: int
+    num_channels: int
+    max_value: float                 # the pixel value that maps to +1
+    label_names: tuple[str, ...]
+    flip: bool                       # is left-right mirroring a label-preserving augmentation?
+
+
+# ----------------------------------------------------------------------------- digits
+
+def load_digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's digits: images float32 (1797, 8, 8, 1) in [0, 16], labels int32 (1797,)."""
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError as e:   # pragma: no cover - depends on the environment
+        raise ImportError("the 'digits' dataset comes from scikit-learn; install it with "
+                          "`pip install scikit-learn`") from e
+    digits = load_digits()
+    return (digits.images.astype(np.float32)[..., None], digits.target.astype(np.int32))
+
+
+class ArraySource:
+    """In-memory random-access source of ``{"image", "label"}`` examples."""
+
+    def __init__(self, images: np.ndarray, labels: np.ndarray):
+        if len(images) != len(labels):
+            raise ValueError(f"{len(images)} images but {len(labels)} labels")
+        self.images, self.labels = images, labels
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"image": self.images[i], "label": self.labels[i]}
+
+
+def digits_split(split: str, *, test_fraction: float = 0.2, split_seed: int = 0) -> ArraySource:
+    """The ``"train"`` or ``"test"`` part of the digits (a fixed, seeded partition)."""
+    if split not in DIGITS_SPLITS:
+        raise ValueError(f"the 'digits' dataset has splits {DIGITS_SPLITS}, not {split!r} "
+                         "(set eval_split='test')")
+    if not 0.0 < test_fraction < 1.0:
+        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
+    images, labels = load_digits_arrays()
+    order = permutation(len(labels), split_seed, 0)
+    n_test = int(round(test_fraction * len(labels)))
+    rows = np.sort(order[:n_test] if split == "test" else order[n_test:])
+    return ArraySource(images[rows], labels[rows])
+
+
+# ----------------------------------------------------------------------------- sources
+
+def open_image_source(dataset: str, split: str, *, data_dir: str | None = None,
+                      test_fraction: float = 0.2, split_seed: int = 0):
+    """Random-access source of ``{"image": (h, w, c), "label": int}`` examples."""
+    if dataset == "digits":
+        return digits_split(split, test_fraction=test_fraction, split_seed=split_seed)
+    source, _ = open_source(dataset, split, data_dir=data_dir or default_data_dir())
+    return source
+
+
+def dataset_info(dataset: str, *, data_dir: str | None = None) -> DatasetInfo:
+    """Classes, channels and value range of ``"digits"`` or a TFDS image dataset (no data read)."""
+    if dataset == "digits":
+        return DatasetInfo("digits", 10, 1, 16.0, tuple(str(i) for i in range(10)), False)
+    import tensorflow_datasets as tfds
+
+    try:
+        features = tfds.builder(dataset, data_dir=data_dir or default_data_dir()).info.features
+    except tfds.core.registered.DatasetNotFoundError as e:
+        raise ValueError(f"unknown image dataset {dataset!r}: use 'digits' or a TFDS name such as "
+                         "'cifar10' or 'imagenet2012'") from e
+    if "image" not in features or "label" not in features:
+        raise ValueError(f"dataset {dataset!r} is not an image-classification dataset: it needs "
+                         f"'image' and 'label' features (it has {sorted(features)}); try "
+                         "'digits', 'cifar10' or 'imagenet2012'")
+    label, image = features["label"], features["image"]
+    names = tuple(getattr(label, "names", None) or (str(i) for i in range(label.num_classes)))
+    channels = image.shape[-1] or 3
+    base = dataset.split("/")[0].split(":")[0]
+    return DatasetInfo(base, int(label.num_classes), int(channels), 255.0, names, True)
+
+
+# ----------------------------------------------------------------------------- preprocessing
+
+def _resize(image: np.ndarray, height: int, width: int) -> np.ndarray:
+    """Bilinear resize of a float32 (h, w, c) image, per channel through PIL ("F" mode)."""
+    from PIL import Image
+
+    if image.shape[:2] == (height, width):
+        return image
+    channels = [np.asarray(Image.fromarray(np.ascontiguousarray(image[..., k]), mode="F")
+                           .resize((width, height), Image.BILINEAR))
+                for k in range(image.shape[-1])]
+    return np.stack(channels, axis=-1)
+
+
+def preprocess_image(image: np.ndarray, image_size: int, *, max_value: float = 255.0,
+                     augment: bool = False, flip: bool = False,
+                     rng: np.random.Generator | None = None) -> np.ndarray:
+    """One (h, w, c) image -> float32 (S, S, c) in [-1, 1] (module docstring, steps 1-3)."""
+    image = np.asarray(image)
+    if image.ndim == 2:
+        image = image[..., None]
+    if image.ndim != 3:
+        raise ValueError(f"expected an (h, w, c) image, got shape {image.shape}")
+    x = image.astype(np.float32) * (2.0 / max_value) - 1.0
+    h, w = x.shape[:2]
+    s = image_size
+    scale = s / min(h, w)
+    nh, nw = max(s, round(h * scale)), max(s, round(w * scale))
+    x = _resize(x, nh, nw)
+    top, left = (nh - s) // 2, (nw - s) // 2
+    x = x[top:top + s, left:left + s]
+    if augment:
+        if rng is None:
+            raise ValueError("augment=True needs an rng")
+        pad = s // 8
+        if pad:
+            x = np.pad(x, ((pad, pad), (pad, pad), (0, 0)), constant_values=-1.0)
+            dy, dx = rng.integers(0, 2 * pad + 1, size=2)
+            x = x[dy:dy + s, dx:dx + s]
+        if flip and rng.random() < 0.5:
+            x = x[:, ::-1]
+    return np.ascontiguousarray(x, dtype=np.float32)
+
+
+# ----------------------------------------------------------------------------- iterator
+
+class ImageIterator:
+    """Batches of preprocessed images with a savable position (module docstring).
+
+    Attributes: ``num_examples``, ``batches_per_epoch`` (per pass in eval),
+    ``global_batch_size``, ``batch_size`` (this process's rows).
+    """
+
+    def __init__(self, source, *, name: str, split: str, image_size: int, num_channels: int,
+                 max_value: float, batch_size: int, seed: int, shuffle: bool, repeat: bool,
+                 augment: bool = False, flip: bool = False, process_index: int = 0,
+                 process_count: int = 1):
+        if image_size < 1:
+            raise ValueError(f"image_size must be >= 1, got {image_size}")
+        if batch_size < 1 or batch_size % process_count:
+            raise ValueError(f"batch_size {batch_size} must be >= 1 and divisible by "
+                             f"process_count {process_count}")
+        self._source = source
+        self.name, self.split = name, split
+        self.image_size, self.num_channels, self.max_value = image_size, num_channels, max_value
+        self.global_batch_size = batch_size
+        self.batch_size = batch_size // process_count
+        self.seed, self.shuffle, self.repeat = seed, shuffle, repeat
+        self.augment, self.flip = augment, flip
+        self.process_index, self.process_count = process_index, process_count
+        self.num_examples = len(source)
+        if self.num_examples == 0:
+            raise ValueError(f"dataset {name!r} split {split!r} is empty (0 examples); prepare the "
+                             "dataset again or choose another dataset/split")
+        if repeat:
+            self.batches_per_epoch = self.num_examples // batch_size
+            if self.batches_per_epoch == 0:
+                raise ValueError(f"dataset {name!r} split {split!r} has {self.num_examples} "
+                                 f"examples, fewer than one batch of {batch_size}; lower batch_size")
+        else:
+            self.batches_per_epoch = -(-self.num_examples // batch_size)
+        self._epoch, self._index = 0, 0
+        self._order_cache: tuple[int, np.ndarray] | None = None
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if self._order_cache is None or self._order_cache[0] != epoch:
+            order = (permutation(self.num_examples, self.seed, epoch) if self.shuffle
+                     else np.arange(self.num_examples))
+            self._order_cache = (epoch, order)
+        return self._order_cache[1]
+
+    def __iter__(self) -> ImageIterator:
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        if not self.repeat and self._index >= self.batches_per_epoch:
+            raise StopIteration
+        b, s = self.batch_size, self.image_size
+        first = self._index * self.global_batch_size + self.process_index * b
+        positions = np.arange(first, first + b)
+        ids = self._order(self._epoch)[positions[positions < self.num_examples]]
+        images = np.zeros((b, s, s, self.num_channels), np.float32)
+        labels = np.zeros((b,), np.int32)
+        weights = np.zeros((b,), np.float32)
+        for row, (i, example) in enumerate(zip(ids, _read(self._source, ids))):
+            rng = (np.random.default_rng([self.seed, self._epoch, int(i)])
+                   if self.augment else None)
+            image = preprocess_image(example["image"], s, max_value=self.max_value,
+                                     augment=self.augment, flip=self.flip, rng=rng)
+            if image.shape[-1] != self.num_channels:
+                raise ValueError(f"dataset {self.name!r} example {int(i)} has {image.shape[-1]} "
+                                 f"channels, expected {self.num_channels}")
+            images[row], labels[row], weights[row] = image, int(example["label"]), 1.0
+        self._index += 1
+        if self.repeat and self._index == self.batches_per_epoch:
+            self._epoch, self._index = self._epoch + 1, 0
+        return {"images": images, "labels": labels, "weights": weights}
+
+    def get_state(self) -> dict[str, Any]:
+        """The position of the next batch, JSON-serialisable (independent of the process)."""
+        return {"mode": "images", "epoch": int(self._epoch), "index": int(self._index)}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Move to a position returned by :meth:`get_state`."""
+        if not isinstance(state, dict) or state.get("mode") != "images":
+            raise ValueError(f"cannot restore {state!r}: not an image-iterator state")
+        epoch, index = state.get("epoch"), state.get("index")
+        if not isinstance(epoch, int) or not isinstance(index, int) or epoch < 0 or index < 0:
+            raise ValueError(f"image-iterator state needs non-negative integer epoch and index, "
+                             f"got {state!r}")
+        if index > self.batches_per_epoch or (self.repeat and index == self.batches_per_epoch):
+            raise ValueError(f"image-iterator state index {index} is out of range for "
+                             f"{self.batches_per_epoch} batches per epoch")
+        self._epoch, self._index = epoch, index
+
+
+def make_image_iterator(dataset: str, split: str, *, image_size: int, batch_size: int,
+                        seed: int = 0, shuffle: bool = True, repeat: bool = True,
+                        augment: bool = False, flip: bool | None = None,
+                        data_dir: str | None = None, process_index: int = 0,
+                        process_count: int = 1, test_fraction: float = 0.2, split_seed: int = 0,
+                        info: DatasetInfo | None = None) -> ImageIterator:
+    """An :class:`ImageIterator` over ``dataset``'s ``split`` (module docstring).
+
+    ``flip`` defaults to the dataset's (False for digits, True for TFDS photos);
+    ``augment`` applies only where ``repeat`` (training).
+    """
+    if process_count < 1 or not 0 <= process_index < process_count:
+        raise ValueError(f"need 0 <= process_index < process_count, got {process_index}, "
+                         f"{process_count}")
+    info = info or dataset_info(dataset, data_dir=data_dir)
+    source = open_image_source(dataset, split, data_dir=data_dir, test_fraction=test_fraction,
+                               split_seed=split_seed)
+    return ImageIterator(source, name=dataset, split=split, image_size=image_size,
+                         num_channels=info.num_channels, max_value=info.max_value,
+                         batch_size=batch_size, seed=seed, shuffle=shuffle, repeat=repeat,
+                         augment=augment and repeat, flip=info.flip if flip is None else flip,
+                         process_index=process_index, process_count=process_count)
+

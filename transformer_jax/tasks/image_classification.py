@@ -1,0 +1,172 @@
+"""Image classification (ViT): labelled images -> class logits, scored by accuracy.
+
+Data (``ExperimentConfig.dataset``): ``"digits"`` (scikit-learn's 8x8 digits, offline;
+splits ``train``/``test``) or a TFDS image dataset by name (``"cifar10"``,
+``"imagenet2012"``: ``image`` and ``label`` features); see
+:mod:`transformer_jax.data.images` for preprocessing, batching and resume. Batches:
+``{"images": float32 (B, S, S, C), "labels": int32 (B,), "weights": float32 (B,)}``.
+
+The data fixes the model's ``num_classes`` and ``num_channels``; the images are resized
+and cropped to the model's ``image_size`` (the preset's, ``model.image_size=...``, or the
+task option ``image_size``, which also sets the model's). Loss: cross-entropy with the
+run's ``label_smoothing``, through the shared ``token_loss`` (one "token" per image), so
+the train and eval metrics include ``accuracy`` (``eval_accuracy``: top-1 on the eval
+split).
+
+Options (``--set task.NAME=value``):
+  image_size     the side S images are resized/cropped to (default: the model's)
+  augment        random crops (pad S//8) and, where ``flip``, mirroring in training
+  flip           mirror as augmentation (default: False for digits, True for TFDS photos)
+  test_fraction  digits only: the share held out as ``test`` (default 0.2)
+  split_seed     digits only: the seed of that fixed train/test partition (default 0)
+  num_samples    predictions vs labels printed at each eval (default 8; 0 = none)
+  pretrained     start from a HF ViT ``save_pretrained`` directory or a transformer_jax
+                 workdir: the position table is resized to S, the head re-initialised
+                 when the class counts differ
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..data import images as image_data
+from ..models import FAMILIES, build_model
+from ..train.step import token_loss
+from .base import Task, register_task
+
+
+def image_classification_loss(apply_fn, params, batch, rngs, deterministic: bool,
+                              smoothing: float):
+    """``batch = {"images": (B, H, W, C), "labels": (B,) int, "weights": (B,)}`` -> (loss_sum, sums)."""
+    logits = apply_fn({"params": params}, batch["images"], deterministic=deterministic, rngs=rngs)
+    return token_loss(logits, batch["labels"], batch.get("weights"), smoothing)
+
+
+@register_task
+class ImageClassificationTask(Task):
+    """ViT image classification; options in the module docstring."""
+    name = "image_classification"
+    OPTIONS = {"image_size": None, "augment": False, "flip": None, "test_fraction": 0.2,
+               "split_seed": 0, "num_samples": 8, "pretrained": None}
+    loss_fn = staticmethod(image_classification_loss)
+
+    def __init__(self, cfg, workdir, *, spec=None):
+        super().__init__(cfg, workdir, spec=spec)
+        if spec is not None:
+            self.info = image_data.DatasetInfo(
+                spec["dataset"], spec["num_classes"], spec["num_channels"], spec["max_value"],
+                tuple(spec["label_names"]), spec["flip"])
+        else:
+            if cfg.dataset == "python_stdlib":
+                raise ValueError("task 'image_classification' needs an image dataset; set "
+                                 "dataset=digits (offline), cifar10 or imagenet2012")
+            self.info = image_data.dataset_info(cfg.dataset, data_dir=cfg.data_dir)
+        self.model_config = self._model_config()
+        self.image_size = self.model_config.image_size
+        self._predict = None
+
+    # -- model ---------------------------------------------------------------------
+    def _model_config(self):
+        cfg = self.cfg
+        if cfg.model not in FAMILIES:
+            raise ValueError(f"unknown model family {cfg.model!r}; choose one of {sorted(FAMILIES)}")
+        if not hasattr(FAMILIES[cfg.model][0], "patch_size"):
+            raise ValueError(f"task 'image_classification' needs an image model (model='vit'), "
+                             f"got model={cfg.model!r}")
+        size = self.options["image_size"]
+        given = cfg.model_overrides.get("image_size")
+        if size is not None and given is not None and size != given:
+            raise ValueError(f"task.image_size={size} and model.image_size={given} disagree; set one")
+        for field, need in (("num_classes", self.info.num_classes),
+                            ("num_channels", self.info.num_channels)):
+            have = cfg.model_overrides.get(field)
+            if have is not None and have != need:
+                raise ValueError(f"model.{field}={have} but dataset {cfg.dataset!r} has {need}; "
+                                 f"drop model.{field} (the task sets it)")
+        model_cfg, _ = build_model(cfg.model, cfg.model_preset,
+                                   {**self.model_overrides(), **cfg.model_overrides})
+        return model_cfg
+
+    def model_overrides(self) -> dict:
+        out = {"num_classes": self.info.num_classes, "num_channels": self.info.num_channels}
+        if self.options["image_size"] is not None:
+            out["image_size"] = int(self.options["image_size"])
+        return out
+
+    def spec(self) -> dict:
+        info = self.info
+        return {"dataset": info.name, "num_classes": info.num_classes,
+                "num_channels": info.num_channels, "max_value": info.max_value,
+                "label_names": list(info.label_names), "image_size": self.image_size,
+                "flip": info.flip}
+
+    def init_args(self):
+        s, c = self.image_size, self.info.num_channels
+        return (jnp.zeros((1, s, s, c), jnp.float32),)
+
+    # -- data ----------------------------------------------------------------------
+    def _iterator(self, split, process_index, process_count, *, train: bool):
+        cfg, opt = self.cfg, self.options
+        return image_data.make_image_iterator(
+            cfg.dataset, split, image_size=self.image_size, batch_size=cfg.batch_size,
+            seed=cfg.seed, shuffle=train, repeat=train, augment=bool(opt["augment"]) and train,
+            flip=opt["flip"], data_dir=cfg.data_dir, process_index=process_index,
+            process_count=process_count, test_fraction=opt["test_fraction"],
+            split_seed=opt["split_seed"], info=self.info)
+
+    def train_iterator(self, process_index, process_count):
+        return self._iterator("train", process_index, process_count, train=True)
+
+    def eval_batches(self, process_index, process_count):
+        return self._iterator(self.cfg.eval_split, process_index, process_count, train=False)
+
+    # -- accounting ----------------------------------------------------------------
+    def tokens_per_step(self) -> int:
+        """Tokens of one global batch: (patches + 1) per image."""
+        return self.cfg.batch_size * self.model_config.seq_len
+
+    def flops_per_step(self, model_cfg) -> float:
+        """``batch_size`` x the model's training FLOPs per image."""
+        return self.cfg.batch_size * model_cfg.flops_per_image()
+
+    # -- pretrained start ------------------------------------------------------------
+    def init_params(self, params):
+        path = self.options["pretrained"]
+        if not path:
+            return params
+        from ..models.vit import adapt_pretrained
+
+        path = Path(path)
+        config_json = path / "config.json"
+        if config_json.is_file() and "model_type" in json.loads(config_json.read_text()):
+            from ..interop.hf import from_hf
+
+            module, loaded = from_hf(path, drop_pooler=True)
+        elif (path / "checkpoints").is_dir():
+            from ..train.loop import load_run
+
+            _, module, loaded, _ = load_run(path)
+        else:
+            raise ValueError(f"task.pretrained={str(path)!r} is neither a Hugging Face "
+                             "save_pretrained directory (config.json with a model_type) nor a "
+                             "transformer_jax workdir (with checkpoints/)")
+        return adapt_pretrained(params, self.model_config, loaded, module.config)
+
+    # -- samples -------------------------------------------------------------------
+    def sample(self, model, params, step):
+        n = int(self.options["num_samples"])
+        if n <= 0:
+            return None
+        batch = next(iter(self._iterator(self.cfg.eval_split, 0, 1, train=False)))
+        if self._predict is None:
+            self._predict = jax.jit(lambda p, x: jnp.argmax(model.apply({"params": p}, x), -1))
+        preds = np.asarray(self._predict(params, batch["images"]))
+        names = self.info.label_names
+        rows = [i for i in range(len(preds)) if batch["weights"][i] > 0][:n]
+        parts = [f"{names[preds[i]]}/{names[batch['labels'][i]]}"
+                 + ("" if preds[i] == batch["labels"][i] else "*") for i in rows]
+        return "prediction/label (* = wrong): " + " ".join(parts)

@@ -1,0 +1,356 @@
+"""Masked-language-model pretraining (BERT) on packed text, with the 80/10/10 masking recipe.
+
+Vocabulary. The base tokenizer (``cfg.tokenizer``: bytes by default, or SentencePiece)
+keeps its ids (pad 0, eos 1, unk 2, ordinary tokens from 3); BERT's three specials are
+appended after it (:class:`MLMVocab`)::
+
+    [CLS] = base.vocab_size     [SEP] = base.vocab_size + 1     [MASK] = base.vocab_size + 2
+
+so the byte-level model has 259 + 3 = 262 ids ([CLS] 259, [SEP] 260, [MASK] 261), and
+``vocab_size`` is set from the tokenizer. Padding is the base pad id 0, and ``pad_token_id=0``.
+
+Sequences. The training text is packed exactly as for language modelling
+(:func:`transformer_jax.data.make_lm_iterator`: documents + eos, concatenated, shuffled
+windows with a savable position); each row holds ``seq_len - 2`` consecutive stream tokens
+framed as ``[CLS] tokens [SEP]``. Eval uses the held-out split in order, one pass; its last
+window is shorter and right-padded (``attention_mask`` 0 on padding).
+
+Masking (:func:`mask_tokens`, a pure function of the ids and a seed): in each row, exactly
+``round(mask_prob * n)`` of the ``n`` non-special tokens (at least one) are selected, a
+uniformly random subset; of those, 80% become [MASK], 10% a random ordinary token, 10%
+stay unchanged (each token draws its fate independently). Targets are the original ids at
+the selected positions and weights 1 there, 0 elsewhere. Special = pad, eos, [CLS], [SEP],
+[MASK]. The random draws are SplitMix64 hashes of (seed, batch number, global row,
+position) -- the same on every platform, and the same rows whatever the process count --
+so a resumed run sees exactly the masks the uninterrupted run saw.
+
+Metrics: ``eval_loss`` (MLM cross-entropy per masked token, nats) and ``eval_accuracy``
+(masked-token accuracy).
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import data as data_lib
+from ..data.pipeline import _splitmix64, _splitmix64_array
+from ..train.step import token_loss
+from .base import Task, register_task
+
+_MASK64 = (1 << 64) - 1
+
+
+# ----------------------------------------------------------------------------- vocabulary
+
+@dataclasses.dataclass(frozen=True)
+class MLMVocab:
+    """A base tokenizer plus BERT's specials appended after its last id."""
+    tokenizer: data_lib.Tokenizer
+
+    @property
+    def base_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+    @property
+    def cls_id(self) -> int:
+        return self.base_size
+
+    @property
+    def sep_id(self) -> int:
+        return self.base_size + 1
+
+    @property
+    def mask_id(self) -> int:
+        return self.base_size + 2
+
+    @property
+    def vocab_size(self) -> int:
+        return self.base_size + 3
+
+    @property
+    def pad_id(self) -> int:
+        return self.tokenizer.pad_id
+
+    @property
+    def special_ids(self) -> tuple[int, ...]:
+        return (self.tokenizer.pad_id, self.tokenizer.eos_id, self.cls_id, self.sep_id, self.mask_id)
+
+    @property
+    def random_range(self) -> tuple[int, int]:
+        """[low, high): the ordinary tokens a masked position may be replaced by."""
+        return 3, self.base_size
+
+    def render(self, ids: Sequence[int]) -> str:
+        """Text of ``ids`` with the specials written as [CLS] [SEP] [MASK]; pad dropped."""
+        names = {self.cls_id: "[CLS]", self.sep_id: "[SEP]", self.mask_id: "[MASK]"}
+        out, run = [], []
+        for i in np.asarray(ids).reshape(-1).tolist():
+            if i in names or i == self.pad_id:
+                out.append(self.tokenizer.decode(run))
+                run = []
+                out.append(names.get(i, ""))
+            else:
+                run.append(i)
+        out.append(self.tokenizer.decode(run))
+        return "".join(out)
+
+
+def build_tokenizer(cfg, workdir: str | Path, spec: Mapping[str, Any] | None):
+    """``(tokenizer, spec string)`` from a saved task spec, or from ``cfg.tokenizer``.
+
+    ``"sentencepiece"`` trains a model on the train split into ``workdir/spm.model`` once.
+    """
+    if spec is not None:
+        return data_lib.get_tokenizer(spec["tokenizer"]), spec["tokenizer"]
+    if cfg.tokenizer == "sentencepiece":
+        path = Path(workdir) / "spm.model"
+        if not path.exists():
+            texts = data_lib.load_texts(cfg.dataset, "train", data_dir=cfg.data_dir,
+                                        max_documents=200_000)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            data_lib.train_sentencepiece(texts, cfg.sentencepiece_vocab_size, str(path))
+        spec_str = f"sentencepiece:{path.resolve()}"
+    else:
+        spec_str = cfg.tokenizer
+    return data_lib.get_tokenizer(spec_str), spec_str
+
+
+# ----------------------------------------------------------------------------- masking
+
+def _key(seed: int | Sequence[int]) -> int:
+    """Fold an int or a sequence of ints into one 64-bit key."""
+    key = 0x5EED
+    for s in ([seed] if isinstance(seed, (int, np.integer)) else list(seed)):
+        key = _splitmix64(key ^ (int(s) & _MASK64))
+    return key
+
+
+def _hashes(key: int, stream: int, shape: tuple[int, int], row_offset: int) -> np.ndarray:
+    """uint64 (B, T): SplitMix64 of (key, stream, global row, position)."""
+    base = np.uint64(_splitmix64(key ^ _splitmix64(stream)))
+    rows = (np.arange(shape[0], dtype=np.uint64) + np.uint64(row_offset))[:, None]
+    cols = np.arange(shape[1], dtype=np.uint64)[None, :]
+    return _splitmix64_array(base + (rows << np.uint64(32)) + cols)
+
+
+def _uniform(h: np.ndarray) -> np.ndarray:
+    """uint64 hashes -> float64 uniforms in [0, 1) (their top 53 bits)."""
+    return (h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+
+def mask_tokens(ids: np.ndarray, seed: int | Sequence[int], *, mask_id: int,
+                random_range: tuple[int, int], special_ids: Sequence[int] = (),
+                mask_prob: float = 0.15, mask_token_prob: float = 0.8,
+                random_token_prob: float = 0.1, row_offset: int = 0) -> dict[str, np.ndarray]:
+    """BERT's masking recipe on (B, T) ids; pure and seeded (see the module docstring).
+
+    Args:
+      ids: int (B, T) token ids.
+      seed: an int or a sequence of ints (e.g. ``(run seed, batch number)``).
+      mask_id: the [MASK] id.
+      random_range: ``[low, high)`` of the ids a "random token" is drawn from (uniformly).
+      special_ids: ids never selected (pad, [CLS], [SEP], ...).
+      mask_prob: fraction of each row's non-special tokens selected (rounded half up; at
+        least one when the row has any and ``mask_prob > 0``).
+      mask_token_prob, random_token_prob: of the selected tokens, the probability of
+        becoming [MASK], and of becoming a random token; the rest stay unchanged.
+      row_offset: global index of row 0 (a process's first row), so each row's draws
+        depend on its global position only.
+
+    Returns:
+      ``{"input_ids": int32 (B, T) corrupted ids, "targets": int32 (B, T) original ids at
+      the selected positions and 0 elsewhere, "weights": float32 (B, T) 1 at the selected
+      positions}``.
+    """
+    ids = np.asarray(ids)
+    if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"ids must be an integer (B, T) array; got {ids.dtype} {ids.shape}")
+    if not 0.0 <= mask_prob <= 1.0:
+        raise ValueError(f"mask_prob must be in [0, 1], got {mask_prob}")
+    if mask_token_prob < 0 or random_token_prob < 0 or mask_token_prob + random_token_prob > 1:
+        raise ValueError(f"mask_token_prob={mask_token_prob} and random_token_prob="
+                         f"{random_token_prob} must be >= 0 and sum to at most 1")
+    low, high = random_range
+    if not 0 <= low < high:
+        raise ValueError(f"random_range must be [low, high) with 0 <= low < high, got {random_range}")
+    key = _key(seed)
+    shape = ids.shape
+    candidate = ~np.isin(ids, np.asarray(list(special_ids), dtype=ids.dtype))
+    n = candidate.sum(axis=1)
+    k = np.floor(n * mask_prob + 0.5).astype(np.int64)
+    if mask_prob > 0:
+        k = np.maximum(k, np.minimum(n, 1))
+    # A uniformly random subset of k candidates per row: the k smallest hashes.
+    order_key = np.where(candidate, _hashes(key, 1, shape, row_offset), np.uint64(_MASK64))
+    rank = np.empty(shape, np.int64)
+    np.put_along_axis(rank, np.argsort(order_key, axis=1, kind="stable"),
+                      np.arange(shape[1])[None, :].repeat(shape[0], 0), axis=1)
+    selected = candidate & (rank < k[:, None])
+    fate = _uniform(_hashes(key, 2, shape, row_offset))
+    to_mask = selected & (fate < mask_token_prob)
+    to_random = selected & (fate >= mask_token_prob) & (fate < mask_token_prob + random_token_prob)
+    random_ids = low + (_hashes(key, 3, shape, row_offset) % np.uint64(high - low)).astype(np.int64)
+    corrupted = np.where(to_mask, mask_id, np.where(to_random, random_ids, ids))
+    return {"input_ids": corrupted.astype(np.int32),
+            "targets": np.where(selected, ids, 0).astype(np.int32),
+            "weights": selected.astype(np.float32)}
+
+
+# ----------------------------------------------------------------------------- batches
+
+def frame(content: np.ndarray, vocab: MLMVocab) -> np.ndarray:
+    """(B, T-2) stream tokens (right-padded with pad) -> (B, T) ``[CLS] tokens [SEP] pad...``.
+
+    An all-padding row stays all padding.
+    """
+    b, n = content.shape
+    ids = np.full((b, n + 2), vocab.pad_id, np.int32)
+    real = (content != vocab.pad_id).sum(axis=1)
+    ids[:, 1:-1] = content
+    rows = np.nonzero(real)[0]
+    ids[rows, 0] = vocab.cls_id
+    ids[rows, real[rows] + 1] = vocab.sep_id
+    return ids
+
+
+class MLMIterator(Iterator[dict]):
+    """Masked batches over an :class:`~transformer_jax.data.LMIterator` of content windows.
+
+    ``next`` -> ``{"input_ids", "attention_mask", "targets": int32 (B, T), "weights":
+    float32 (B, T)}``. ``get_state()`` = ``{"windows": the packing iterator's state,
+    "count": batches drawn}``; the masks depend on (seed, count, global row), so
+    ``set_state`` resumes exactly.
+    """
+
+    def __init__(self, windows, vocab: MLMVocab, *, seed: int, stream: int,
+                 row_offset: int, options: Mapping[str, float]):
+        self.windows, self.vocab = windows, vocab
+        self.seed, self.stream, self.row_offset = seed, stream, row_offset
+        self.options = dict(options)
+        self.count = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        batch = next(self.windows)
+        ids = frame(batch["inputs"], self.vocab)
+        masked = mask_tokens(
+            ids, (self.seed, self.stream, self.count), mask_id=self.vocab.mask_id,
+            random_range=self.vocab.random_range, special_ids=self.vocab.special_ids,
+            row_offset=self.row_offset, **self.options)
+        self.count += 1
+        masked["attention_mask"] = (ids != self.vocab.pad_id).astype(np.int32)
+        return masked
+
+    def get_state(self) -> dict:
+        return {"windows": self.windows.get_state(), "count": self.count}
+
+    def set_state(self, state: dict) -> None:
+        if not isinstance(state, dict) or set(state) != {"windows", "count"}:
+            raise ValueError(f"not an MLM iterator state: {state!r}")
+        self.windows.set_state(state["windows"])
+        self.count = int(state["count"])
+
+
+def mlm_loss(apply_fn, params, batch, rngs, deterministic: bool, smoothing: float):
+    """MLM cross-entropy over the selected positions (``weights``), summed."""
+    out = apply_fn({"params": params}, batch["input_ids"], None, batch["attention_mask"],
+                   deterministic=deterministic, rngs=rngs)
+    logits = out["mlm_logits"] if isinstance(out, Mapping) else out
+    return token_loss(logits, batch["targets"], batch["weights"], smoothing)
+
+
+# ----------------------------------------------------------------------------- task
+
+def jitted_apply(task: Task, model):
+    """``jax.jit(model.apply)``, kept on the task so evals after the first reuse it."""
+    if getattr(task, "_jit_model", None) is not model:
+        task._jit_model, task._jit_apply = model, jax.jit(model.apply)
+    return task._jit_apply
+
+
+def check_bert(cfg, task: str, heads: tuple[str, ...]) -> None:
+    """The run must build a BERT with one of ``heads`` (the task sets the first by default)."""
+    if cfg.model != "bert":
+        raise ValueError(f"task {task!r} trains a BERT encoder; set model=bert (got "
+                         f"model={cfg.model!r})")
+    head = cfg.model_overrides.get("head", heads[0])
+    if head not in heads:
+        raise ValueError(f"task {task!r} needs model.head in {heads}, got model.head={head!r}; "
+                         "drop the override")
+
+
+@register_task
+class MLMTask(Task):
+    """BERT masked-LM pretraining. Options: ``mask_prob`` (0.15), ``mask_token_prob`` (0.8),
+    ``random_token_prob`` (0.1); tokenizer, dataset and lengths are config fields."""
+    name = "mlm"
+    OPTIONS = {"mask_prob": 0.15, "mask_token_prob": 0.8, "random_token_prob": 0.1}
+    loss_fn = staticmethod(mlm_loss)
+
+    def __init__(self, cfg, workdir, *, spec=None):
+        super().__init__(cfg, workdir, spec=spec)
+        check_bert(cfg, self.name, ("mlm", "pretraining"))
+        for name in self.OPTIONS:
+            value = self.options[name]
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value <= 1:
+                raise ValueError(f"task option {name}={value!r} must be a number in [0, 1]")
+        if self.options["mask_prob"] == 0:
+            raise ValueError("task option mask_prob=0 selects no tokens: nothing to learn")
+        total = self.options["mask_token_prob"] + self.options["random_token_prob"]
+        if total > 1:
+            raise ValueError(f"task options mask_token_prob + random_token_prob = {total:g} "
+                             "exceed 1")
+        if cfg.seq_len < 3:
+            raise ValueError(f"seq_len={cfg.seq_len} leaves no room for text between [CLS] and [SEP]")
+        tokenizer, self.tokenizer_spec = build_tokenizer(cfg, self.workdir, spec)
+        self.vocab = MLMVocab(tokenizer)
+
+    def spec(self) -> dict:
+        return {"tokenizer": self.tokenizer_spec}
+
+    def model_overrides(self) -> dict:
+        return {"vocab_size": self.vocab.vocab_size, "head": "mlm",
+                "pad_token_id": self.vocab.pad_id}
+
+    def _iterator(self, split, process_index, process_count, *, train: bool) -> MLMIterator:
+        cfg = self.cfg
+        windows = data_lib.make_lm_iterator(
+            cfg.dataset, split, tokenizer=self.vocab.tokenizer, seq_len=cfg.seq_len - 2,
+            batch_size=cfg.batch_size, seed=cfg.seed, shuffle=train, repeat=train,
+            data_dir=cfg.data_dir, process_index=process_index, process_count=process_count)
+        return MLMIterator(windows, self.vocab, seed=cfg.seed, stream=0 if train else 1,
+                           row_offset=process_index * windows.batch_size, options=self.options)
+
+    def train_iterator(self, process_index, process_count):
+        return self._iterator("train", process_index, process_count, train=True)
+
+    def eval_batches(self, process_index, process_count):
+        return self._iterator(self.cfg.eval_split, process_index, process_count, train=False)
+
+    def init_args(self):
+        return (jnp.zeros((1, self.cfg.seq_len), jnp.int32),)
+
+    def sample(self, model, params, step):
+        """The first eval row, masked, and the model's fill-in at the masked positions."""
+        if self.cfg.sample_tokens <= 0:
+            return None
+        batch = next(iter(self.eval_batches(0, 1)))
+        ids = batch["input_ids"][:1, : self.cfg.sample_tokens + 2]
+        mask = batch["attention_mask"][:1, : ids.shape[1]]
+        apply = jitted_apply(self, model)
+        out = apply({"params": params}, jnp.asarray(ids), None, jnp.asarray(mask))
+        logits = out["mlm_logits"] if isinstance(out, Mapping) else out
+        guess = np.asarray(jnp.argmax(logits, axis=-1))
+        chosen = batch["weights"][:1, : ids.shape[1]] > 0
+        filled = np.where(chosen, guess, ids)
+        original = np.where(chosen, batch["targets"][:1, : ids.shape[1]], ids)
+        return (f"original: {self.vocab.render(original)!r}\n"
+                f"masked:   {self.vocab.render(ids)!r}\n"
+                f"filled:   {self.vocab.render(filled)!r}")
