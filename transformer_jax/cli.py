@@ -1,6 +1,8 @@
 """``transformer-jax``: train, eval and generate from the command line.
 
   transformer-jax train [--experiment NAME|FILE] [--workdir DIR] [--steps N] [--resume] [--set k=v ...]
+                        [--parallelism jit|pmap] [--mesh data=N,fsdp=N,tensor=N]
+                        [--coordinator HOST:PORT --num-processes N --process-id I]
   transformer-jax eval --workdir DIR [--batches N]
   transformer-jax generate --workdir DIR --prompt TEXT --max-new-tokens N [--temperature T] [--top-k K] [--top-p P] [--seed S]
   transformer-jax experiments
@@ -29,6 +31,18 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field; model fields as model.FIELD=VALUE (repeatable)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.add_argument("--parallelism", choices=("jit", "pmap"), default=None,
+                   help="jit: one sharded jit over --mesh (default); pmap: replicated data parallelism")
+    t.add_argument("--mesh", default=None, metavar="data=N,fsdp=N,tensor=N",
+                   help="device mesh for --parallelism jit; omitted axes are 1, one axis may be -1 "
+                        "(the remaining devices); default: all devices on data")
+    t.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="multi-process run: address of process 0 (also $TRANSFORMER_JAX_COORDINATOR; "
+                        "TPU pods, SLURM and mpirun are detected without it)")
+    t.add_argument("--num-processes", type=int, default=None, metavar="N",
+                   help="multi-process run: number of processes (also $TRANSFORMER_JAX_NUM_PROCESSES)")
+    t.add_argument("--process-id", type=int, default=None, metavar="I",
+                   help="multi-process run: this process's index, 0..N-1 (also $TRANSFORMER_JAX_PROCESS_ID)")
 
     e = sub.add_parser("eval", help="evaluate the latest checkpoint of a workdir")
     e.add_argument("--workdir", required=True)
@@ -48,19 +62,29 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _train(args) -> int:
+    from .train import distributed
     from .train.config import apply_overrides, load_experiment
     from .train.loop import train
 
+    # before anything touches the devices
+    distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    main = distributed.is_main()
     cfg = load_experiment(args.experiment)
     overrides = list(args.overrides)
     if args.steps is not None:
         overrides.append(f"steps={args.steps}")
+    if args.parallelism is not None:
+        overrides.append(f"parallelism={args.parallelism}")
+    if args.mesh is not None:
+        overrides.append(f"mesh={args.mesh}")
     cfg = apply_overrides(cfg, overrides)
     workdir = args.workdir or os.path.join("runs", cfg.name)
-    print(f"training {cfg.name}: {cfg.model}/{cfg.model_preset} on {cfg.dataset}, {cfg.steps} steps "
-          f"-> {workdir}", flush=True)
+    if main:
+        print(f"training {cfg.name}: {cfg.model}/{cfg.model_preset} on {cfg.dataset}, {cfg.steps} steps "
+              f"-> {workdir}", flush=True)
     summary = train(cfg, workdir, resume=args.resume, progress=not args.no_progress)
-    print(json.dumps(summary, indent=2))
+    if main:
+        print(json.dumps(summary, indent=2))
     if summary.get("interrupted"):
         print(f"stopped by {summary['interrupted']} at step {summary['final_step']}; checkpoint saved. "
               f"Continue with: transformer-jax train --workdir {workdir} --resume"

@@ -625,3 +625,4 @@ register_hf_family(HFFamily(
 
 from . import hf_vit  # noqa: E402,F401  (registers the "vit" family)
 from . import hf_bert  # noqa: E402,F401  (registers the "bert" family)
+from . import hf_t5  # noqa: E402,F401  (registers the "t5" family)

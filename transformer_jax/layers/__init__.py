@@ -7,6 +7,7 @@ from .masks import (as_4d, causal_mask, combine_masks, key_padding_mask, padding
                     padding_mask_from_lengths, query_key_mask, sliding_window_mask)
 from .mlp import ACTIVATIONS, FeedForward, get_activation
 from .norms import LayerNorm, RMSNorm, make_norm
+from .relative import relative_position_bias, relative_position_bucket
 
 __all__ = [
     "IMPLEMENTATIONS", "MultiHeadAttention", "dot_product_attention", "DecoderBlock", "EncoderBlock",
@@ -14,5 +15,5 @@ __all__ = [
     "rope_frequencies", "sinusoidal_table", "as_4d", "causal_mask", "combine_masks",
     "key_padding_mask", "padding_mask_from_ids", "padding_mask_from_lengths", "query_key_mask",
     "sliding_window_mask", "ACTIVATIONS", "FeedForward", "get_activation", "LayerNorm", "RMSNorm",
-    "make_norm",
+    "make_norm", "relative_position_bias", "relative_position_bucket",
 ]

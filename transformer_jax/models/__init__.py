@@ -6,13 +6,17 @@ from typing import Any
 from .base import PresetConfig, stack_layers, unstack_layers
 from .bert import Bert, BertConfig
 from .gpt import GPT, GPTConfig
+from .t5 import T5, T5Config
+from .transformer import Transformer, TransformerConfig
 from .vit import ViT, ViTConfig
 
 # family name -> (config class, module class); the training CLI builds models through this table.
 FAMILIES: dict[str, tuple[type, type]] = {
     "gpt": (GPTConfig, GPT),
-    "vit": (ViTConfig, ViT),
     "bert": (BertConfig, Bert),
+    "vit": (ViTConfig, ViT),
+    "t5": (T5Config, T5),
+    "transformer": (TransformerConfig, Transformer),
 }
 
 
@@ -35,5 +39,5 @@ def model_from_config(family: str, config: dict[str, Any]):
 
 
 __all__ = ["FAMILIES", "GPT", "GPTConfig", "PresetConfig", "build_model", "model_from_config",
-           "stack_layers", "unstack_layers", "ViT", "ViTConfig", "Bert",
-           "BertConfig"]
+           "stack_layers", "unstack_layers", "ViT", "ViTConfig", "Bert", "BertConfig",
+           "T5", "T5Config", "Transformer", "TransformerConfig"]

@@ -1,9 +1,10 @@
 """Tasks: data + loss for each kind of training run, chosen by ``ExperimentConfig.task``.
 
-  lm                     next-token language modelling (GPT)
+  lm   next-token language modelling (GPT)
   image_classification   images -> classes, accuracy (ViT)
-  mlm                    masked-LM pretraining, 80/10/10 masking (BERT)
-  classify               sequence classification: stdlib line roles, glue/sst2 (BERT)
+  mlm   masked-LM pretraining, 80/10/10 masking (BERT)
+  classify   sequence classification: stdlib line roles, glue/sst2 (BERT)
+  seq2seq   text -> text, exact match by decoding: stdlib identifiers, wmt14 (T5, Transformer)
 
 Each task module registers itself; importing this package registers them all.
 """
@@ -11,5 +12,6 @@ from .base import TASKS, Task, make_task, register_task
 from . import lm  # noqa: F401  (registers "lm")
 from . import image_classification  # noqa: F401,E402  (registers "image_classification")
 from . import classify, mlm  # noqa: F401,E402  (registers "classify", "mlm")
+from . import seq2seq  # noqa: F401,E402  (registers "seq2seq")
 
 __all__ = ["TASKS", "Task", "make_task", "register_task"]

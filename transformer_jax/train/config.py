@@ -53,6 +53,11 @@ class ExperimentConfig(PresetConfig):
     clip_norm: float | None = 1.0
     label_smoothing: float = 0.0
     seed: int = 0
+    # devices: "jit" (sharded by the mesh) or "pmap" (replicated, data parallel); the mesh
+    # as "data=N,fsdp=N,tensor=N" (omitted axes 1, one may be -1; None: all devices on data).
+    # Neither is part of the model: a checkpoint resumes under any parallelism and mesh.
+    parallelism: str = "jit"
+    mesh: str | None = None
     # bookkeeping
     log_every: int = 10
     eval_every: int = 100
@@ -69,6 +74,10 @@ class ExperimentConfig(PresetConfig):
                      "save_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ExperimentConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.parallelism not in ("jit", "pmap"):
+            raise ValueError(f"ExperimentConfig.parallelism must be 'jit' or 'pmap', got {self.parallelism!r}")
+        from ..sharding import parse_mesh
+        parse_mesh(self.mesh)   # syntax only; the device count is checked when the run starts
         if self.batch_size % self.accum_steps:
             raise ValueError(f"batch_size={self.batch_size} is not divisible by "
                              f"accum_steps={self.accum_steps}")

@@ -10,6 +10,14 @@ Everything a run produces lives in ``workdir``:
   samples.txt      text generated at each eval
   loss.png         the loss curve, written at the end
 
+Devices: ``cfg.parallelism`` ("jit": one jitted step sharded over the ``cfg.mesh`` of
+data/fsdp/tensor axes; "pmap": replicated data parallelism) picks a
+:class:`~transformer_jax.train.distributed.Placement`; with several processes (see
+``distributed.initialize``) each reads its rows of every batch, process 0 alone writes the
+files above, and all of them write the sharded checkpoints. Checkpoints hold global
+arrays and are restored into the current run's shardings, so a run resumes on another
+mesh, another device count or the other parallelism.
+
 Reliability: SIGTERM/SIGINT finish the current step, save a checkpoint and stop; a
 non-finite loss stops the run without saving the bad state; ``resume=True`` restores the
 latest checkpoint, including the data position and dropout key, so the resumed run
@@ -33,6 +41,8 @@ from ..models import build_model, model_from_config
 from ..tasks import Task, make_task
 from .checkpoint import CheckpointManager
 from .config import ExperimentConfig
+from .distributed import (Placement, any_process, broadcast_json, gather_data_state, is_main,
+                          local_data_state, main_first, make_placement)
 from .monitor import MetricsWriter, peak_flops_per_device, plot_loss
 from .optim import make_optimizer, make_schedule
 from .step import create_train_state, eval_step, make_train_step
@@ -96,13 +106,29 @@ def make_tx(cfg: ExperimentConfig, model_cfg):
     return tx, schedule
 
 
-def evaluate(params, apply_fn, task: Task, eval_fn=None, model=None) -> dict[str, float]:
-    """Per-weight means over the first ``eval_batches`` eval batches, plus the task's extras."""
+def evaluate(params, apply_fn, task: Task, eval_fn=None, model=None, *,
+             placement: Placement | None = None, local_params=None) -> dict[str, float]:
+    """Per-weight means over the first ``eval_batches`` eval batches, plus the task's extras.
+
+    With a ``placement`` the batches are global arrays on its mesh (each process reads its
+    rows; processes stop together when any runs out) and ``params`` are its global
+    parameters; ``local_params`` (default ``params``) feed the task's ``extra_eval``, which
+    runs on process 0 and is shared with the others.
+    """
     cfg = task.cfg
-    eval_fn = eval_fn or jax.jit(lambda p, b: eval_step(p, b, apply_fn, task.loss_fn))
+    step = lambda p, b: eval_step(p, b, apply_fn, task.loss_fn)  # noqa: E731
+    if placement is None:
+        index, count = jax.process_index(), jax.process_count()
+        eval_fn = eval_fn or jax.jit(step)
+    else:
+        index, count = placement.data_index, placement.data_count
+        eval_fn = eval_fn or placement.eval_fn(step)
+    multi = jax.process_count() > 1
     totals: dict[str, float] = {}
-    for i, batch in enumerate(task.eval_batches(jax.process_index(), jax.process_count())):
-        if i >= cfg.eval_batches:
+    batches = iter(task.eval_batches(index, count))
+    for _ in range(cfg.eval_batches):
+        batch = next(batches, None)
+        if any_process(batch is None) if multi else batch is None:
             break
         for k, v in eval_fn(params, batch).items():
             totals[k] = totals.get(k, 0.0) + float(v)
@@ -113,7 +139,11 @@ def evaluate(params, apply_fn, task: Task, eval_fn=None, model=None) -> dict[str
     out["eval_ppl"] = math.exp(min(out["eval_loss"], 50.0))
     out["eval_tokens"] = weight
     if model is not None:
-        out.update({f"eval_{k}": v for k, v in task.extra_eval(model, params).items()})
+        local_params = params if local_params is None else local_params
+        extras = task.extra_eval(model, local_params) if (is_main() or not multi) else None
+        if multi:
+            extras = broadcast_json(extras)
+        out.update({f"eval_{k}": v for k, v in extras.items()})
     return out
 
 
@@ -139,7 +169,10 @@ def train(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
           progress: bool = True) -> dict[str, Any]:
     """Train (or resume) a run; returns a summary dict. See the module docstring."""
     workdir = Path(workdir)
-    task = make_task(cfg, workdir)
+    placement = make_placement(cfg.parallelism, cfg.mesh, cfg.batch_size, cfg.accum_steps)
+    multi = jax.process_count() > 1
+    # with several processes, process 0 prepares first (tokenizer, dataset), the others reuse it
+    task = main_first(lambda: make_task(cfg, workdir), "transformer_jax:task")
     model_cfg, model = build(cfg, task.model_overrides())
     tx, schedule = make_tx(cfg, model_cfg)
     run_config = {"experiment": cfg.to_dict(), "family": cfg.model, "model": model_cfg.to_dict(),
@@ -151,47 +184,64 @@ def train(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
         ckpt.close()
         raise ValueError(f"{workdir} already holds checkpoints (latest step {latest}); pass "
                          "--resume to continue that run, or choose another --workdir")
-    is_main = jax.process_index() == 0
-    if is_main:
+    main = is_main()
+    if main:
         workdir.mkdir(parents=True, exist_ok=True)
         (workdir / "config.json").write_text(json.dumps(run_config, indent=2) + "\n")
 
-    train_it = task.train_iterator(jax.process_index(), jax.process_count())
+    train_it = main_first(lambda: task.train_iterator(placement.data_index, placement.data_count),
+                          "transformer_jax:data")
     rng = jax.random.PRNGKey(cfg.seed)
     init_args = task.init_args()
+    create_state = lambda: create_train_state(model, tx, rng, *init_args)  # noqa: E731
+    placement.setup(create_state, lambda: model.init(rng, *init_args))
+    if main and placement.notes and progress:
+        print(f"{placement.describe()}; replicated (indivisible) parameter dims:\n  "
+              + "\n  ".join(placement.notes[:8])
+              + (f"\n  ... and {len(placement.notes) - 8} more" if len(placement.notes) > 8 else ""),
+              flush=True)
     if latest is not None:
         _check_resume_compatible(ckpt.restore_config(), run_config)
-        abstract = jax.eval_shape(lambda: create_train_state(model, tx, rng, *init_args))
-        state, _, data_state = ckpt.restore(target=abstract)
-        train_it.set_state(data_state)
-        start = int(state.step)
+        # Restore straight into *this* run's shardings: a checkpoint moves between meshes.
+        state, _, data_state = ckpt.restore(target=placement.restore_target())
+        state = placement.from_checkpoint(state)
+        train_it.set_state(local_data_state(data_state))
+        start = placement.step_of(state)
     else:
-        state = create_train_state(model, tx, rng, *init_args)
-        state = state.replace(params=task.init_params(state.params))
-        state = state.replace(opt_state=tx.init(state.params))
+        state = placement.init_state(create_state, tx, task.init_params)
         start = 0
 
-    train_step = jax.jit(make_train_step(loss_fn=task.loss_fn, label_smoothing=cfg.label_smoothing,
-                                         accum_steps=cfg.accum_steps, schedule=schedule),
-                         donate_argnums=(0,))
-    eval_fn = jax.jit(lambda p, b: eval_step(p, b, model.apply, task.loss_fn))
-    writer = MetricsWriter(workdir, resume_step=start if latest is not None else None, enabled=is_main)
+    train_step = placement.compile(make_train_step(
+        loss_fn=task.loss_fn, label_smoothing=cfg.label_smoothing, accum_steps=cfg.accum_steps,
+        schedule=schedule, axis_name=placement.axis_name))
+    eval_fn = placement.eval_fn(lambda p, b: eval_step(p, b, model.apply, task.loss_fn))
+    writer = MetricsWriter(workdir, resume_step=start if latest is not None else None, enabled=main)
     peak, peak_source = peak_flops_per_device()
     flops_per_step = task.flops_per_step(model_cfg)
     tokens_per_step = task.tokens_per_step()
     peak_total = peak * jax.device_count()
 
     summary: dict[str, Any] = {"workdir": str(workdir), "start_step": start, "interrupted": None,
-                               "peak_flops": peak, "peak_source": peak_source}
+                               "peak_flops": peak, "peak_source": peak_source,
+                               "parallelism": placement.parallelism,
+                               "mesh": dict(placement.mesh.shape), "processes": jax.process_count()}
     last_loss = eval_row = None
     stop = _StopRequest()
     bar = None
-    if progress and is_main:
+    if progress and main:
         from tqdm.auto import tqdm
         bar = tqdm(total=cfg.steps, initial=start, desc=cfg.name, dynamic_ncols=True, mininterval=1.0)
     t_start = time.perf_counter()
     t_log, steps_since_log = time.perf_counter(), 0
     step = start
+
+    def save(step, metrics, force):
+        # every process takes part (sharded arrays, gathered data positions)
+        if force or ckpt.should_save(step):
+            data_state = gather_data_state(train_it.get_state()) if multi else train_it.get_state()
+            ckpt.maybe_save(step, placement.to_checkpoint(state), config=run_config,
+                            data_state=data_state, metrics=metrics, force=force)
+
     try:
         with stop.installed():
             while step < cfg.steps:
@@ -210,7 +260,8 @@ def train(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
                 last_loss = loss
                 if step == start + 1:   # the first step compiles: keep it out of tokens/s
                     t_log, steps_since_log = time.perf_counter(), 0
-                if step % cfg.log_every == 0 or step == cfg.steps:
+                log_now = step % cfg.log_every == 0 or step == cfg.steps
+                if log_now:
                     dt = time.perf_counter() - t_log
                     row = {k: float(v) for k, v in jax.device_get(metrics).items()}
                     if steps_since_log:
@@ -226,21 +277,25 @@ def train(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
                     bar.update(1)
                 eval_metrics = None
                 if step % cfg.eval_every == 0 or step == cfg.steps:
-                    eval_metrics = evaluate(state.params, model.apply, task, eval_fn, model)
+                    local = placement.local_params(state)   # a collective with several processes
+                    eval_metrics = evaluate(placement.eval_params(state), model.apply, task, eval_fn,
+                                            model, placement=placement, local_params=local)
                     eval_row = eval_metrics
                     writer.write(step, eval_metrics)
-                    text = task.sample(model, state.params, step) if is_main else None
+                    text = task.sample(model, local, step) if main else None
                     if text is not None:
                         with (workdir / "samples.txt").open("a") as f:
                             f.write(f"=== step {step} (eval loss {eval_metrics['eval_loss']:.3f})\n{text}\n")
                         writer.text("sample", step, text)
+                    del local
                     t_log = time.perf_counter()  # evals don't count against tokens/s
-                ckpt.maybe_save(step, state, config=run_config, data_state=train_it.get_state(),
-                                metrics=eval_metrics, force=step == cfg.steps)
-                if stop.signal is not None:
-                    ckpt.maybe_save(step, state, config=run_config, data_state=train_it.get_state(),
-                                    metrics=eval_metrics, force=True)
-                    summary["interrupted"] = signal.Signals(stop.signal).name
+                save(step, eval_metrics, force=step == cfg.steps)
+                # A signal may reach only some processes: they agree at each log step.
+                stopping = (any_process(stop.signal is not None) if log_now else False) if multi \
+                    else stop.signal is not None
+                if stopping:
+                    save(step, eval_metrics, force=True)
+                    summary["interrupted"] = signal.Signals(stop.signal or signal.SIGTERM).name
                     break
     finally:
         if bar is not None:
@@ -249,7 +304,7 @@ def train(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
         writer.close()
     summary.update(final_step=step, loss=last_loss, seconds=time.perf_counter() - t_start,
                    **(eval_row or {}))
-    if is_main:
+    if main:
         png = plot_loss(workdir)
         summary["loss_png"] = str(png) if png else None
     return summary

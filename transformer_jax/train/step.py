@@ -81,12 +81,20 @@ def _means(loss_sum: Array, sums: dict[str, Array]) -> dict[str, Array]:
 
 def make_train_step(*, loss_fn: LossFn = lm_loss, label_smoothing: float = 0.0,
                     accum_steps: int = 1,
-                    schedule: Callable[[Array], Array] | None = None) -> Callable:
+                    schedule: Callable[[Array], Array] | None = None,
+                    axis_name: str | None = None) -> Callable:
     """Build ``train_step(state, batch) -> (state, metrics)``.
 
     Metrics (fp32 scalars): ``loss`` (the training objective, label smoothing included),
     the loss function's other sums per weight (``nll``, ``accuracy`` ...), ``grad_norm``
     (before clipping), ``tokens`` (the weight sum), and ``lr`` when a schedule is given.
+
+    Under ``jax.jit`` with sharded inputs the step is written for the whole global batch
+    and XLA partitions it (see ``transformer_jax.sharding``). Under ``jax.pmap`` pass the
+    mapped ``axis_name``: each device sums its shard's loss, named sums and gradient, and
+    those *sums* are ``psum``-ed before the one division by the global weight, so the
+    result equals the single-device step up to float summation order. (Each device then
+    draws its own dropout masks, folding its axis index into the key.)
     """
     if accum_steps < 1:
         raise ValueError(f"accum_steps must be >= 1, got {accum_steps}")
@@ -101,6 +109,8 @@ def make_train_step(*, loss_fn: LossFn = lm_loss, label_smoothing: float = 0.0,
         if b % accum_steps:
             raise ValueError(f"batch size {b} is not divisible by accum_steps={accum_steps}")
         step_rng = jax.random.fold_in(state.rng, state.step)
+        if axis_name is not None:
+            step_rng = jax.random.fold_in(step_rng, jax.lax.axis_index(axis_name))
 
         def micro(carry, xs):
             grads, loss_sum, sums = carry
@@ -110,8 +120,12 @@ def make_train_step(*, loss_fn: LossFn = lm_loss, label_smoothing: float = 0.0,
             sums = {k: sums[k] + s[k] for k in s} if sums else s
             return (grads, loss_sum + l, sums), None
 
+        # (accum, B/accum, ...): keep every micro-batch split over the batch mesh axes (a
+        # no-op outside a mesh + rules context, e.g. on one device or under pmap).
         micro_batches = jax.tree_util.tree_map(
-            lambda x: x.reshape((accum_steps, b // accum_steps) + x.shape[1:]), batch)
+            lambda x: nn.with_logical_constraint(
+                x.reshape((accum_steps, b // accum_steps) + x.shape[1:]), (None, "act_batch")),
+            batch)
         zeros = jax.tree_util.tree_map(jnp.zeros_like, state.params)
         if accum_steps == 1:
             (grads, loss_sum, sums), _ = micro(
@@ -122,6 +136,8 @@ def make_train_step(*, loss_fn: LossFn = lm_loss, label_smoothing: float = 0.0,
             init_sums = jax.tree_util.tree_map(lambda sd: jnp.zeros(sd.shape, sd.dtype), shapes)
             (grads, loss_sum, sums), _ = jax.lax.scan(
                 micro, (zeros, jnp.float32(0), init_sums), (jnp.arange(accum_steps), micro_batches))
+        if axis_name is not None:   # pmap: combine the devices' sums, then divide once
+            grads, loss_sum, sums = jax.lax.psum((grads, loss_sum, sums), axis_name)
         denom = jnp.maximum(sums["weight"], 1.0)
         grads = jax.tree_util.tree_map(lambda g: g / denom, grads)
         metrics = _means(loss_sum, sums)

@@ -1,0 +1,458 @@
+"""T5: the text-to-text encoder-decoder (v1.0 and v1.1), with KV-cache decoding.
+
+Read top to bottom: config and presets -> attention (no 1/sqrt(H) scaling, cached
+cross-attention) -> block -> stack (relative position bias) -> model.
+
+  input_ids (B, S) -> shared (B, S, D) -> dropout
+    -> L_enc x pre-norm block (self-attention + FF) -> RMSNorm -> dropout  = encoded (B, S, D)
+  decoder_input_ids (B, T) -> shared (B, T, D) -> dropout
+    -> L_dec x pre-norm block (causal self-attention, cross-attention over encoded, FF)
+    -> RMSNorm -> dropout -> [x D^-0.5] -> logits (B, T, V) fp32
+
+T5 specifics, as in the paper and Hugging Face's ``T5ForConditionalGeneration``:
+  * RMSNorm ("T5 LayerNorm": no mean subtraction, no bias), pre-norm residual blocks;
+    no bias in any dense layer;
+  * attention logits are ``Q K^T + position bias`` *without* the 1/sqrt(H) factor (T5
+    folds it into the query initialisation, std (D H)^-1/2);
+  * relative position bias: bucketed relative positions (``layers.relative``) looked up
+    in one (R, N) table per stack, computed once per stack and added to the self-attention
+    logits of every layer; bidirectional buckets in the encoder, causal ones in the
+    decoder; cross-attention has no position bias;
+  * feed-forward: v1.0 ``relu`` (``wi``, ``wo``); v1.1 gated GELU (tanh approximation)
+    ``gelu(x wi_0) * (x wi_1)``;
+  * output head: tied to ``shared`` (v1.0; the decoder output is scaled by D^-1/2 before
+    the tied read-out) or a separate ``lm_head`` (v1.1, no scaling). HF >= 5 decouples the
+    scaling from the tying (``scale_decoder_outputs``); ``scale_decoder_output`` does too.
+  * generation starts from ``decoder_start_token_id`` (the pad id, 0).
+
+Parameter names: ``shared/embedding`` (V, D); ``encoder`` and ``decoder`` stacks, each with
+``relative_attention_bias`` (R, N), ``layers_{i}`` (``norm1``, ``self_attn{query,key,value,
+out}``, [decoder: ``norm2``, ``cross_attn``], ``norm2``|``norm3``, ``mlp{wi|wi_0,wi_1,wo}``)
+and ``final_norm``; ``lm_head/kernel`` (D, V) when untied. Attention kernels: query/key/value
+(D, N, H), out (N, H, D) with H = ``head_dim`` (HF's ``d_kv``; N H need not equal D).
+
+KV cache (``decode=True`` on ``decode``): self-attention keys/values of shape
+(B, L, N, H) are appended step by step; cross-attention keys/values are computed from the
+encoder output once, when the cache is created, and reused. Create the cache by calling
+``decode`` with ``decode=True`` on decoder inputs of the full length L and ``mutable=
+['cache']`` (see ``transformer_jax.beam_search``); each later call appends its tokens, and the
+decoder position bias uses the absolute query position (the number of cached tokens).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from ..layers.attention import IMPLEMENTATIONS, dot_product_attention
+from ..layers.dense import Dense, Embed, canonical_dtype
+from ..layers.masks import causal_mask, combine_masks, key_padding_mask
+from ..layers.mlp import ACTIVATIONS, FeedForward
+from ..layers.norms import RMSNorm
+from ..layers.relative import relative_position_bias
+from .base import PresetConfig
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class T5Config(PresetConfig):
+    vocab_size: int = 32128
+    d_model: int = 512
+    num_heads: int = 8
+    head_dim: int = 64                          # HF d_kv
+    mlp_dim: int = 2048                         # HF d_ff
+    num_layers: int = 6                         # encoder layers
+    num_decoder_layers: int | None = None       # default: num_layers
+    relative_attention_num_buckets: int = 32
+    relative_attention_max_distance: int = 128
+    activation: str = "relu"                    # v1.0 "relu"; v1.1 "gelu_tanh" (HF gelu_new)
+    gated_mlp: bool = False                     # v1.1: True
+    norm_eps: float = 1e-6
+    dropout_rate: float = 0.1                   # embeddings, residuals, FF hidden, attention weights
+    tie_embeddings: bool = True                 # read out through `shared` (v1.0) or an lm_head (v1.1)
+    scale_decoder_output: bool | None = None    # x D^-1/2 before the read-out; default: tie_embeddings
+    pad_token_id: int = 0
+    eos_token_id: int = 1
+    decoder_start_token_id: int = 0
+    initializer_factor: float = 1.0
+    attention_impl: str = "xla"
+    dtype: str = "float32"                      # compute dtype
+    param_dtype: str = "float32"
+
+    PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
+        "tiny": dict(vocab_size=512, d_model=64, num_heads=4, head_dim=16, mlp_dim=128,
+                     num_layers=2, relative_attention_num_buckets=16,
+                     relative_attention_max_distance=64),
+        "t5-small": dict(),
+        "t5-base": dict(d_model=768, num_heads=12, mlp_dim=3072, num_layers=12),
+        "t5-large": dict(d_model=1024, num_heads=16, mlp_dim=4096, num_layers=24),
+        "t5-v1_1-small": dict(d_model=512, num_heads=6, mlp_dim=1024, num_layers=8,
+                              activation="gelu_tanh", gated_mlp=True, tie_embeddings=False,
+                              dropout_rate=0.0),
+        "t5-v1_1-base": dict(d_model=768, num_heads=12, mlp_dim=2048, num_layers=12,
+                             activation="gelu_tanh", gated_mlp=True, tie_embeddings=False,
+                             dropout_rate=0.0),
+    }
+
+    def __post_init__(self):
+        for name in ("vocab_size", "d_model", "num_heads", "head_dim", "mlp_dim", "num_layers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"T5Config.{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_decoder_layers is not None and self.num_decoder_layers < 1:
+            raise ValueError(f"T5Config.num_decoder_layers must be >= 1 (or None = num_layers), "
+                             f"got {self.num_decoder_layers}")
+        r = self.relative_attention_num_buckets
+        if r < 4 or r % 2:
+            raise ValueError(f"T5Config.relative_attention_num_buckets must be even and >= 4 (half "
+                             f"of them per direction in the encoder), got {r}")
+        if self.relative_attention_max_distance <= r // 2:
+            raise ValueError(f"T5Config.relative_attention_max_distance="
+                             f"{self.relative_attention_max_distance} must exceed the {r // 2} exact "
+                             f"buckets of the decoder (relative_attention_num_buckets // 2)")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"T5Config.activation={self.activation!r} is unknown; choose one of "
+                             f"{sorted(ACTIVATIONS)} (v1.0: 'relu'; v1.1: 'gelu_tanh' with gated_mlp=True)")
+        if not 0.0 <= self.dropout_rate < 1.0:
+            raise ValueError(f"T5Config.dropout_rate must be in [0, 1), got {self.dropout_rate}")
+        if self.attention_impl not in IMPLEMENTATIONS:
+            raise ValueError(f"T5Config.attention_impl={self.attention_impl!r}; choose one of "
+                             f"{IMPLEMENTATIONS}")
+        for name in ("pad_token_id", "eos_token_id", "decoder_start_token_id"):
+            if not 0 <= getattr(self, name) < self.vocab_size:
+                raise ValueError(f"T5Config.{name}={getattr(self, name)} is outside the vocabulary "
+                                 f"[0, {self.vocab_size})")
+        canonical_dtype(self.dtype), canonical_dtype(self.param_dtype)
+
+    @property
+    def decoder_layers(self) -> int:
+        return self.num_layers if self.num_decoder_layers is None else self.num_decoder_layers
+
+    @property
+    def inner_dim(self) -> int:
+        """N H: the width of the concatenated heads (may differ from d_model)."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def scales_output(self) -> bool:
+        return self.tie_embeddings if self.scale_decoder_output is None else self.scale_decoder_output
+
+    def _layer_params(self) -> tuple[int, int]:
+        d, i, f = self.d_model, self.inner_dim, self.mlp_dim
+        attn = 4 * d * i
+        mlp = (2 if self.gated_mlp else 1) * d * f + f * d
+        return attn + mlp + 2 * d, 2 * attn + mlp + 3 * d
+
+    def num_params(self, *, non_embedding: bool = False) -> int:
+        """Parameter count from the config alone; equals HF ``T5ForConditionalGeneration``'s
+        (shared, encoder/decoder aliases and a tied lm_head counted once)."""
+        enc, dec = self._layer_params()
+        rel = 2 * self.relative_attention_num_buckets * self.num_heads
+        total = self.num_layers * enc + self.decoder_layers * dec + 2 * self.d_model + rel
+        if non_embedding:
+            return total
+        head = 0 if self.tie_embeddings else self.vocab_size * self.d_model
+        return total + self.vocab_size * self.d_model + head
+
+    def flops_per_example(self, src_len: int, tgt_len: int) -> float:
+        """Training FLOPs of one (source, target) pair, PaLM convention (6 per matmul weight
+        per token, + 12 per attention logit and value per layer).
+
+        Counted: the encoder's weights for S tokens, the decoder's for T tokens, the read-out
+        (V D) for T tokens; attention 12 N H (L_enc S^2 + L_dec T^2 + L_dec T S). Not
+        counted: embedding lookups, the relative-bias lookups, norms' elementwise work.
+        """
+        enc, dec = self._layer_params()
+        s, t = src_len, tgt_len
+        weights = self.num_layers * enc * s + self.decoder_layers * dec * t
+        weights += self.vocab_size * self.d_model * t
+        attn = self.inner_dim * (self.num_layers * s * s + self.decoder_layers * (t * t + t * s))
+        return 6.0 * weights + 12.0 * attn
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """``flops_per_example(seq_len, seq_len)`` per token of the pair (2 seq_len tokens)."""
+        return self.flops_per_example(seq_len, seq_len) / (2 * seq_len)
+
+
+# ----------------------------------------------------------------------------- attention
+
+class T5Attention(nn.Module):
+    """T5 attention: no biases, no 1/sqrt(H) scaling, an additive position bias.
+
+    Self-attention when ``memory`` is None, cross-attention over ``memory`` otherwise.
+    ``decode=True`` keeps a cache (``cached_key``/``cached_value`` and ``cache_index`` for
+    self-attention; ``cached_key``/``cached_value`` of the encoder output for
+    cross-attention, computed when the cache is created).
+    """
+    num_heads: int
+    head_dim: int
+    dropout_rate: float = 0.0
+    implementation: str = "xla"
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+    query_init: Any = nn.initializers.normal(1.0)
+    kv_init: Any = nn.initializers.normal(1.0)
+    out_init: Any = nn.initializers.normal(1.0)
+
+    def _dense(self, name: str, init) -> Dense:
+        return Dense((self.num_heads, self.head_dim), use_bias=False,
+                     kernel_axes=("embed", "heads", "head_dim"), dtype=self.dtype,
+                     param_dtype=self.param_dtype, kernel_init=init, name=name)
+
+    @nn.compact
+    def __call__(self, x: Array, memory: Array | None = None, *, mask: Array | None = None,
+                 bias: Array | None = None, causal: bool = False, deterministic: bool = True,
+                 decode: bool = False) -> Array:
+        """x (B, T, D), memory (B, S, D) -> (B, T, D)."""
+        q = self._dense("query", self.query_init)(x)                               # (B, T, N, H)
+        if memory is None:
+            k = self._dense("key", self.kv_init)(x)                                # (B, T, N, H)
+            v = self._dense("value", self.kv_init)(x)
+            if decode:
+                cached = self.has_variable("cache", "cached_key")
+                ck = self.variable("cache", "cached_key", jnp.zeros, k.shape, k.dtype)
+                cv = self.variable("cache", "cached_value", jnp.zeros, v.shape, v.dtype)
+                index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
+                if cached:   # append T positions and attend over the filled part of the cache
+                    idx, t = index.value, q.shape[1]
+                    k = jax.lax.dynamic_update_slice(ck.value, k.astype(ck.value.dtype), (0, idx, 0, 0))
+                    v = jax.lax.dynamic_update_slice(cv.value, v.astype(cv.value.dtype), (0, idx, 0, 0))
+                    ck.value, cv.value, index.value = k, v, idx + t
+                    mask = combine_masks(mask, causal_mask(t, k.shape[1], offset=idx) if causal
+                                         else (jnp.arange(k.shape[1]) < idx + t)[None, None, None])
+                    causal = False
+        elif decode:
+            if self.has_variable("cache", "cached_key"):
+                k = self.get_variable("cache", "cached_key")
+                v = self.get_variable("cache", "cached_value")
+            else:
+                k = self._dense("key", self.kv_init)(memory)                       # (B, S, N, H)
+                v = self._dense("value", self.kv_init)(memory)
+                self.put_variable("cache", "cached_key", k)
+                self.put_variable("cache", "cached_value", v)
+        else:
+            k = self._dense("key", self.kv_init)(memory)                           # (B, S, N, H)
+            v = self._dense("value", self.kv_init)(memory)
+
+        dropout_rng = None
+        if not deterministic and self.dropout_rate > 0.0:
+            dropout_rng = self.make_rng("dropout")
+        out = dot_product_attention(q, k, v, mask=mask, bias=bias, causal=causal, scale=1.0,
+                                    dropout_rate=self.dropout_rate, dropout_rng=dropout_rng,
+                                    deterministic=deterministic, implementation=self.implementation)
+        out = nn.with_logical_constraint(out, ("act_batch", "act_length", "act_heads", "act_head_dim"))
+        return Dense(x.shape[-1], in_axes=2, use_bias=False, kernel_axes=("heads", "head_dim", "embed"),
+                     dtype=self.dtype, param_dtype=self.param_dtype, kernel_init=self.out_init,
+                     name="out")(out)
+
+
+# ----------------------------------------------------------------------------- block
+
+class T5Block(nn.Module):
+    """Pre-norm T5 layer: self-attention [+ cross-attention] + feed-forward, RMSNorm, no biases.
+
+    Sows ``+sa``, ``+ca``, ``+mlp`` into ``intermediates`` like the library's blocks.
+    """
+    config: T5Config
+    is_decoder: bool = False
+
+    @nn.compact
+    def __call__(self, x: Array, mask: Array | None, bias: Array | None,
+                 memory: Array | None = None, memory_mask: Array | None = None, *,
+                 deterministic: bool = True, decode: bool = False) -> Array:
+        cfg = self.config
+        dtype, param_dtype = canonical_dtype(cfg.dtype), canonical_dtype(cfg.param_dtype)
+        f, d, h = cfg.initializer_factor, cfg.d_model, cfg.head_dim
+        norm = lambda name: RMSNorm(eps=cfg.norm_eps, dtype=dtype, param_dtype=param_dtype,  # noqa: E731
+                                    name=name)
+        attention = lambda name: T5Attention(  # noqa: E731
+            num_heads=cfg.num_heads, head_dim=h, dropout_rate=cfg.dropout_rate,
+            implementation=cfg.attention_impl, dtype=dtype, param_dtype=param_dtype,
+            query_init=nn.initializers.normal(f * (d * h) ** -0.5),
+            kv_init=nn.initializers.normal(f * d ** -0.5),
+            out_init=nn.initializers.normal(f * cfg.inner_dim ** -0.5), name=name)
+        drop = lambda y: nn.Dropout(cfg.dropout_rate)(y, deterministic=deterministic)  # noqa: E731
+
+        y = attention("self_attn")(norm("norm1")(x), mask=mask, bias=bias, causal=self.is_decoder,
+                                   deterministic=deterministic, decode=decode)
+        x = x + drop(y)
+        self.sow("intermediates", "+sa", x)
+        mlp_norm = "norm2"
+        if self.is_decoder:
+            y = attention("cross_attn")(norm("norm2")(x), memory, mask=memory_mask,
+                                        deterministic=deterministic, decode=decode)
+            x = x + drop(y)
+            self.sow("intermediates", "+ca", x)
+            mlp_norm = "norm3"
+        y = FeedForward(mlp_dim=cfg.mlp_dim, activation=cfg.activation, gated=cfg.gated_mlp,
+                        use_bias=False, dropout_rate=cfg.dropout_rate, dtype=dtype,
+                        param_dtype=param_dtype, kernel_init=nn.initializers.normal(f * d ** -0.5),
+                        out_kernel_init=nn.initializers.normal(f * cfg.mlp_dim ** -0.5),
+                        name="mlp")(norm(mlp_norm)(x), deterministic=deterministic)
+        x = x + drop(y)
+        x = nn.with_logical_constraint(x, ("act_batch", "act_length", "act_embed"))
+        self.sow("intermediates", "+mlp", x)
+        return x
+
+
+# ----------------------------------------------------------------------------- stack
+
+class T5Stack(nn.Module):
+    """The encoder (``is_decoder=False``) or decoder stack, from embeddings to the final norm."""
+    config: T5Config
+    is_decoder: bool = False
+
+    def _cached_length(self) -> int:
+        """L of the decoder's self-attention cache (static: read from the cache's shape)."""
+        return self.variables["cache"]["layers_0"]["self_attn"]["cached_key"].shape[1]
+
+    @nn.compact
+    def __call__(self, x: Array, mask: Array | None = None, memory: Array | None = None,
+                 memory_mask: Array | None = None, *, deterministic: bool = True,
+                 decode: bool = False) -> Array:
+        """x (B, T, D) embeddings; mask (B|1, 1, T|1, T) bool; memory (B, S, D) -> (B, T, D)."""
+        cfg = self.config
+        dtype, param_dtype = canonical_dtype(cfg.dtype), canonical_dtype(cfg.param_dtype)
+        table = self.param(
+            "relative_attention_bias",
+            nn.with_logical_partitioning(
+                nn.initializers.normal(cfg.initializer_factor * cfg.d_model ** -0.5), (None, "heads")),
+            (cfg.relative_attention_num_buckets, cfg.num_heads), param_dtype)
+        t = x.shape[1]
+        q_offset, k_len = 0, t
+        if decode:
+            if not self.is_decoder:
+                raise ValueError("decode=True is for the decoder stack; the encoder has no cache")
+            started = self.has_variable("cache", "position_index")
+            index = self.variable("cache", "position_index", lambda: jnp.array(0, jnp.int32))
+            if started:
+                q_offset, k_len = index.value, self._cached_length()
+                index.value = index.value + t
+        # The position bias, computed once and shared by every layer (T5's first-layer table).
+        bias = relative_position_bias(table, t, k_len, bidirectional=not self.is_decoder,
+                                      max_distance=cfg.relative_attention_max_distance,
+                                      q_offset=q_offset)                           # (1, N, T, K)
+        x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
+        layers = cfg.decoder_layers if self.is_decoder else cfg.num_layers
+        for i in range(layers):
+            x = T5Block(cfg, is_decoder=self.is_decoder, name=f"layers_{i}")(
+                x, mask, bias, memory, memory_mask, deterministic=deterministic, decode=decode)
+        x = RMSNorm(eps=cfg.norm_eps, dtype=dtype, param_dtype=param_dtype, name="final_norm")(x)
+        return nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
+
+
+# ----------------------------------------------------------------------------- model
+
+def _check_ids(name: str, ids: Array) -> Array:
+    ids = jnp.asarray(ids)
+    if ids.ndim != 2:
+        raise ValueError(f"{name} must be (B, length) token ids; got shape {ids.shape}")
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise ValueError(f"{name} must be integer token ids; got dtype {ids.dtype}")
+    return ids
+
+
+def _check_mask(name: str, mask: Array | None, ids: Array, what: str) -> Array | None:
+    if mask is None:
+        return None
+    mask = jnp.asarray(mask)
+    if mask.shape != ids.shape:
+        raise ValueError(f"{name} must have the shape of {what} {tuple(ids.shape)} (1 = real "
+                         f"token, 0 = padding); got {tuple(mask.shape)}")
+    return mask
+
+
+class T5(nn.Module):
+    """``apply(variables, input_ids, decoder_input_ids, attention_mask=None)`` -> logits (B, T, V) fp32.
+
+    ``attention_mask`` (B, S): 1 = real source token, 0 = padding (HF convention); it masks
+    the encoder's self-attention and the decoder's cross-attention. ``decoder_attention_mask``
+    (B, T) optionally masks padded decoder keys (right padding needs none: attention is causal).
+    """
+    config: T5Config
+
+    def setup(self):
+        cfg = self.config
+        dtype, param_dtype = canonical_dtype(cfg.dtype), canonical_dtype(cfg.param_dtype)
+        self.shared = Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=param_dtype,
+                            embedding_init=nn.initializers.normal(cfg.initializer_factor))
+        self.encoder = T5Stack(cfg, is_decoder=False)
+        self.decoder = T5Stack(cfg, is_decoder=True)
+        if not cfg.tie_embeddings:
+            self.lm_head = Dense(cfg.vocab_size, use_bias=False, kernel_axes=("embed", "vocab"),
+                                 dtype=dtype, param_dtype=param_dtype,
+                                 kernel_init=nn.initializers.normal(cfg.initializer_factor))
+
+    def __call__(self, input_ids: Array, decoder_input_ids: Array,
+                 attention_mask: Array | None = None, decoder_attention_mask: Array | None = None,
+                 *, deterministic: bool = True) -> Array:
+        input_ids = _check_ids("input_ids", input_ids)
+        decoder_input_ids = _check_ids("decoder_input_ids", decoder_input_ids)
+        if input_ids.shape[0] != decoder_input_ids.shape[0]:
+            raise ValueError(f"input_ids {tuple(input_ids.shape)} and decoder_input_ids "
+                             f"{tuple(decoder_input_ids.shape)} have different batch sizes")
+        encoded = self.encode(input_ids, attention_mask, deterministic=deterministic)
+        return self.decode(decoder_input_ids, encoded, attention_mask, decoder_attention_mask,
+                           deterministic=deterministic)
+
+    def encode(self, input_ids: Array, attention_mask: Array | None = None, *,
+               deterministic: bool = True) -> Array:
+        """input_ids (B, S) -> encoder output (B, S, D)."""
+        input_ids = _check_ids("input_ids", input_ids)
+        attention_mask = _check_mask("attention_mask", attention_mask, input_ids, "input_ids")
+        mask = None if attention_mask is None else key_padding_mask(attention_mask)
+        x = self.shared(input_ids)
+        x = nn.with_logical_constraint(x, ("act_batch", "act_length", "act_embed"))
+        return self.encoder(x, mask, deterministic=deterministic)
+
+    def decode(self, decoder_input_ids: Array, encoded: Array, attention_mask: Array | None = None,
+               decoder_attention_mask: Array | None = None, *, deterministic: bool = True,
+               decode: bool = False) -> Array:
+        """decoder_input_ids (B, T), encoder output (B, S, D) -> logits (B, T, V) fp32.
+
+        ``attention_mask`` (B, S) is the *source* padding mask. With ``decode=True`` the
+        tokens are appended to the KV cache (``decoder_attention_mask`` must then be None).
+        """
+        cfg = self.config
+        decoder_input_ids = _check_ids("decoder_input_ids", decoder_input_ids)
+        if encoded.ndim != 3 or encoded.shape[0] != decoder_input_ids.shape[0]:
+            raise ValueError(f"encoded must be (B, S, D) with B = {decoder_input_ids.shape[0]}; "
+                             f"got {tuple(encoded.shape)}")
+        if attention_mask is not None and tuple(jnp.shape(attention_mask)) != encoded.shape[:2]:
+            raise ValueError(f"attention_mask must be (B, S) = {encoded.shape[:2]}, the source "
+                             f"padding mask; got {tuple(jnp.shape(attention_mask))}")
+        if decode and decoder_attention_mask is not None:
+            raise ValueError("decoder_attention_mask is not supported with decode=True (the cache "
+                             "masks positions that are not written yet)")
+        decoder_attention_mask = _check_mask("decoder_attention_mask", decoder_attention_mask,
+                                             decoder_input_ids, "decoder_input_ids")
+        self_mask = None if decoder_attention_mask is None else key_padding_mask(decoder_attention_mask)
+        memory_mask = None if attention_mask is None else key_padding_mask(attention_mask)
+        x = self.shared(decoder_input_ids)
+        x = nn.with_logical_constraint(x, ("act_batch", "act_length", "act_embed"))
+        x = self.decoder(x, self_mask, encoded, memory_mask, deterministic=deterministic,
+                         decode=decode)
+        if cfg.scales_output:
+            x = x * jnp.asarray(cfg.d_model ** -0.5, x.dtype)
+        if cfg.tie_embeddings:
+            return self.shared.attend(x)
+        return self.lm_head(x).astype(jnp.float32)
+
+
+def init_params(model: T5, rng: Array, batch_size: int = 1, src_len: int = 8, tgt_len: int = 8):
+    """Initialised, unboxed parameters."""
+    src = jnp.zeros((batch_size, src_len), jnp.int32)
+    tgt = jnp.zeros((batch_size, tgt_len), jnp.int32)
+    return nn.meta.unbox(model.init(rng, src, tgt)["params"])
+
+
+def shift_right(labels: Array, decoder_start_token_id: int, pad_token_id: int = 0) -> Array:
+    """Decoder inputs from labels (B, T): ``[start, labels[:-1]]``; -100 (HF's ignore) -> pad."""
+    labels = jnp.asarray(labels)
+    shifted = jnp.concatenate(
+        [jnp.full(labels.shape[:-1] + (1,), decoder_start_token_id, labels.dtype), labels[..., :-1]],
+        axis=-1)
+    return jnp.where(shifted == -100, pad_token_id, shifted)

@@ -1,0 +1,307 @@
+"""The original encoder-decoder Transformer ("Attention Is All You Need", 2017), with KV-cache decoding.
+
+Read top to bottom: config and presets -> stack -> model.
+
+  src_ids (B, S) -> embed x sqrt(D) + PE[0:S] -> dropout
+    -> L_enc x post-norm EncoderBlock (self-attention, ReLU FF)          = encoded (B, S, D)
+  tgt_ids (B, T) -> embed x sqrt(D) + PE[0:T] -> dropout
+    -> L_dec x post-norm DecoderBlock (causal self-attention, cross-attention, ReLU FF)
+    -> logits (B, T, V) = x @ embed^T (fp32)
+
+As in the paper: post-norm residual blocks ``x = LayerNorm(x + Dropout(Sublayer(x)))``
+(``layers.EncoderBlock``/``DecoderBlock``), fixed sinusoidal positions
+(``layers.sinusoidal_table``: sin on even, cos on odd columns), one embedding matrix shared
+by the source, the target and the (tied) output projection, embeddings multiplied by
+sqrt(d_model), dropout on the embedding sums and on every sublayer output. Options beyond
+the paper: ``pre_norm`` (then a final LayerNorm per stack, ``final_norm``), an untied output
+projection, attention and FF-hidden dropout.
+
+Parameter names: ``embed/embedding`` (V, D); ``encoder/layers_{i}`` (``self_attn``
+{query,key,value,out}, ``norm1``, ``mlp``{wi,wo}, ``norm2``) and ``decoder/layers_{i}``
+(``self_attn``, ``norm1``, ``cross_attn``, ``norm2``, ``mlp``, ``norm3``) with biases;
+``encoder/norm``, ``decoder/norm`` when ``final_norm``; ``lm_head/kernel`` when untied. The
+stacks' trees are those of :class:`~transformer_jax.interop.torch_modules.TorchTransformer`,
+so weights of a ``torch.nn.Transformer`` (``final_norm=True``, ``norm_eps=1e-5``) convert
+through ``interop.from_torch``.
+
+Parameter count (``num_params``): every weight and bias once; the shared embedding counted
+once (it is the source, target and output matrix); the sinusoidal table has no parameters.
+With the paper's shared 37k BPE vocabulary: ``base`` 63,082,496 (the paper reports 65M),
+``big`` 214,245,376 (paper: 213M).
+
+KV cache: ``decode(..., decode=True)`` appends decoder tokens to the self-attention cache
+(create it by a first call on inputs of the full length L with ``mutable=['cache']``; see
+``transformer_jax.beam_search``); positions continue from the number of cached tokens.
+Cross-attention keys/values are recomputed from the encoder output at every step.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, ClassVar
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from ..layers.attention import IMPLEMENTATIONS
+from ..layers.blocks import DecoderBlock, EncoderBlock
+from ..layers.dense import Dense, Embed, canonical_dtype
+from ..layers.embeddings import sinusoidal_table
+from ..layers.masks import key_padding_mask
+from ..layers.mlp import ACTIVATIONS
+from ..layers.norms import LayerNorm
+from .base import PresetConfig
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig(PresetConfig):
+    vocab_size: int = 37000                 # the paper's shared source/target BPE vocabulary
+    max_len: int = 512                      # longest source or target (sinusoidal table rows)
+    num_layers: int = 6                     # encoder layers
+    num_decoder_layers: int | None = None   # default: num_layers
+    d_model: int = 512
+    num_heads: int = 8
+    mlp_dim: int = 2048
+    activation: str = "relu"
+    dropout_rate: float = 0.1               # embedding sums and sublayer outputs (P_drop)
+    attention_dropout_rate: float = 0.0
+    mlp_dropout_rate: float = 0.0           # on the FF hidden activation
+    norm_eps: float = 1e-6
+    pre_norm: bool = False                  # the paper: post-norm
+    final_norm: bool | None = None          # LayerNorm after each stack; default: pre_norm
+    tie_embeddings: bool = True             # output projection = the shared embedding
+    pad_token_id: int = 0
+    eos_token_id: int = 1
+    decoder_start_token_id: int = 0
+    attention_impl: str = "xla"
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+
+    PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
+        "tiny": dict(vocab_size=512, max_len=128, num_layers=2, d_model=64, num_heads=4,
+                     mlp_dim=128),
+        "base": dict(),
+        "big": dict(d_model=1024, num_heads=16, mlp_dim=4096, dropout_rate=0.3),
+    }
+
+    def __post_init__(self):
+        for name in ("vocab_size", "max_len", "num_layers", "d_model", "num_heads", "mlp_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"TransformerConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_decoder_layers is not None and self.num_decoder_layers < 1:
+            raise ValueError(f"TransformerConfig.num_decoder_layers must be >= 1 (or None = "
+                             f"num_layers), got {self.num_decoder_layers}")
+        if self.d_model % self.num_heads:
+            raise ValueError(f"TransformerConfig: d_model={self.d_model} is not divisible by "
+                             f"num_heads={self.num_heads}")
+        if self.d_model % 2:
+            raise ValueError(f"TransformerConfig: sinusoidal positions need an even d_model, "
+                             f"got {self.d_model}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"TransformerConfig.activation={self.activation!r} is unknown; choose "
+                             f"one of {sorted(ACTIVATIONS)}")
+        for name in ("dropout_rate", "attention_dropout_rate", "mlp_dropout_rate"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"TransformerConfig.{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.pre_norm and self.final_norm is False:
+            raise ValueError("TransformerConfig: pre_norm=True needs final_norm (the residual "
+                             "stream is never normalised otherwise); leave final_norm=None")
+        if self.attention_impl not in IMPLEMENTATIONS:
+            raise ValueError(f"TransformerConfig.attention_impl={self.attention_impl!r}; choose one "
+                             f"of {IMPLEMENTATIONS}")
+        for name in ("pad_token_id", "eos_token_id", "decoder_start_token_id"):
+            if not 0 <= getattr(self, name) < self.vocab_size:
+                raise ValueError(f"TransformerConfig.{name}={getattr(self, name)} is outside the "
+                                 f"vocabulary [0, {self.vocab_size})")
+        canonical_dtype(self.dtype), canonical_dtype(self.param_dtype)
+
+    @property
+    def decoder_layers(self) -> int:
+        return self.num_layers if self.num_decoder_layers is None else self.num_decoder_layers
+
+    @property
+    def has_final_norm(self) -> bool:
+        return self.pre_norm if self.final_norm is None else self.final_norm
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
+
+    def _layer_params(self) -> tuple[int, int]:
+        d, f = self.d_model, self.mlp_dim
+        attn = 4 * (d * d + d)
+        ff = d * f + f + f * d + d
+        return attn + ff + 2 * 2 * d, 2 * attn + ff + 3 * 2 * d
+
+    def num_params(self, *, non_embedding: bool = False) -> int:
+        """Parameter count from the config alone (see the module docstring for what is counted)."""
+        enc, dec = self._layer_params()
+        total = self.num_layers * enc + self.decoder_layers * dec
+        if self.has_final_norm:
+            total += 2 * 2 * self.d_model
+        if non_embedding:
+            return total
+        return total + self.vocab_size * self.d_model * (1 if self.tie_embeddings else 2)
+
+    def flops_per_example(self, src_len: int, tgt_len: int) -> float:
+        """Training FLOPs of one (source, target) pair, PaLM convention: 6 per weight per token
+        (encoder weights x S, decoder weights and the V D read-out x T) + 12 D per attention
+        logit per layer (L_enc S^2 + L_dec (T^2 + T S)). Embedding lookups, positions and
+        norms' elementwise work are not counted."""
+        enc, dec = self._layer_params()
+        s, t = src_len, tgt_len
+        weights = self.num_layers * enc * s + self.decoder_layers * dec * t
+        weights += self.vocab_size * self.d_model * t
+        attn = self.d_model * (self.num_layers * s * s + self.decoder_layers * (t * t + t * s))
+        return 6.0 * weights + 12.0 * attn
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """``flops_per_example(seq_len, seq_len)`` per token of the pair (2 seq_len tokens)."""
+        return self.flops_per_example(seq_len, seq_len) / (2 * seq_len)
+
+
+# ----------------------------------------------------------------------------- stack
+
+class TransformerStack(nn.Module):
+    """Sinusoidal positions + dropout + the encoder or decoder layers [+ final LayerNorm]."""
+    config: TransformerConfig
+    is_decoder: bool = False
+
+    @nn.compact
+    def __call__(self, x: Array, mask: Array | None = None, memory: Array | None = None,
+                 memory_mask: Array | None = None, *, deterministic: bool = True,
+                 decode: bool = False) -> Array:
+        """x (B, T, D) scaled token embeddings; mask (B, 1, 1, T) key padding -> (B, T, D)."""
+        cfg = self.config
+        dtype, param_dtype = canonical_dtype(cfg.dtype), canonical_dtype(cfg.param_dtype)
+        t, d = x.shape[1], x.shape[2]
+        offset = 0
+        if decode:
+            if not self.is_decoder:
+                raise ValueError("decode=True is for the decoder stack; the encoder has no cache")
+            started = self.has_variable("cache", "position_index")
+            index = self.variable("cache", "position_index", lambda: jnp.array(0, jnp.int32))
+            if started:
+                offset = index.value
+                index.value = index.value + t
+        elif t > cfg.max_len:
+            raise ValueError(f"sequence length {t} exceeds the model's max_len={cfg.max_len}; "
+                             "shorten the input or use a config with a larger max_len")
+        table = sinusoidal_table(cfg.max_len, d)                                  # (P, D) fp32
+        pe = jax.lax.dynamic_slice_in_dim(table, offset, t, axis=0)               # (T, D)
+        x = (x.astype(jnp.float32) + pe).astype(dtype)
+        x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
+        x = nn.with_logical_constraint(x, ("act_batch", "act_length", "act_embed"))
+        block = dict(num_heads=cfg.num_heads, mlp_dim=cfg.mlp_dim, activation=cfg.activation,
+                     pre_norm=cfg.pre_norm, norm="layernorm", norm_eps=cfg.norm_eps, use_bias=True,
+                     dropout_rate=cfg.dropout_rate, attention_dropout_rate=cfg.attention_dropout_rate,
+                     mlp_dropout_rate=cfg.mlp_dropout_rate, attention_impl=cfg.attention_impl,
+                     dtype=dtype, param_dtype=param_dtype,
+                     kernel_init=nn.initializers.xavier_uniform())
+        if self.is_decoder:
+            for i in range(cfg.decoder_layers):
+                x = DecoderBlock(**block, name=f"layers_{i}")(
+                    x, memory, self_mask=mask, cross_mask=memory_mask, causal=True,
+                    deterministic=deterministic, decode=decode)
+        else:
+            for i in range(cfg.num_layers):
+                x = EncoderBlock(**block, name=f"layers_{i}")(x, mask, deterministic=deterministic)
+        if cfg.has_final_norm:
+            x = LayerNorm(eps=cfg.norm_eps, dtype=dtype, param_dtype=param_dtype, name="norm")(x)
+        return x
+
+
+# ----------------------------------------------------------------------------- model
+
+def _check_ids(name: str, ids: Array) -> Array:
+    ids = jnp.asarray(ids)
+    if ids.ndim != 2:
+        raise ValueError(f"{name} must be (B, length) token ids; got shape {ids.shape}")
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise ValueError(f"{name} must be integer token ids; got dtype {ids.dtype}")
+    return ids
+
+
+def _padding(name: str, mask: Array | None, shape: tuple[int, ...]) -> Array | None:
+    if mask is None:
+        return None
+    mask = jnp.asarray(mask)
+    if mask.shape != tuple(shape):
+        raise ValueError(f"{name} must be (B, length) = {tuple(shape)} with 1 = real token, "
+                         f"0 = padding; got {tuple(mask.shape)}")
+    return key_padding_mask(mask)
+
+
+class Transformer(nn.Module):
+    """``apply(variables, src_ids, tgt_ids, src_mask=None, tgt_mask=None)`` -> logits (B, T, V) fp32.
+
+    Masks are (B, S) / (B, T) validity (1 = real token, 0 = padding); None = no padding.
+    ``src_mask`` masks the encoder's self-attention and the decoder's cross-attention;
+    ``tgt_mask`` masks padded decoder keys (the causal mask is always applied).
+    """
+    config: TransformerConfig
+
+    def setup(self):
+        cfg = self.config
+        dtype, param_dtype = canonical_dtype(cfg.dtype), canonical_dtype(cfg.param_dtype)
+        self.embed = Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=param_dtype,
+                           embedding_init=nn.initializers.normal(cfg.d_model ** -0.5))
+        self.encoder = TransformerStack(cfg, is_decoder=False)
+        self.decoder = TransformerStack(cfg, is_decoder=True)
+        if not cfg.tie_embeddings:
+            self.lm_head = Dense(cfg.vocab_size, use_bias=False, kernel_axes=("embed", "vocab"),
+                                 dtype=dtype, param_dtype=param_dtype,
+                                 kernel_init=nn.initializers.xavier_uniform())
+
+    def _embed(self, ids: Array) -> Array:
+        x = self.embed(ids)
+        return x * jnp.asarray(math.sqrt(self.config.d_model), x.dtype)
+
+    def __call__(self, src_ids: Array, tgt_ids: Array, src_mask: Array | None = None,
+                 tgt_mask: Array | None = None, *, deterministic: bool = True) -> Array:
+        src_ids, tgt_ids = _check_ids("src_ids", src_ids), _check_ids("tgt_ids", tgt_ids)
+        if src_ids.shape[0] != tgt_ids.shape[0]:
+            raise ValueError(f"src_ids {tuple(src_ids.shape)} and tgt_ids {tuple(tgt_ids.shape)} "
+                             "have different batch sizes")
+        encoded = self.encode(src_ids, src_mask, deterministic=deterministic)
+        return self.decode(tgt_ids, encoded, src_mask, tgt_mask, deterministic=deterministic)
+
+    def encode(self, src_ids: Array, src_mask: Array | None = None, *,
+               deterministic: bool = True) -> Array:
+        """src_ids (B, S) -> encoder output (B, S, D)."""
+        src_ids = _check_ids("src_ids", src_ids)
+        mask = _padding("src_mask", src_mask, src_ids.shape)
+        return self.encoder(self._embed(src_ids), mask, deterministic=deterministic)
+
+    def decode(self, tgt_ids: Array, encoded: Array, src_mask: Array | None = None,
+               tgt_mask: Array | None = None, *, deterministic: bool = True,
+               decode: bool = False) -> Array:
+        """tgt_ids (B, T), encoder output (B, S, D) -> logits (B, T, V) fp32.
+
+        With ``decode=True`` the tokens are appended to the KV cache (``tgt_mask`` must be None).
+        """
+        tgt_ids = _check_ids("tgt_ids", tgt_ids)
+        if encoded.ndim != 3 or encoded.shape[0] != tgt_ids.shape[0]:
+            raise ValueError(f"encoded must be (B, S, D) with B = {tgt_ids.shape[0]}; got "
+                             f"{tuple(encoded.shape)}")
+        if decode and tgt_mask is not None:
+            raise ValueError("tgt_mask is not supported with decode=True (the cache masks "
+                             "positions that are not written yet)")
+        self_mask = _padding("tgt_mask", tgt_mask, tgt_ids.shape)
+        memory_mask = _padding("src_mask", src_mask, encoded.shape[:2])
+        x = self.decoder(self._embed(tgt_ids), self_mask, encoded, memory_mask,
+                         deterministic=deterministic, decode=decode)
+        if self.config.tie_embeddings:
+            return self.embed.attend(x)
+        return self.lm_head(x).astype(jnp.float32)
+
+
+def init_params(model: Transformer, rng: Array, batch_size: int = 1, src_len: int = 8,
+                tgt_len: int = 8):
+    """Initialised, unboxed parameters."""
+    src = jnp.zeros((batch_size, src_len), jnp.int32)
+    tgt = jnp.zeros((batch_size, tgt_len), jnp.int32)
+    return nn.meta.unbox(model.init(rng, src, tgt)["params"])
