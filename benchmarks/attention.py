@@ -130,8 +130,10 @@ def make_inputs(seq: int, cfg: Config, seed: int = 0):
 
 def make_step(impl: str, cfg: Config):
     """(q, k, v, ct) -> ((dq, dk, dv), out): grads of sum(out * ct), out as aux."""
-    attention = partial(dot_product_attention, causal=True, implementation=impl,
-                        q_chunk=cfg.q_chunk, kv_chunk=cfg.kv_chunk)
+    # --q-chunk/--kv-chunk size the "chunked" blocks; "pallas" keeps its per-platform
+    # defaults (flash_attention.DEFAULT_BLOCK_SIZES), sized for GPU/TPU on-chip memory.
+    chunks = dict(q_chunk=cfg.q_chunk, kv_chunk=cfg.kv_chunk) if impl == "chunked" else {}
+    attention = partial(dot_product_attention, causal=True, implementation=impl, **chunks)
 
     def loss(q, k, v, ct):
         out = attention(q, k, v)
@@ -314,7 +316,9 @@ def growth_summary(records: list[dict], chunked_target: float = 2.2) -> tuple[di
         return summary, "(growth summary needs 'chunked' and 'xla' at >= 2 common lengths)"
     lo, hi = common[-2], common[-1]
     summary["from_seq"], summary["to_seq"] = lo, hi
-    for impl in ("xla", "chunked"):
+    for impl in ("xla", "chunked", "pallas"):
+        if lo not in by_impl.get(impl, {}) or hi not in by_impl[impl]:
+            continue
         a, b = by_impl[impl][lo], by_impl[impl][hi]
         summary[impl] = {"temp_growth": b["temp_bytes"] / a["temp_bytes"],
                          "peak_est_growth": b["peak_est_bytes"] / a["peak_est_bytes"]}
@@ -396,6 +400,9 @@ def main(argv=None) -> None:
                  repeats=args.repeats or (2 if args.quick else 3),
                  xla_max_seq=args.xla_max_seq)
     isolate = args.isolate == "yes" or (args.isolate == "auto" and backend == "gpu")
+    if backend == "cpu" and "pallas" in impls:
+        notes.append("'pallas' on CPU runs its kernels in interpret mode (XLA loops over the "
+                     "kernel grid): exact, but its time and memory say nothing about GPU/TPU")
     if backend == "cpu" and "jax" in impls:
         notes.append("'jax' on CPU is jax.nn.dot_product_attention's XLA path (quadratic, "
                      "like 'xla')")

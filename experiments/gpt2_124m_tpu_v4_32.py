@@ -39,39 +39,23 @@ Checked here: the multi-process path (``--coordinator/--num-processes/--process-
 per-process data shards, sharded checkpoints, resume on another mesh) runs in
 ``tests/test_sharding.py`` with 2 processes x 4 CPU devices.
 """
-from transformer_jax.train.config import ExperimentConfig
+import dataclasses
+
+from transformer_jax.train.config import ExperimentConfig, load_experiment
 
 
 def get_config() -> ExperimentConfig:
-    return ExperimentConfig(
+    """The v3-8 recipe (``gpt2_124m_tpu_v3_8``) with twice the sequence and twice the batch."""
+    base = load_experiment("gpt2_124m_tpu_v3_8")
+    return dataclasses.replace(
+        base,
         name="gpt2_124m_tpu_v4_32",
-        model="gpt",
-        model_preset="gpt2",
-        model_overrides=dict(max_len=1024, dtype="bfloat16", scan_layers=True, remat=True,
-                             dropout_rate=0.1, attention_dropout_rate=0.1),
-        dataset="lm1b",
-        eval_split="test",
-        tokenizer="sentencepiece",
-        sentencepiece_vocab_size=32000,
+        model_overrides={**base.model_overrides, "max_len": 1024},
         seq_len=1024,
         batch_size=512,
         steps=10_000,
-        schedule="warmup_cosine",
-        learning_rate=6e-4,
         warmup_steps=700,
-        end_learning_rate=6e-5,
-        b1=0.9,
-        b2=0.95,
-        eps=1e-8,
-        weight_decay=0.1,
-        clip_norm=1.0,
-        parallelism="jit",
-        mesh="data=-1",
         log_every=50,
         eval_every=1000,
         eval_batches=32,
-        save_every=1000,
-        keep=3,
-        sample_prompt="The",
-        sample_tokens=48,
     )

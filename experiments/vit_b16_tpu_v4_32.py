@@ -30,35 +30,21 @@ image x 4096 = 4.3e14 FLOP per step; at 40% of 16 x 275 TFLOP/s that is 0.25 s p
 per 0.25 s, which it likely does not (expect the input pipeline to bound the rate).
 Metric: not measured; ``eval_accuracy`` is logged every 5000 steps.
 """
-from transformer_jax.train.config import ExperimentConfig
+import dataclasses
+
+from transformer_jax.train.config import ExperimentConfig, load_experiment
 
 
 def get_config() -> ExperimentConfig:
-    return ExperimentConfig(
+    """The v3-8 recipe (``vit_b16_tpu_v3_8``) with a 4x batch, the ViT paper's peak learning
+    rate and weight decay for batch 4096, and a longer warmup."""
+    return dataclasses.replace(
+        load_experiment("vit_b16_tpu_v3_8"),
         name="vit_b16_tpu_v4_32",
-        task="image_classification",
-        task_options=dict(augment=True),
-        model="vit",
-        model_preset="B/16",
-        model_overrides=dict(dtype="bfloat16", scan_layers=True, remat=True, dropout_rate=0.1),
-        dataset="imagenet2012",
-        eval_split="validation",
         batch_size=4096,
         steps=93_750,
-        schedule="warmup_cosine",
         learning_rate=3e-3,
         warmup_steps=10_000,
-        b1=0.9,
-        b2=0.999,
-        eps=1e-8,
         weight_decay=0.1,
-        clip_norm=1.0,
-        label_smoothing=0.1,
-        parallelism="jit",
-        mesh="data=-1",
-        log_every=100,
-        eval_every=5000,
         eval_batches=13,
-        save_every=2500,
-        keep=3,
     )

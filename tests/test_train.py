@@ -118,6 +118,18 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, data_dir
     mgr.close()
 
 
+def test_overrides_merge_into_model_and_task_dicts():
+    cfg = ExperimentConfig(model_overrides={"num_layers": 4, "d_model": 128})
+    got = apply_overrides(cfg, ["model.num_heads=2", "model_overrides={'num_layers': 2}",
+                                "task_options={'beam_size': 4}", "task.length_penalty=0.6",
+                                "learning_rate=1e-3"])
+    assert got.model_overrides == {"num_layers": 2, "d_model": 128, "num_heads": 2}
+    assert got.task_options == {"beam_size": 4, "length_penalty": 0.6}
+    assert got.learning_rate == 1e-3 and cfg.model_overrides == {"num_layers": 4, "d_model": 128}
+    with pytest.raises(ValueError, match="model_overrides must be a dict"):
+        apply_overrides(cfg, ["model_overrides=3"])
+
+
 def test_clear_errors(tmp_path, data_dir, capsys):
     def run(*args):
         code = cli_main(list(args))

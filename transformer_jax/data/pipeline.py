@@ -130,6 +130,72 @@ def permutation(n: int, seed: int, epoch: int) -> np.ndarray:
     return np.argsort(hashes, kind="stable")
 
 
+class EpochIterator(Iterator[dict]):
+    """Batches of ``n`` indexed examples: a fresh :func:`permutation` per epoch (``shuffle``)
+    and endless epochs (``repeat``, the last partial batch dropped), or one ordered pass
+    whose last batch is filled with invalid rows.
+
+    Process ``p`` of ``P`` yields rows ``[p B/P, (p+1) B/P)`` of every global batch of ``B``
+    rows. State ``{"epoch", "index"}`` (the process count does not enter: rows are global).
+    Subclasses turn row indices into arrays in :meth:`make_batch`.
+    """
+
+    kind = "epoch"     # names the iterator in state errors
+
+    def __init__(self, n: int, *, batch_size: int, seed: int, shuffle: bool, repeat: bool,
+                 process_index: int, process_count: int, describe: str):
+        if batch_size % process_count:
+            raise ValueError(f"batch_size={batch_size} is not divisible by {process_count} processes")
+        self.n = n
+        self.global_batch, self.batch_size = batch_size, batch_size // process_count
+        self.seed, self.shuffle, self.repeat = seed, shuffle, repeat
+        self.process_index = process_index
+        if n == 0:
+            raise ValueError(f"{describe} has no examples")
+        if repeat:
+            self.batches_per_epoch = n // batch_size
+            if self.batches_per_epoch == 0:
+                raise ValueError(f"{describe} has {n} examples, fewer than one batch of "
+                                 f"{batch_size}; lower batch_size")
+        else:
+            self.batches_per_epoch = -(-n // batch_size)
+        self.epoch = self.index = 0
+        self._order: tuple[int, np.ndarray] | None = None
+
+    def make_batch(self, rows: np.ndarray, valid: np.ndarray) -> dict[str, np.ndarray]:
+        """``rows`` (B/P,) example indices (0 where not ``valid``) -> the batch arrays."""
+        raise NotImplementedError
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        if not self.repeat and self.index >= self.batches_per_epoch:
+            raise StopIteration
+        if self._order is None or self._order[0] != self.epoch:
+            order = permutation(self.n, self.seed, self.epoch) if self.shuffle else np.arange(self.n)
+            self._order = (self.epoch, order)
+        first = self.index * self.global_batch + self.process_index * self.batch_size
+        pos = np.arange(first, first + self.batch_size)
+        valid = pos < self.n
+        batch = self.make_batch(self._order[1][np.where(valid, pos, 0)], valid)
+        self.index += 1
+        if self.repeat and self.index == self.batches_per_epoch:
+            self.epoch, self.index = self.epoch + 1, 0
+        return batch
+
+    def get_state(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def set_state(self, state: dict) -> None:
+        if not isinstance(state, dict) or set(state) != {"epoch", "index"}:
+            raise ValueError(f"not a {self.kind} iterator state: {state!r}")
+        if not 0 <= int(state["index"]) < max(self.batches_per_epoch, 1):
+            raise ValueError(f"{self.kind} iterator state index {state['index']} is out of range "
+                             f"for {self.batches_per_epoch} batches per epoch")
+        self.epoch, self.index = int(state["epoch"]), int(state["index"])
+
+
 # --------------------------------------------------------------------------
 # Document sources.
 

@@ -13,16 +13,25 @@ of NaN (PyTorch gives NaN there). Logits and softmax are always fp32, also under
 One signature, several implementations (``implementation=``):
   * ``"xla"``     the plain reference: materialises the (B, N, T, S) weights; supports
                   everything (dropout, returned weights).
-  * ``"jax"``     ``jax.nn.dot_product_attention``: cuDNN flash attention on GPU for
-                  fp16/bf16 inputs, XLA elsewhere. No dropout and no returned weights.
-  * ``"cudnn"``   the same, but insists on cuDNN (errors off GPU).
-  * ``"chunked"`` memory-efficient exact attention: queries in blocks, keys scanned in
-                  blocks with an online softmax, each query block rematerialised in the
-                  backward pass; memory grows linearly with S. Supports dropout (an
-                  independent stream per block), not returned weights.
+  * ``"jax"``     ``jax.nn.dot_product_attention``: cuDNN flash attention on a GPU when cuDNN
+                  can run the call (fp16/bf16, head dim a multiple of 8 and <= 128, or 256
+                  on Hopper, ...), XLA's path otherwise. No dropout, no returned weights.
+  * ``"cudnn"``   the same, but insists on cuDNN: a ValueError lists what prevents it.
+  * ``"chunked"`` memory-efficient exact attention in plain XLA: queries in blocks, keys in
+                  blocks with an online softmax; with ``causal`` the key blocks past the
+                  diagonal are skipped. A custom VJP saves only the output and the softmax
+                  statistics and recomputes the probabilities block by block in the
+                  backward pass (FlashAttention-2), so memory grows linearly with T and S.
+                  Supports dropout (an independent stream per block pair), not returned
+                  weights.
+  * ``"pallas"``  the same algorithm as Pallas kernels (``flash_attention.py``): Triton on
+                  GPU, Mosaic on TPU, interpret mode (slow, for tests) elsewhere. No dropout,
+                  no returned weights.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -36,7 +45,7 @@ from .masks import as_4d, causal_mask, combine_masks
 
 Array = jax.Array
 
-IMPLEMENTATIONS = ("xla", "jax", "cudnn", "chunked")
+IMPLEMENTATIONS = ("xla", "jax", "cudnn", "chunked", "pallas")
 _NEG = float(jnp.finfo(jnp.float32).min)
 
 
@@ -118,64 +127,317 @@ def _block(x: Array | None, axis: int, start, size: int) -> Array | None:
     return jax.lax.dynamic_slice_in_dim(x, start, size, axis)
 
 
-def _chunked_attention(q, k, v, mask, bias, scale, causal, dropout_rate, dropout_rng,
-                       deterministic, precision, q_chunk, kv_chunk):
-    b, t, s, n, kh, h = _check_qkv(q, k, v)
-    g, hv = n // kh, v.shape[-1]
-    qc, kc = min(q_chunk, t), min(kv_chunk, s)
-    tp, sp = -(-t // qc) * qc, -(-s // kc) * kc
-    nq, nk = tp // qc, sp // kc
-    q_blocks = _pad_axis(q, 1, tp, 0).reshape(b, nq, qc, kh, g, h).swapaxes(0, 1)
-    k_blocks = _pad_axis(k, 1, sp, 0).reshape(b, nk, kc, kh, h).swapaxes(0, 1)
-    v_blocks = _pad_axis(v, 1, sp, 0).reshape(b, nk, kc, kh, hv).swapaxes(0, 1)
-    if mask is not None:
-        mask = _pad_axis(_pad_axis(mask, 3, sp, False), 2, tp, True)
+def _empty_rows(mask: Array, t: int, s: int) -> Array:
+    """(Bm, Nm, T) bool: rows in which ``mask`` and the causal mask leave no key at all."""
+    mask = jnp.broadcast_to(mask, mask.shape[:3] + (s,)).astype(bool)
+    if mask.shape[2] == 1:     # one key mask for every query: linear in T + S
+        first = jnp.argmax(mask[:, :, 0], axis=-1)[..., None]      # first allowed key
+        has_any = jnp.any(mask[:, :, 0], axis=-1)[..., None]
+        return ~(has_any & (first <= jnp.arange(t)))
+    return ~jnp.any(mask & causal_mask(t, s)[0, 0], axis=-1)
+
+
+def _fill_empty_rows(out: Array, value: Array, mask: Array, t: int, s: int) -> Array:
+    """Give rows without any allowed key (causal + mask) the mean of V, as ``"xla"`` does.
+
+    Block-skipping implementations never visit the key blocks past the causal diagonal,
+    so in such (degenerate) rows they would average over the visited keys only.
+    """
+    n, kh = out.shape[2], value.shape[2]
+    empty = _empty_rows(mask, t, s).transpose(0, 2, 1)[..., None]           # (Bm, T, Nm, 1)
+    mean_v = jnp.mean(value.astype(jnp.float32), axis=1)                     # (B, K, Hv)
+    mean_v = jnp.repeat(mean_v, n // kh, axis=1)[:, None]                    # (B, 1, N, Hv)
+    return jnp.where(empty, mean_v.astype(out.dtype), out)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Chunking:
+    """Static settings of the chunked kernel (hashable: a custom_vjp non-diff argument)."""
+    scale: float
+    causal: bool
+    t: int
+    s: int
+    qc: int
+    kc: int
+    nq: int
+    nk: int
+    dropout_rate: float        # 0.0: no dropout
+    skip: bool                 # skip key blocks past the causal diagonal
+    precision: Any
+
+
+def _chunk_upper(c: _Chunking, qi):
+    """Key blocks visited by query block ``qi``: all, or up to the causal diagonal."""
+    if not (c.causal and c.skip):
+        return c.nk
+    return jnp.minimum(c.nk, (qi * c.qc + c.qc + c.kc - 1) // c.kc)
+
+
+def _chunk_lower(c: _Chunking, ki):
+    """First query block that sees key block ``ki``."""
+    return (ki * c.kc) // c.qc if (c.causal and c.skip) else 0
+
+
+def _chunk_scores(c: _Chunking, q_blk, k_blk, qi, ki, bias, mask):
+    """fp32 logits (B, K, G, qc, kc) of one block pair, disallowed entries at NEG.
+
+    Returns (logits, allowed, key_ok); ``key_ok`` (kc,) marks real (unpadded) keys, which
+    alone enter the softmax sum, also in rows whose real keys are all masked.
+    """
+    kh, g = k_blk.shape[2], q_blk.shape[3]
+    logits = jnp.einsum("BQKGH,BCKH->BKGQC", q_blk, k_blk, precision=c.precision,
+                        preferred_element_type=jnp.float32) * c.scale
     if bias is not None:
-        bias = _pad_axis(_pad_axis(bias, 3, sp, 0), 2, tp, 0)
-    use_dropout = (not deterministic) and dropout_rate > 0.0
+        blk = _block(_block(bias, 2, qi * c.qc, c.qc), 3, ki * c.kc, c.kc)
+        logits = logits + _group_heads(blk, kh, g).astype(jnp.float32)
+    q_pos = qi * c.qc + jnp.arange(c.qc)
+    k_pos = ki * c.kc + jnp.arange(c.kc)
+    key_ok = k_pos < c.s
+    allowed = key_ok[None, :]
+    if c.causal:
+        allowed = allowed & (k_pos[None, :] <= q_pos[:, None])
+    allowed = allowed[None, None, None]
+    if mask is not None:
+        blk = _block(_block(mask, 2, qi * c.qc, c.qc), 3, ki * c.kc, c.kc)
+        allowed = allowed & _group_heads(blk, kh, g)
+    return jnp.where(allowed, logits, _NEG), allowed, key_ok
 
-    def query_block(qi, q_blk):                       # q_blk: (B, qc, K, G, H)
-        q_pos = qi * qc + jnp.arange(qc)
 
-        def key_step(carry, ki):
+def _chunk_keep(c: _Chunking, rng, qi, ki, shape):
+    """Dropout keep-mask of block pair (qi, ki): the same stream forward and backward."""
+    key = jax.random.fold_in(jax.random.fold_in(rng, qi), ki)
+    return jax.random.bernoulli(key, 1.0 - c.dropout_rate, shape)
+
+
+def _chunk_forward(c: _Chunking, q, k, v, bias, mask, rng):
+    """q (B, Tp, K, G, H), k (B, Sp, K, H), v (B, Sp, K, Hv) -> out (B, Tp, K, G, Hv) and
+    the softmax statistics m, l (nq, B, K, G, qc) per query block."""
+    b, _, kh, g, _ = q.shape
+    hv = v.shape[-1]
+
+    def query_block(qi):
+        q_blk = jax.lax.dynamic_slice_in_dim(q, qi * c.qc, c.qc, 1)
+
+        def key_step(ki, carry):
             acc, m, l = carry                         # (B,K,G,qc,Hv), (B,K,G,qc), (B,K,G,qc)
-            k_pos = ki * kc + jnp.arange(kc)
-            logits = jnp.einsum("BQKGH,BCKH->BKGQC", q_blk, k_blocks[ki], precision=precision,
-                                preferred_element_type=jnp.float32) * scale
-            if bias is not None:
-                blk = _block(_block(bias, 2, qi * qc, qc), 3, ki * kc, kc)
-                logits = logits + _group_heads(blk, kh, g).astype(jnp.float32)
-            in_range = k_pos < s                      # padded keys never count, even in
-            allowed = in_range[None, :]               # rows whose real keys are all masked
-            if causal:
-                allowed = allowed & (k_pos[None, :] <= q_pos[:, None])
-            allowed = allowed[None, None, None]
-            if mask is not None:
-                blk = _block(_block(mask, 2, qi * qc, qc), 3, ki * kc, kc)
-                allowed = allowed & _group_heads(blk, kh, g)
-            logits = jnp.where(allowed, logits, _NEG)
-            m_new = jax.lax.stop_gradient(jnp.maximum(m, logits.max(axis=-1)))
-            p = jnp.where(in_range, jnp.exp(logits - m_new[..., None]), 0.0)
+            k_blk = jax.lax.dynamic_slice_in_dim(k, ki * c.kc, c.kc, 1)
+            logits, _, key_ok = _chunk_scores(c, q_blk, k_blk, qi, ki, bias, mask)
+            m_new = jnp.maximum(m, logits.max(axis=-1))
+            p = jnp.where(key_ok, jnp.exp(logits - m_new[..., None]), 0.0)
             correction = jnp.exp(m - m_new)
             l = l * correction + p.sum(axis=-1)
-            if use_dropout:
-                rng = jax.random.fold_in(jax.random.fold_in(dropout_rng, qi), ki)
-                keep = jax.random.bernoulli(rng, 1.0 - dropout_rate, p.shape)
-                p = jnp.where(keep, p / (1.0 - dropout_rate), 0.0)
-            pv = jnp.einsum("BKGQC,BCKH->BKGQH", p.astype(v.dtype), v_blocks[ki],
-                            precision=precision, preferred_element_type=jnp.float32)
-            return (acc * correction[..., None] + pv, m_new, l), None
+            if c.dropout_rate:
+                keep = _chunk_keep(c, rng, qi, ki, p.shape)
+                p = jnp.where(keep, p / (1.0 - c.dropout_rate), 0.0)
+            v_blk = jax.lax.dynamic_slice_in_dim(v, ki * c.kc, c.kc, 1)
+            pv = jnp.einsum("BKGQC,BCKH->BKGQH", p.astype(v.dtype), v_blk, precision=c.precision,
+                            preferred_element_type=jnp.float32)
+            return acc * correction[..., None] + pv, m_new, l
 
-        init = (jnp.zeros((b, kh, g, qc, hv), jnp.float32),
-                jnp.full((b, kh, g, qc), _NEG, jnp.float32),
-                jnp.zeros((b, kh, g, qc), jnp.float32))
-        (acc, _, l), _ = jax.lax.scan(key_step, init, jnp.arange(nk))
-        out = acc / l[..., None]                                    # (B, K, G, qc, Hv)
-        return out.transpose(0, 3, 1, 2, 4).reshape(b, qc, n, hv)
+        init = (jnp.zeros((b, kh, g, c.qc, hv), jnp.float32),
+                jnp.full((b, kh, g, c.qc), _NEG, jnp.float32),
+                jnp.zeros((b, kh, g, c.qc), jnp.float32))
+        acc, m, l = jax.lax.fori_loop(0, _chunk_upper(c, qi), key_step, init)
+        return (acc / l[..., None]).astype(v.dtype), m, l
 
-    body = jax.checkpoint(lambda args: query_block(*args))
-    out = jax.lax.map(body, (jnp.arange(nq), q_blocks))             # (nq, B, qc, N, Hv)
-    return out.swapaxes(0, 1).reshape(b, tp, n, hv)[:, :t].astype(v.dtype)
+    out, m, l = jax.lax.map(query_block, jnp.arange(c.nq))          # out (nq, B, K, G, qc, Hv)
+    out = out.transpose(1, 0, 4, 2, 3, 5).reshape(b, c.nq * c.qc, kh, g, hv)
+    return out, m, l
+
+
+def _chunk_backward(c: _Chunking, q, k, v, bias, mask, rng, out, m, l, d_out):
+    """FlashAttention-2 style backward: probabilities recomputed from (m, l), one pass over
+    query blocks for dQ, one over key blocks for dK/dV, one more for dBias (only when a
+    bias is given; XLA removes it when that gradient is unused)."""
+    b, tp, kh, g, h = q.shape
+    sp, hv = k.shape[1], v.shape[-1]
+    delta = jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32), axis=-1)  # (B,Tp,K,G)
+    delta = delta.reshape(b, c.nq, c.qc, kh, g).transpose(1, 0, 3, 4, 2)           # (nq,B,K,G,qc)
+
+    def pair(qi, ki, q_blk, k_blk, v_blk, do_blk):
+        """(probabilities after dropout, dLogits) of block pair (qi, ki)."""
+        logits, allowed, key_ok = _chunk_scores(c, q_blk, k_blk, qi, ki, bias, mask)
+        p = jnp.exp(logits - m[qi][..., None]) / l[qi][..., None]
+        p = jnp.where(key_ok, p, 0.0)
+        dp = jnp.einsum("BQKGH,BCKH->BKGQC", do_blk, v_blk, precision=c.precision,
+                        preferred_element_type=jnp.float32)
+        p_used = p
+        if c.dropout_rate:
+            keep = _chunk_keep(c, rng, qi, ki, p.shape)
+            p_used = jnp.where(keep, p / (1.0 - c.dropout_rate), 0.0)
+            dp = jnp.where(keep, dp / (1.0 - c.dropout_rate), 0.0)
+        ds = jnp.where(allowed, p * (dp - delta[qi][..., None]), 0.0)
+        return p_used, ds
+
+    def q_slices(qi):
+        return (jax.lax.dynamic_slice_in_dim(q, qi * c.qc, c.qc, 1),
+                jax.lax.dynamic_slice_in_dim(d_out, qi * c.qc, c.qc, 1))
+
+    def kv_slices(ki):
+        return (jax.lax.dynamic_slice_in_dim(k, ki * c.kc, c.kc, 1),
+                jax.lax.dynamic_slice_in_dim(v, ki * c.kc, c.kc, 1))
+
+    def dq_block(qi):
+        q_blk, do_blk = q_slices(qi)
+
+        def step(ki, dq):
+            k_blk, v_blk = kv_slices(ki)
+            _, ds = pair(qi, ki, q_blk, k_blk, v_blk, do_blk)
+            return dq + jnp.einsum("BKGQC,BCKH->BQKGH", ds.astype(k.dtype), k_blk,
+                                   precision=c.precision, preferred_element_type=jnp.float32)
+
+        dq = jax.lax.fori_loop(0, _chunk_upper(c, qi), step, jnp.zeros(q_blk.shape, jnp.float32))
+        return (dq * c.scale).astype(q.dtype)
+
+    def dkdv_block(ki):
+        k_blk, v_blk = kv_slices(ki)
+
+        def step(qi, carry):
+            dk, dv = carry
+            q_blk, do_blk = q_slices(qi)
+            p, ds = pair(qi, ki, q_blk, k_blk, v_blk, do_blk)
+            dv = dv + jnp.einsum("BKGQC,BQKGH->BCKH", p.astype(d_out.dtype), do_blk,
+                                 precision=c.precision, preferred_element_type=jnp.float32)
+            dk = dk + jnp.einsum("BKGQC,BQKGH->BCKH", ds.astype(q.dtype), q_blk,
+                                 precision=c.precision, preferred_element_type=jnp.float32)
+            return dk, dv
+
+        init = (jnp.zeros(k_blk.shape, jnp.float32), jnp.zeros(v_blk.shape, jnp.float32))
+        dk, dv = jax.lax.fori_loop(_chunk_lower(c, ki), c.nq, step, init)
+        return (dk * c.scale).astype(k.dtype), dv.astype(v.dtype)
+
+    dq = jax.lax.map(dq_block, jnp.arange(c.nq))                    # (nq, B, qc, K, G, H)
+    dq = dq.swapaxes(0, 1).reshape(b, tp, kh, g, h)
+    dk, dv = jax.lax.map(dkdv_block, jnp.arange(c.nk))              # (nk, B, kc, K, H|Hv)
+    dk = dk.swapaxes(0, 1).reshape(b, sp, kh, h)
+    dv = dv.swapaxes(0, 1).reshape(b, sp, kh, hv)
+
+    d_bias = None
+    if bias is not None:
+        bb, nb, tb, sb = bias.shape
+
+        def dbias_block(qi):
+            q_blk, do_blk = q_slices(qi)
+            rows = c.qc if tb > 1 else 1
+            cols = sp if sb > 1 else 1
+
+            def step(ki, acc):
+                k_blk, v_blk = kv_slices(ki)
+                _, ds = pair(qi, ki, q_blk, k_blk, v_blk, do_blk)
+                ds = ds.reshape(b, kh * g, c.qc, c.kc)               # head n = k * G + g
+                axes = tuple(a for a, size in enumerate((bb, nb, tb, sb)) if size == 1)
+                ds = jnp.sum(ds, axis=axes, keepdims=True)
+                if sb == 1:
+                    return acc + ds
+                return jax.lax.dynamic_update_slice_in_dim(acc, ds, ki * c.kc, 3)
+
+            init = jnp.zeros((bb, nb, rows, cols), jnp.float32)
+            return jax.lax.fori_loop(0, _chunk_upper(c, qi), step, init)
+
+        d_bias = jax.lax.map(dbias_block, jnp.arange(c.nq))         # (nq, Bb, Nb, qc|1, Sp|1)
+        if tb > 1:
+            d_bias = d_bias.transpose(1, 2, 0, 3, 4).reshape(bb, nb, c.nq * c.qc, -1)
+        else:
+            d_bias = d_bias.sum(axis=0)
+        d_bias = d_bias.astype(bias.dtype)
+    return dq, dk, dv, d_bias
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _chunked_core(q, k, v, bias, mask, rng, c: _Chunking):
+    return _chunk_forward(c, q, k, v, bias, mask, rng)[0]
+
+
+def _chunked_core_fwd(q, k, v, bias, mask, rng, c):
+    out, m, l = _chunk_forward(c, q, k, v, bias, mask, rng)
+    return out, (q, k, v, bias, mask, rng, out, m, l)
+
+
+def _chunked_core_bwd(c, residuals, d_out):
+    q, k, v, bias, mask, rng, out, m, l = residuals
+    dq, dk, dv, d_bias = _chunk_backward(c, q, k, v, bias, mask, rng, out, m, l, d_out)
+    return dq, dk, dv, d_bias, None, None
+
+
+_chunked_core.defvjp(_chunked_core_fwd, _chunked_core_bwd)
+
+
+def _chunked_attention(q, k, v, mask, bias, scale, causal, dropout_rate, dropout_rng,
+                       deterministic, precision, q_chunk, kv_chunk, skip_masked_blocks=True):
+    """Exact attention in (q_chunk, kv_chunk) blocks with an online softmax (module doc).
+
+    ``skip_masked_blocks=False`` visits every key block also under ``causal`` (the blocks
+    past the diagonal then contribute exact zeros): a reference for the skipping path.
+    """
+    b, t, s, n, kh, h = _check_qkv(q, k, v)
+    g = n // kh
+    qc, kc = min(q_chunk, t), min(kv_chunk, s)
+    tp, sp = -(-t // qc) * qc, -(-s // kc) * kc
+    use_dropout = (not deterministic) and dropout_rate > 0.0
+    c = _Chunking(scale=float(scale), causal=causal, t=t, s=s, qc=qc, kc=kc, nq=tp // qc,
+                  nk=sp // kc, dropout_rate=float(dropout_rate) if use_dropout else 0.0,
+                  skip=skip_masked_blocks, precision=precision)
+    qg = _pad_axis(q, 1, tp, 0).reshape(b, tp, kh, g, h)
+    kp, vp = _pad_axis(k, 1, sp, 0), _pad_axis(v, 1, sp, 0)
+    mask_p = None if mask is None else _pad_axis(
+        _pad_axis(mask.astype(bool), 3, sp, False), 2, tp, True)
+    if bias is not None:
+        bias = _pad_axis(_pad_axis(bias, 3, sp, 0), 2, tp, 0)
+    out = _chunked_core(qg, kp, vp, bias, mask_p, dropout_rng if use_dropout else None, c)
+    out = out.reshape(b, tp, n, v.shape[-1])[:, :t]
+    if causal and mask is not None:
+        out = _fill_empty_rows(out, v, mask, t, s)
+    return out
+
+
+# ----------------------------------------------------------------------------- cudnn
+
+def _cudnn_problems(q: Array, k: Array, v: Array, has_bias_or_mask: bool) -> list[str]:
+    """Why cuDNN flash attention (via ``jax.nn.dot_product_attention``) cannot run here."""
+    if jax.default_backend() != "gpu":
+        return [f"it needs a GPU (the backend is {jax.default_backend()!r})"]
+    problems = []
+    if q.dtype not in (jnp.float16, jnp.bfloat16) or not q.dtype == k.dtype == v.dtype:
+        problems.append(f"it needs fp16/bf16 query, key and value of one dtype (got {q.dtype}, "
+                        f"{k.dtype}, {v.dtype}; e.g. a model with dtype='bfloat16')")
+    cc = getattr(jax.devices()[0], "compute_capability", None)
+    try:
+        cc = tuple(int(x) for x in str(cc).split("."))
+    except ValueError:
+        cc = None
+    if cc is not None and cc < (8, 0):
+        problems.append(f"it needs compute capability >= 8.0 (Ampere); this GPU has {cc}")
+    h_max = 256 if cc is not None and cc >= (9, 0) else 128
+    h = q.shape[-1]
+    if h % 8 or h > h_max:
+        problems.append(f"the head dim must be a multiple of 8 and <= {h_max}; got {h}")
+    if v.shape[-1] != h:
+        problems.append(f"value head dim {v.shape[-1]} must equal the query/key head dim {h}")
+    if has_bias_or_mask and (q.shape[1] % 2 or k.shape[1] % 2):
+        problems.append(f"with a bias or mask the lengths must be even (T={q.shape[1]}, "
+                        f"S={k.shape[1]}) for its backward pass")
+    return problems
+
+
+def _jax_attention(q, k, v, mask, bias, scale, causal, implementation):
+    """``jax.nn.dot_product_attention``: cuDNN when asked (errors naming the problem when it
+    cannot run), or, for ``"jax"``, when it can run (XLA's path otherwise)."""
+    problems = _cudnn_problems(q, k, v, mask is not None or bias is not None)
+    if implementation == "cudnn" and problems:
+        raise ValueError("implementation='cudnn' cannot run: " + "; ".join(problems)
+                         + ". Use implementation='jax' (cuDNN where possible, XLA otherwise), "
+                         "'pallas', 'chunked' or 'xla'")
+    use_cudnn = not problems
+    b, t, s, n = q.shape[0], q.shape[1], k.shape[1], q.shape[2]
+    if use_cudnn:
+        # cuDNN takes masks as an additive bias of full (T, S) extent in the input dtype.
+        if bias is not None:
+            bias = jnp.broadcast_to(bias, bias.shape[:2] + (t, s)).astype(q.dtype)
+        if mask is not None:
+            mask = jnp.broadcast_to(mask, mask.shape[:2] + (t, s))
+    return jax.nn.dot_product_attention(
+        q, k, v, bias=bias, mask=None if mask is None else mask.astype(bool), scale=scale,
+        is_causal=causal, implementation="cudnn" if use_cudnn else "xla")
 
 
 # ----------------------------------------------------------------------------- public
@@ -195,8 +457,8 @@ def dot_product_attention(
     return_weights: bool = False,
     implementation: str = "xla",
     precision: Any = None,
-    q_chunk: int = 512,
-    kv_chunk: int = 512,
+    q_chunk: int | None = None,
+    kv_chunk: int | None = None,
 ):
     """``softmax(Q K^T * scale + bias, masked) V`` for every head.
 
@@ -212,7 +474,8 @@ def dot_product_attention(
       dropout_rate, dropout_rng, deterministic: dropout on the attention weights.
       return_weights: also return the (B, N, T, S) fp32 weights (``"xla"`` only).
       implementation: one of ``IMPLEMENTATIONS`` (module docstring).
-      q_chunk, kv_chunk: block sizes of ``"chunked"``.
+      q_chunk, kv_chunk: query/key block sizes of ``"chunked"`` (default 512) and of
+        ``"pallas"`` (powers of two; default per platform, ``flash_attention.BlockSizes``).
 
     Returns:
       (B, T, N, Hv) in value's dtype, or ``(out, weights)`` when ``return_weights``.
@@ -241,19 +504,20 @@ def dot_product_attention(
                          "path never materialises the weights)")
     if implementation == "chunked":
         return _chunked_attention(query, key, value, mask, bias, scale, causal, dropout_rate,
-                                  dropout_rng, deterministic, precision, q_chunk, kv_chunk)
+                                  dropout_rng, deterministic, precision, q_chunk or 512,
+                                  kv_chunk or 512)
 
-    # "jax" / "cudnn": jax.nn.dot_product_attention
     if not deterministic and dropout_rate > 0.0:
         raise ValueError(f"implementation={implementation!r} has no attention dropout; "
                          "use implementation='xla' or 'chunked', or dropout_rate=0")
-    impl = None
-    if implementation == "cudnn" or (jax.default_backend() == "gpu"
-                                     and query.dtype in (jnp.float16, jnp.bfloat16)):
-        impl = "cudnn"
-    return jax.nn.dot_product_attention(
-        query, key, value, bias=bias, mask=None if mask is None else mask.astype(bool),
-        scale=scale, is_causal=causal, implementation=impl)
+    if implementation == "pallas":
+        from .flash_attention import BlockSizes, flash_attention  # imports this module
+        blocks = None
+        if q_chunk or kv_chunk:
+            blocks = BlockSizes(block_q=q_chunk or 128, block_k=kv_chunk or 128)
+        return flash_attention(query, key, value, bias=bias, mask=mask, causal=causal,
+                               scale=scale, block_sizes=blocks)
+    return _jax_attention(query, key, value, mask, bias, scale, causal, implementation)
 
 
 # ----------------------------------------------------------------------------- module

@@ -43,6 +43,29 @@ class PresetConfig:
     def replace(self: C, **changes: Any) -> C:
         return type(self).from_dict({**self.to_dict(), **changes})
 
+    # -- validation helpers for ``__post_init__`` (errors name ``Config.field``) ----------
+    def _require_positive(self, *names: str) -> None:
+        for name in names:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{type(self).__name__}.{name} must be >= 1, got {getattr(self, name)}")
+
+    def _require_choice(self, name: str, choices, hint: str = "") -> None:
+        value = getattr(self, name)
+        if value not in choices:
+            raise ValueError(f"{type(self).__name__}.{name}={value!r} is unknown; choose one of "
+                             f"{sorted(choices)}{hint}")
+
+    def _require_rates(self, *names: str) -> None:
+        for name in names:
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{type(self).__name__}.{name} must be in [0, 1), got {getattr(self, name)}")
+
+    def _require_token_ids(self, *names: str) -> None:
+        for name in names:
+            if not 0 <= getattr(self, name) < self.vocab_size:
+                raise ValueError(f"{type(self).__name__}.{name}={getattr(self, name)} is outside the "
+                                 f"vocabulary [0, {self.vocab_size})")
+
 
 def stack_layers(params: dict, num_layers: int, *, prefix: str = "h_", name: str = "h") -> dict:
     """Unscanned ``{prefix}0 .. {prefix}{L-1}`` subtrees -> one ``name`` subtree with a leading (L,) axis."""

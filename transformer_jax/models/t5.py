@@ -99,9 +99,7 @@ class T5Config(PresetConfig):
     }
 
     def __post_init__(self):
-        for name in ("vocab_size", "d_model", "num_heads", "head_dim", "mlp_dim", "num_layers"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"T5Config.{name} must be >= 1, got {getattr(self, name)}")
+        self._require_positive("vocab_size", "d_model", "num_heads", "head_dim", "mlp_dim", "num_layers")
         if self.num_decoder_layers is not None and self.num_decoder_layers < 1:
             raise ValueError(f"T5Config.num_decoder_layers must be >= 1 (or None = num_layers), "
                              f"got {self.num_decoder_layers}")
@@ -113,18 +111,11 @@ class T5Config(PresetConfig):
             raise ValueError(f"T5Config.relative_attention_max_distance="
                              f"{self.relative_attention_max_distance} must exceed the {r // 2} exact "
                              f"buckets of the decoder (relative_attention_num_buckets // 2)")
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(f"T5Config.activation={self.activation!r} is unknown; choose one of "
-                             f"{sorted(ACTIVATIONS)} (v1.0: 'relu'; v1.1: 'gelu_tanh' with gated_mlp=True)")
-        if not 0.0 <= self.dropout_rate < 1.0:
-            raise ValueError(f"T5Config.dropout_rate must be in [0, 1), got {self.dropout_rate}")
-        if self.attention_impl not in IMPLEMENTATIONS:
-            raise ValueError(f"T5Config.attention_impl={self.attention_impl!r}; choose one of "
-                             f"{IMPLEMENTATIONS}")
-        for name in ("pad_token_id", "eos_token_id", "decoder_start_token_id"):
-            if not 0 <= getattr(self, name) < self.vocab_size:
-                raise ValueError(f"T5Config.{name}={getattr(self, name)} is outside the vocabulary "
-                                 f"[0, {self.vocab_size})")
+        self._require_choice("activation", ACTIVATIONS,
+                             " (v1.0: 'relu'; v1.1: 'gelu_tanh' with gated_mlp=True)")
+        self._require_rates("dropout_rate")
+        self._require_choice("attention_impl", IMPLEMENTATIONS)
+        self._require_token_ids("pad_token_id", "eos_token_id", "decoder_start_token_id")
         canonical_dtype(self.dtype), canonical_dtype(self.param_dtype)
 
     @property

@@ -88,9 +88,7 @@ class TransformerConfig(PresetConfig):
     }
 
     def __post_init__(self):
-        for name in ("vocab_size", "max_len", "num_layers", "d_model", "num_heads", "mlp_dim"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"TransformerConfig.{name} must be >= 1, got {getattr(self, name)}")
+        self._require_positive("vocab_size", "max_len", "num_layers", "d_model", "num_heads", "mlp_dim")
         if self.num_decoder_layers is not None and self.num_decoder_layers < 1:
             raise ValueError(f"TransformerConfig.num_decoder_layers must be >= 1 (or None = "
                              f"num_layers), got {self.num_decoder_layers}")
@@ -100,22 +98,13 @@ class TransformerConfig(PresetConfig):
         if self.d_model % 2:
             raise ValueError(f"TransformerConfig: sinusoidal positions need an even d_model, "
                              f"got {self.d_model}")
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(f"TransformerConfig.activation={self.activation!r} is unknown; choose "
-                             f"one of {sorted(ACTIVATIONS)}")
-        for name in ("dropout_rate", "attention_dropout_rate", "mlp_dropout_rate"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"TransformerConfig.{name} must be in [0, 1), got {getattr(self, name)}")
+        self._require_choice("activation", ACTIVATIONS)
+        self._require_rates("dropout_rate", "attention_dropout_rate", "mlp_dropout_rate")
         if self.pre_norm and self.final_norm is False:
             raise ValueError("TransformerConfig: pre_norm=True needs final_norm (the residual "
                              "stream is never normalised otherwise); leave final_norm=None")
-        if self.attention_impl not in IMPLEMENTATIONS:
-            raise ValueError(f"TransformerConfig.attention_impl={self.attention_impl!r}; choose one "
-                             f"of {IMPLEMENTATIONS}")
-        for name in ("pad_token_id", "eos_token_id", "decoder_start_token_id"):
-            if not 0 <= getattr(self, name) < self.vocab_size:
-                raise ValueError(f"TransformerConfig.{name}={getattr(self, name)} is outside the "
-                                 f"vocabulary [0, {self.vocab_size})")
+        self._require_choice("attention_impl", IMPLEMENTATIONS)
+        self._require_token_ids("pad_token_id", "eos_token_id", "decoder_start_token_id")
         canonical_dtype(self.dtype), canonical_dtype(self.param_dtype)
 
     @property

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import data as data_lib
-from ..data.pipeline import _document_text, _read, open_source, permutation
+from ..data.pipeline import EpochIterator, _document_text, _read, open_source, permutation
 from ..train.step import token_loss
 from .base import Task, register_task
 from .mlm import MLMVocab, build_tokenizer, check_bert, jitted_apply
@@ -116,65 +116,27 @@ def encode_example(vocab: MLMVocab, a: list[int], b: list[int] | None, seq_len: 
     return out_ids, out_types
 
 
-class ExampleIterator:
-    """Batches of pre-encoded examples; a fresh permutation per epoch (train) or one pass.
-
-    ``next`` -> ``{"input_ids", "token_type_ids", "attention_mask", "labels": int32,
-    "weights": float32 (B,)}``; the last eval batch is filled with weight-0 rows. State
-    ``{"epoch", "index"}`` (the process count does not enter: rows are global).
+class ExampleIterator(EpochIterator):
+    """Batches of pre-encoded examples in the order of
+    :class:`~transformer_jax.data.pipeline.EpochIterator` (a fresh permutation per epoch, or
+    one pass). ``next`` -> ``{"input_ids", "token_type_ids", "attention_mask", "labels":
+    int32, "weights": float32 (B,)}``; the last eval batch is filled with weight-0 rows.
     """
+
+    kind = "classification"
 
     def __init__(self, arrays: dict[str, np.ndarray], *, batch_size: int, seed: int,
                  shuffle: bool, repeat: bool, process_index: int, process_count: int,
                  describe: str):
         self.arrays = arrays
-        self.n = len(arrays["labels"])
-        self.global_batch = batch_size
-        self.batch_size = batch_size // process_count
-        self.seed, self.shuffle, self.repeat = seed, shuffle, repeat
-        self.process_index = process_index
-        if self.n == 0:
-            raise ValueError(f"{describe} has no examples")
-        if repeat:
-            self.batches_per_epoch = self.n // batch_size
-            if self.batches_per_epoch == 0:
-                raise ValueError(f"{describe} has {self.n} examples, fewer than one batch of "
-                                 f"{batch_size}; lower batch_size")
-        else:
-            self.batches_per_epoch = -(-self.n // batch_size)
-        self.epoch, self.index = 0, 0
-        self._order = None
+        super().__init__(len(arrays["labels"]), batch_size=batch_size, seed=seed,
+                         shuffle=shuffle, repeat=repeat, process_index=process_index,
+                         process_count=process_count, describe=describe)
 
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> dict:
-        if not self.repeat and self.index >= self.batches_per_epoch:
-            raise StopIteration
-        if self._order is None or self._order[0] != self.epoch:
-            order = permutation(self.n, self.seed, self.epoch) if self.shuffle else np.arange(self.n)
-            self._order = (self.epoch, order)
-        first = self.index * self.global_batch + self.process_index * self.batch_size
-        pos = np.arange(first, first + self.batch_size)
-        valid = pos < self.n
-        rows = self._order[1][np.where(valid, pos, 0)]
+    def make_batch(self, rows, valid):
         batch = {k: v[rows] for k, v in self.arrays.items()}
         batch["weights"] = valid.astype(np.float32)
-        self.index += 1
-        if self.repeat and self.index == self.batches_per_epoch:
-            self.epoch, self.index = self.epoch + 1, 0
         return batch
-
-    def get_state(self) -> dict:
-        return {"epoch": self.epoch, "index": self.index}
-
-    def set_state(self, state: dict) -> None:
-        if not isinstance(state, dict) or set(state) != {"epoch", "index"}:
-            raise ValueError(f"not a classification iterator state: {state!r}")
-        if not 0 <= state["index"] < max(self.batches_per_epoch, 1):
-            raise ValueError(f"iterator state index {state['index']} is out of range for "
-                             f"{self.batches_per_epoch} batches per epoch")
-        self.epoch, self.index = int(state["epoch"]), int(state["index"])
 
 
 def classify_loss(apply_fn, params, batch, rngs, deterministic: bool, smoothing: float):

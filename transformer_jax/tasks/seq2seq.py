@@ -56,7 +56,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from .. import data as data_lib
-from ..data.pipeline import _read, open_source, permutation
+from ..data.pipeline import EpochIterator, _read, open_source
 from ..train.step import token_loss
 from .base import Task, register_task
 
@@ -185,66 +185,25 @@ def encode_pairs(tokenizer, pairs: Sequence[tuple[str, str]], valid: np.ndarray,
             "labels": labels, "weights": weights}
 
 
-class PairIterator:
-    """Batches of encoded pairs; a fresh permutation per epoch (train) or one ordered pass.
+class PairIterator(EpochIterator):
+    """Batches of encoded pairs (:func:`encode_pairs`) in the order of
+    :class:`~transformer_jax.data.pipeline.EpochIterator`: a fresh permutation per epoch
+    (train) or one ordered pass, whose last batch has weight-0 rows (eval)."""
 
-    Process ``p`` of ``P`` yields rows ``[p B/P, (p+1) B/P)`` of every global batch. State
-    ``{"epoch", "index"}`` (independent of the process count).
-    """
+    kind = "seq2seq"
 
     def __init__(self, pairs, tokenizer, *, batch_size: int, src_len: int, tgt_len: int,
                  start_id: int, seed: int, shuffle: bool, repeat: bool, process_index: int,
                  process_count: int, describe: str):
-        if batch_size % process_count:
-            raise ValueError(f"batch_size={batch_size} is not divisible by {process_count} processes")
         self.pairs, self.tokenizer = pairs, tokenizer
-        self.n = len(pairs)
-        self.global_batch, self.batch_size = batch_size, batch_size // process_count
         self.src_len, self.tgt_len, self.start_id = src_len, tgt_len, start_id
-        self.seed, self.shuffle, self.repeat = seed, shuffle, repeat
-        self.process_index = process_index
-        if self.n == 0:
-            raise ValueError(f"{describe} has no examples")
-        if repeat:
-            self.batches_per_epoch = self.n // batch_size
-            if self.batches_per_epoch == 0:
-                raise ValueError(f"{describe} has {self.n} examples, fewer than one batch of "
-                                 f"{batch_size}; lower batch_size")
-        else:
-            self.batches_per_epoch = -(-self.n // batch_size)
-        self.epoch = self.index = 0
-        self._order: tuple[int, np.ndarray] | None = None
+        super().__init__(len(pairs), batch_size=batch_size, seed=seed, shuffle=shuffle,
+                         repeat=repeat, process_index=process_index,
+                         process_count=process_count, describe=describe)
 
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> dict[str, np.ndarray]:
-        if not self.repeat and self.index >= self.batches_per_epoch:
-            raise StopIteration
-        if self._order is None or self._order[0] != self.epoch:
-            order = permutation(self.n, self.seed, self.epoch) if self.shuffle else np.arange(self.n)
-            self._order = (self.epoch, order)
-        first = self.index * self.global_batch + self.process_index * self.batch_size
-        pos = np.arange(first, first + self.batch_size)
-        valid = pos < self.n
-        rows = self._order[1][np.where(valid, pos, 0)]
-        batch = encode_pairs(self.tokenizer, self.pairs.get(rows), valid, self.src_len,
-                             self.tgt_len, self.start_id)
-        self.index += 1
-        if self.repeat and self.index == self.batches_per_epoch:
-            self.epoch, self.index = self.epoch + 1, 0
-        return batch
-
-    def get_state(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "index": self.index}
-
-    def set_state(self, state: dict) -> None:
-        if not isinstance(state, dict) or set(state) != {"epoch", "index"}:
-            raise ValueError(f"not a seq2seq iterator state: {state!r}")
-        if not 0 <= int(state["index"]) < max(self.batches_per_epoch, 1):
-            raise ValueError(f"seq2seq iterator state index {state['index']} is out of range for "
-                             f"{self.batches_per_epoch} batches per epoch")
-        self.epoch, self.index = int(state["epoch"]), int(state["index"])
+    def make_batch(self, rows, valid):
+        return encode_pairs(self.tokenizer, self.pairs.get(rows), valid, self.src_len,
+                            self.tgt_len, self.start_id)
 
 
 def seq2seq_loss(apply_fn, params, batch, rngs, deterministic: bool, smoothing: float):

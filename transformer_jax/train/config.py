@@ -115,7 +115,8 @@ def parse_value(text: str) -> Any:
 def apply_overrides(cfg: ExperimentConfig, overrides: list[str] | dict[str, Any]) -> ExperimentConfig:
     """Apply ``key=value`` strings (or a dict).
 
-    ``model.FIELD`` goes into ``model_overrides`` and ``task.OPTION`` into ``task_options``.
+    ``model.FIELD`` goes into ``model_overrides`` and ``task.OPTION`` into ``task_options``;
+    ``model_overrides={...}`` / ``task_options={...}`` merge a dict into them.
     """
     if isinstance(overrides, dict):
         items = list(overrides.items())
@@ -135,6 +136,12 @@ def apply_overrides(cfg: ExperimentConfig, overrides: list[str] | dict[str, Any]
             model_overrides[key[len("model."):]] = value
         elif key.startswith("task."):
             task_options[key[len("task."):]] = value
+        elif key in ("model_overrides", "task_options"):
+            if not isinstance(value, dict):
+                raise ValueError(f"{key} must be a dict (e.g. {key}={{'num_layers': 2}}), got "
+                                 f"{value!r}; or set one entry as "
+                                 f"{'model.FIELD' if key == 'model_overrides' else 'task.OPTION'}=value")
+            (model_overrides if key == "model_overrides" else task_options).update(value)
         elif key in names:
             changes[key] = value
         else:
