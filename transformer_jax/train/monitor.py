@@ -117,11 +117,12 @@ def plot_loss(workdir: Path, out: Path | None = None) -> Path | None:
     evals = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
     if not train and not evals:
         return None
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # a Figure of its own (Agg canvas): no pyplot state, the caller's backend (e.g. a
+    # notebook's inline backend) is left as it was
+    from matplotlib.figure import Figure
 
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    fig = Figure(figsize=(7, 4), dpi=110)
+    ax = fig.subplots()
     if train:
         ax.plot(*zip(*train), label="train loss", lw=1.2)
     if evals:
@@ -134,5 +135,4 @@ def plot_loss(workdir: Path, out: Path | None = None) -> Path | None:
     out = out or Path(workdir) / "loss.png"
     fig.tight_layout()
     fig.savefig(out)
-    plt.close(fig)
     return out
