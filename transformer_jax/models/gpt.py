@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from ..layers.blocks import DecoderBlock
 from ..layers.dense import Dense, Embed, canonical_dtype
-from ..layers.masks import causal_mask, combine_masks, key_padding_mask
+from ..layers.masks import key_padding_mask
 from ..layers.norms import make_norm
 from .base import PresetConfig
 
@@ -130,7 +130,8 @@ class GPT(nn.Module):
                  decode: bool = False) -> Array:
         """input_ids (B, T) int; attention_mask (B, S) with 1 = real token (HF convention).
 
-        Without ``decode``, S = T and the causal mask is added here. With ``decode=True``
+        Without ``decode``, S = T and the layers attend causally (``causal=True``: the
+        kernels that can skip the masked blocks do). With ``decode=True``
         (a KV cache in the ``cache`` collection), ``attention_mask`` covers the whole cache
         length S_max and the attention layers add the causal part themselves;
         ``position_ids`` default to the running cache position.
@@ -176,7 +177,7 @@ class GPT(nn.Module):
             if not decode and attention_mask.shape[1] != t:
                 raise ValueError(f"attention_mask length {attention_mask.shape[1]} != input length {t}")
         pad = None if attention_mask is None else key_padding_mask(attention_mask)
-        mask = pad if decode else combine_masks(causal_mask(t), pad)
+        mask = pad        # the causal part: causal=True in the layers (block-skipping kernels)
         rope_positions = position_ids if cfg.position == "rope" else None
 
         layer_kwargs = dict(
