@@ -122,6 +122,8 @@ def _experiments(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    from .host_memory import tune_malloc_if_cpu
+    tune_malloc_if_cpu()   # before JAX starts its threads; TRANSFORMER_JAX_TUNE_MALLOC=0 turns it off
     from .train.loop import NonFiniteLossError
 
     handlers = {"train": _train, "eval": _eval, "generate": _generate, "experiments": _experiments}

@@ -23,6 +23,20 @@ import numpy as np
 Array = jax.Array
 
 
+def argmax(x: Array) -> Array:
+    """``jnp.argmax(x, axis=-1)`` as int32, computed with two plain reductions.
+
+    The first index of the maximum (ties and NaN as ``jnp.argmax``: a NaN counts as the
+    maximum). XLA:CPU runs ``jnp.argmax`` as one (value, index) reduction that is ~6x
+    slower than a max followed by a min over the matching indices, e.g. over GPT-2's
+    50257 logits at batch 16; on GPU/TPU both are cheap.
+    """
+    top = jnp.max(x, axis=-1, keepdims=True)
+    hit = (x == top) | jnp.isnan(x) if jnp.issubdtype(x.dtype, jnp.inexact) else x == top
+    index = jnp.arange(x.shape[-1], dtype=jnp.int32)
+    return jnp.min(jnp.where(hit, index, x.shape[-1]), axis=-1)
+
+
 def sample_logits(logits: Array, rng: Array | None, *, temperature: float | Array = 0.0,
                   top_k: int | None = None, top_p: float | Array | None = None,
                   greedy: bool | None = None) -> Array:
@@ -37,7 +51,7 @@ def sample_logits(logits: Array, rng: Array | None, *, temperature: float | Arra
         greedy = isinstance(temperature, (int, float)) and temperature == 0.0
     logits = logits.astype(jnp.float32)
     if greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return argmax(logits)
     if rng is None:
         raise ValueError("sampling (temperature > 0) needs an rng: pass rng=jax.random.PRNGKey(seed)")
     logits = logits / temperature

@@ -335,11 +335,16 @@ def label_smoothed_cross_entropy(
             "expected logits.shape == targets.shape + (V,)"
         )
     num_classes = logits.shape[-1]
-    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    logits = logits.astype(jnp.float32)
     safe_targets = jnp.clip(targets.astype(jnp.int32), 0, num_classes - 1)
-    nll = -jnp.take_along_axis(log_probs, safe_targets[..., None], axis=-1)[..., 0]
+    # -log p[v] = lse - logits[v]. The target logit is picked by a compare-and-sum, not a
+    # gather: its gradient is then a select that fuses with the softmax gradient instead
+    # of a scatter into a zeroed (..., V) buffer, and no (..., V) log-probs are stored.
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    is_target = jnp.arange(num_classes, dtype=jnp.int32) == safe_targets[..., None]
+    nll = lse - jnp.sum(jnp.where(is_target, logits, 0.0), axis=-1)
     if smoothing:
-        uniform = -jnp.mean(log_probs, axis=-1)
+        uniform = lse - jnp.mean(logits, axis=-1)
         per_token = (1.0 - smoothing) * nll + smoothing * uniform
     else:
         per_token = nll

@@ -19,6 +19,7 @@ import optax
 from flax import struct
 from flax.training import train_state
 
+from ..decode import argmax
 from .optim import label_smoothed_cross_entropy, mean_loss
 
 Array = jax.Array
@@ -31,10 +32,16 @@ class TrainState(train_state.TrainState):
 
 def create_train_state(model: nn.Module, tx: optax.GradientTransformation, rng: Array,
                        *init_args: Any) -> TrainState:
-    """Initialise parameters (``model.init(rng, *init_args)``, unboxed) and optimizer state."""
+    """Initialise parameters (``model.init(rng, *init_args)``, unboxed) and optimizer state.
+
+    ``step`` starts as a (weakly typed) int32 array, like the ``step + 1`` that every train
+    step returns, so a jitted step compiles once (a Python ``0`` would make the second
+    call a new signature and compile again).
+    """
     init_rng, dropout_rng = jax.random.split(rng)
     params = nn.meta.unbox(model.init(init_rng, *init_args)["params"])
-    return TrainState.create(apply_fn=model.apply, params=params, tx=tx, rng=dropout_rng)
+    state = TrainState.create(apply_fn=model.apply, params=params, tx=tx, rng=dropout_rng)
+    return state.replace(step=jnp.asarray(0))
 
 
 # A loss function maps (apply_fn, params, batch, rngs, deterministic, smoothing) to
@@ -55,7 +62,7 @@ def token_loss(logits: Array, targets: Array, weights: Array | None, smoothing: 
     else:
         nll_sum = jax.lax.stop_gradient(loss_sum)
     w = jnp.ones(targets.shape, jnp.float32) if weights is None else weights.astype(jnp.float32)
-    hits = (jnp.argmax(jax.lax.stop_gradient(logits), axis=-1) == targets).astype(jnp.float32)
+    hits = (argmax(jax.lax.stop_gradient(logits)) == targets).astype(jnp.float32)
     return loss_sum, {"weight": weight_sum, "nll": nll_sum, "correct": jnp.sum(hits * w)}
 
 

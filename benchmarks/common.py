@@ -1,0 +1,152 @@
+"""Shared pieces of the benchmark suite: process setup, alternating timing, machine facts, output.
+
+Timing rule of the suite: the implementations being compared run in ONE process, on the
+same inputs, and are called in alternation (round-robin, the starting implementation
+rotating every round) after their warm-up, so that load from anything else on the
+machine hits all of them alike; every figure is the median of its rounds.
+
+``setup_process()`` must run before JAX starts its backend: it applies the same host
+allocator tuning as the ``transformer-jax`` CLI (``transformer_jax.host_memory``), which
+the PyTorch peers in the same process then share.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+if str(REPO_ROOT) not in sys.path:  # run as a script from a source checkout
+    sys.path.insert(0, str(REPO_ROOT))
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+_MALLOC_TUNED: bool | None = None
+
+
+def setup_process() -> bool:
+    """Allocator tuning as in the CLI (before any JAX computation). Returns whether applied."""
+    global _MALLOC_TUNED
+    if _MALLOC_TUNED is None:
+        from transformer_jax.host_memory import tune_malloc_if_cpu
+        _MALLOC_TUNED = tune_malloc_if_cpu()
+    return _MALLOC_TUNED
+
+
+# ----------------------------------------------------------------------------- timing
+
+def alternate(fns: dict[str, Callable[[], Any]], rounds: int, warmup: int = 1) -> dict[str, list[float]]:
+    """Wall seconds of each call: ``warmup`` untimed calls each, then ``rounds`` rounds in
+    which every function runs once, the first one of a round rotating."""
+    names = list(fns)
+    for name in names:
+        for _ in range(warmup):
+            fns[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            start = time.perf_counter()
+            fns[name]()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    start = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - start
+
+
+# ----------------------------------------------------------------------------- machine
+
+def measure_memory_bandwidth(mib: int = 256, repeats: int = 5) -> float:
+    """Best-of-``repeats`` copy bandwidth in bytes/s (read + write) of a ``mib`` MiB numpy copy
+    into a preallocated (already faulted-in) buffer: the memory roofline of this machine."""
+    import numpy as np
+    src = np.ones(mib * 2**20 // 4, np.float32)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.nbytes / best
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info() -> dict[str, Any]:
+    import jax
+    info: dict[str, Any] = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "cpu": cpu_model(), "cpu_count": os.cpu_count(), "python": platform.python_version(),
+        "jax": jax.__version__, "backend": jax.default_backend(),
+        "device": jax.devices()[0].device_kind, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "malloc_tuned": bool(_MALLOC_TUNED),
+        "load_average_1_5_15min": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+    }
+    try:
+        import torch
+        import transformers
+        info.update(torch=torch.__version__, torch_threads=torch.get_num_threads(),
+                    transformers=transformers.__version__)
+    except ImportError:
+        pass
+    return info
+
+
+def load_average() -> list[float] | None:
+    return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+
+
+# ----------------------------------------------------------------------------- output
+
+def md_table(header: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_results(stem: str, payload: dict[str, Any], markdown: str,
+                  out_dir: Path = RESULTS_DIR) -> tuple[Path, Path]:
+    """``<out_dir>/<stem>.json`` and ``<stem>.md``; returns both paths."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    js, md = out_dir / f"{stem}.json", out_dir / f"{stem}.md"
+    js.write_text(json.dumps(payload, indent=2, default=_json_default) + "\n")
+    md.write_text(markdown.rstrip() + "\n")
+    return js, md
+
+
+def _json_default(x: Any) -> Any:
+    if hasattr(x, "item"):
+        return x.item()
+    if isinstance(x, Path):
+        return str(x)
+    return str(x)
+
+
+def fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)

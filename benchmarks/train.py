@@ -1,0 +1,405 @@
+"""Train-step throughput and MFU: this library vs HF transformers (PyTorch eager and torch.compile).
+
+For each case (GPT, BERT, T5 and ViT at two sizes) one random-weight HF model is built from
+the HF config that ``interop.hf_config`` writes for our config (same widths, heads, vocab,
+norm eps, activation; dropout 0 on both sides), and both sides train on the same batch with
+AdamW (lr 1e-4, betas (0.9, 0.999), eps 1e-8, weight decay 0.01, global-norm clip 1.0):
+
+* ours:  ``make_train_step`` + ``make_optimizer``, jitted with the state donated;
+* eager: ``loss = model(**batch).loss; loss.backward(); clip_grad_norm_; opt.step();
+  opt.zero_grad()``, the HF model in train mode, fp32, torch's default threads;
+* compile: the same with ``torch.compile(model)`` (the optimizer step stays eager).
+
+The three run alternating in one process (``common.alternate``), after warm-up calls that
+include our XLA compile and the torch.compile compile (both reported). tokens/s =
+tokens per step / median step time; MFU = model FLOPs per step (PaLM / nanoGPT convention,
+``<Config>.flops_per_token`` etc.: 6 N + 12 L D T per token) / step time / peak, the peak
+being the fp32 matmul FLOP/s measured in the same run (``train.monitor.measure_matmul_peak``).
+MFU is given for every implementation against the same model-FLOP count, so it is just
+tokens/s on a common scale.
+
+Also reported for our step: the jit cache size after all steps (1 = no recompilation),
+whether the donated state's buffers were consumed (donation took effect), and, for the
+default experiment, the data iterator's time per batch against the step time.
+
+Usage::
+
+    python benchmarks/train.py                      # all families, two sizes each (~10-14 min here)
+    python benchmarks/train.py --quick              # one small size per family, compile for GPT only
+    python benchmarks/train.py --families gpt --no-compile
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import common  # noqa: E402
+
+common.setup_process()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from transformer_jax.train.monitor import measure_matmul_peak  # noqa: E402
+from transformer_jax.train.optim import constant, make_optimizer  # noqa: E402
+from transformer_jax.train.step import (create_train_state, lm_loss, make_train_step,  # noqa: E402
+                                        token_loss)
+
+OPT = dict(lr=1e-4, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01, clip=1.0)
+
+
+@dataclasses.dataclass
+class Case:
+    """One benchmark configuration: how to build both sides and how to count its work."""
+    family: str
+    name: str
+    build: Callable[[np.random.Generator], "Built"]
+
+
+@dataclasses.dataclass
+class Built:
+    config: Any                       # our config
+    module: Any
+    init_args: tuple                  # for create_train_state
+    batch: dict                       # our batch (jnp arrays)
+    loss_fn: Callable                 # train.step loss function
+    hf_model: Any                     # torch module (train mode)
+    hf_inputs: dict                   # kwargs of hf_model(...) (incl. labels)
+    tokens: int                       # tokens per step
+    flops: float                      # model FLOPs per step
+    unit: str = "tokens"
+
+
+# ----------------------------------------------------------------------------- families
+
+def _hf():
+    import torch
+    import transformers
+    transformers.logging.set_verbosity_error()
+    return torch, transformers
+
+
+def _torch_ids(x):
+    torch, _ = _hf()
+    return torch.as_tensor(np.asarray(x), dtype=torch.long)
+
+
+def gpt_case(layers: int, width: int, heads: int, seq: int, batch: int, vocab: int) -> Case:
+    def build(rng):
+        torch, transformers = _hf()
+        from transformer_jax.interop import hf_config
+        from transformer_jax.models import GPT, GPTConfig
+        cfg = GPTConfig(vocab_size=vocab, max_len=seq, num_layers=layers, num_heads=heads,
+                        d_model=width, dropout_rate=0.0, attention_dropout_rate=0.0)
+        ids = rng.integers(0, vocab, (batch, seq + 1)).astype(np.int32)
+        hf = transformers.GPT2LMHeadModel(hf_config(cfg, bos_token_id=None, eos_token_id=None))
+        tokens = batch * seq
+        return Built(cfg, GPT(cfg), (jnp.asarray(ids[:, :-1]),),
+                     {"inputs": jnp.asarray(ids[:, :-1]), "targets": jnp.asarray(ids[:, 1:]),
+                      "weights": jnp.ones((batch, seq), jnp.float32)},
+                     lm_loss, hf.train(),
+                     # HF shifts the labels itself: logits for all T positions, loss on T - 1
+                     {"input_ids": _torch_ids(ids[:, :-1]), "labels": _torch_ids(ids[:, :-1])},
+                     tokens, cfg.flops_per_token(seq) * tokens)
+    return Case("gpt", f"GPT {layers}L/{width} (T={seq}, B={batch}, V={vocab})", build)
+
+
+def _mlm_loss(apply_fn, params, batch, rngs, deterministic, smoothing):
+    logits = apply_fn({"params": params}, batch["inputs"], None, batch["attention_mask"],
+                      deterministic=deterministic, rngs=rngs)
+    return token_loss(logits, batch["targets"], batch["weights"], smoothing)
+
+
+def bert_case(layers: int, width: int, heads: int, seq: int, batch: int, vocab: int) -> Case:
+    def build(rng):
+        torch, transformers = _hf()
+        from transformer_jax.interop import hf_config
+        from transformer_jax.models.bert import BertConfig, BertForMaskedLM
+        cfg = BertConfig(vocab_size=vocab, max_len=seq, num_layers=layers, num_heads=heads,
+                         d_model=width, dropout_rate=0.0, attention_dropout_rate=0.0, head="mlm")
+        ids = rng.integers(5, vocab, (batch, seq)).astype(np.int32)
+        masked = rng.random((batch, seq)) < 0.15
+        inputs = np.where(masked, 4, ids).astype(np.int32)        # id 4 plays [MASK]
+        hf = transformers.BertForMaskedLM(hf_config(cfg))
+        tokens = batch * seq
+        ones = np.ones((batch, seq), np.int32)
+        return Built(cfg, BertForMaskedLM(cfg), (jnp.asarray(inputs),),
+                     {"inputs": jnp.asarray(inputs), "attention_mask": jnp.asarray(ones),
+                      "targets": jnp.asarray(ids), "weights": jnp.asarray(masked, jnp.float32)},
+                     _mlm_loss, hf.train(),
+                     {"input_ids": _torch_ids(inputs), "attention_mask": _torch_ids(ones),
+                      "labels": _torch_ids(np.where(masked, ids, -100))},
+                     tokens, cfg.flops_per_token(seq) * tokens)
+    return Case("bert", f"BERT-MLM {layers}L/{width} (T={seq}, B={batch}, V={vocab})", build)
+
+
+def _seq2seq_loss(apply_fn, params, batch, rngs, deterministic, smoothing):
+    logits = apply_fn({"params": params}, batch["inputs"], batch["decoder_inputs"],
+                      batch["attention_mask"], deterministic=deterministic, rngs=rngs)
+    return token_loss(logits, batch["targets"], batch["weights"], smoothing)
+
+
+def t5_case(layers: int, width: int, heads: int, seq: int, batch: int, vocab: int) -> Case:
+    def build(rng):
+        torch, transformers = _hf()
+        from transformer_jax.interop import hf_config
+        from transformer_jax.models import T5, T5Config
+        cfg = T5Config(vocab_size=vocab, d_model=width, num_heads=heads, head_dim=width // heads,
+                       mlp_dim=4 * width, num_layers=layers, dropout_rate=0.0)
+        src = rng.integers(2, vocab, (batch, seq)).astype(np.int32)
+        tgt = rng.integers(2, vocab, (batch, seq)).astype(np.int32)
+        dec_in = np.concatenate([np.full((batch, 1), cfg.decoder_start_token_id, np.int32),
+                                 tgt[:, :-1]], axis=1)
+        ones = np.ones((batch, seq), np.int32)
+        hf = transformers.T5ForConditionalGeneration(hf_config(cfg))
+        tokens = 2 * batch * seq
+        return Built(cfg, T5(cfg), (jnp.asarray(src), jnp.asarray(dec_in)),
+                     {"inputs": jnp.asarray(src), "decoder_inputs": jnp.asarray(dec_in),
+                      "attention_mask": jnp.asarray(ones), "targets": jnp.asarray(tgt),
+                      "weights": jnp.ones((batch, seq), jnp.float32)},
+                     _seq2seq_loss, hf.train(),
+                     {"input_ids": _torch_ids(src), "attention_mask": _torch_ids(ones),
+                      "labels": _torch_ids(tgt)},
+                     tokens, cfg.flops_per_example(seq, seq) * batch)
+    return Case("t5", f"T5 {layers}+{layers}L/{width} (S=T={seq}, B={batch}, V={vocab})", build)
+
+
+def _image_loss(apply_fn, params, batch, rngs, deterministic, smoothing):
+    logits = apply_fn({"params": params}, batch["images"], deterministic=deterministic, rngs=rngs)
+    return token_loss(logits, batch["labels"], None, smoothing)
+
+
+def vit_case(layers: int, width: int, heads: int, image: int, patch: int, batch: int,
+             classes: int = 10) -> Case:
+    def build(rng):
+        torch, transformers = _hf()
+        from transformer_jax.interop import hf_config
+        from transformer_jax.models import ViT, ViTConfig
+        cfg = ViTConfig(image_size=image, patch_size=patch, num_classes=classes,
+                        num_layers=layers, num_heads=heads, d_model=width, mlp_dim=4 * width,
+                        head_zeroinit=False)
+        images = rng.standard_normal((batch, image, image, 3)).astype(np.float32)
+        labels = rng.integers(0, classes, (batch,)).astype(np.int32)
+        hf = transformers.ViTForImageClassification(hf_config(cfg))
+        tokens = batch * cfg.seq_len
+        return Built(cfg, ViT(cfg), (jnp.asarray(images),),
+                     {"images": jnp.asarray(images), "labels": jnp.asarray(labels)},
+                     _image_loss, hf.train(),
+                     {"pixel_values": torch.from_numpy(images.transpose(0, 3, 1, 2).copy()),
+                      "labels": _torch_ids(labels)},
+                     tokens, cfg.flops_per_image() * batch, unit="tokens")
+    return Case("vit", f"ViT {layers}L/{width} ({image}px/{patch}, B={batch})", build)
+
+
+def default_cases() -> list[Case]:
+    return [
+        gpt_case(4, 128, 4, 128, 32, 259),          # the default experiment's model and batch
+        gpt_case(6, 384, 6, 256, 8, 8192),          # the issue's target configuration
+        bert_case(4, 256, 4, 128, 16, 8192),
+        bert_case(6, 384, 6, 128, 16, 8192),
+        t5_case(2, 256, 4, 64, 16, 8192),
+        t5_case(4, 384, 6, 64, 16, 8192),
+        vit_case(6, 192, 3, 32, 4, 32),             # 65 tokens per image
+        vit_case(12, 192, 3, 64, 8, 16),            # ViT-Ti/8 at 64 px: 65 tokens
+    ]
+
+
+def quick_cases() -> list[Case]:
+    return [gpt_case(2, 128, 4, 128, 8, 259), bert_case(2, 128, 4, 64, 8, 2048),
+            t5_case(1, 128, 4, 32, 8, 2048), vit_case(2, 128, 4, 32, 4, 8)]
+
+
+# ----------------------------------------------------------------------------- one case
+
+def _hf_step_fn(model_call, model, opt, inputs):
+    torch, _ = _hf()
+
+    def step():
+        loss = model_call(**inputs).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), OPT["clip"])
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+    return step
+
+
+def run_case(case: Case, *, rounds: int, warmup: int, use_compile: bool, peak: float,
+             seed: int = 0) -> dict[str, Any]:
+    torch, _ = _hf()
+    torch.manual_seed(seed)
+    built = case.build(np.random.default_rng(seed))
+    record: dict[str, Any] = {"family": case.family, "name": case.name,
+                              "params": built.config.num_params(), "tokens_per_step": built.tokens,
+                              "model_flops_per_step": built.flops}
+
+    # ours: compile (first call) timed separately
+    tx = make_optimizer(schedule=constant(OPT["lr"]), b1=OPT["b1"], b2=OPT["b2"], eps=OPT["eps"],
+                        weight_decay=OPT["weight_decay"], clip_norm=OPT["clip"])
+    state = create_train_state(built.module, tx, jax.random.PRNGKey(seed), *built.init_args)
+    step = jax.jit(make_train_step(loss_fn=built.loss_fn), donate_argnums=(0,))
+    holder = {"state": state}
+    old_leaf = jax.tree_util.tree_leaves(state.params)[0]
+
+    def ours():
+        holder["state"], metrics = step(holder["state"], built.batch)
+        jax.block_until_ready(metrics)
+
+    _, record["ours_compile_s"] = common.timed(ours)
+    record["donated"] = bool(old_leaf.is_deleted())
+
+    fns: dict[str, Callable[[], Any]] = {"ours": ours}
+    hf = built.hf_model
+    opt_eager = torch.optim.AdamW(hf.parameters(), lr=OPT["lr"], betas=(OPT["b1"], OPT["b2"]),
+                                  eps=OPT["eps"], weight_decay=OPT["weight_decay"])
+    fns["hf_eager"] = _hf_step_fn(hf, hf, opt_eager, built.hf_inputs)
+    if use_compile:
+        compiled = torch.compile(hf)
+        comp_step = _hf_step_fn(compiled, hf, opt_eager, built.hf_inputs)
+        _, record["hf_compile_warmup_s"] = common.timed(lambda: (comp_step(), comp_step()))
+        fns["hf_compile"] = comp_step
+
+    times = common.alternate(fns, rounds=rounds, warmup=warmup)
+    record["jit_cache_size"] = int(step._cache_size())
+    for name, ts in times.items():
+        t = common.median(ts)
+        record[name] = {"step_s": t, "times_s": ts, "tokens_per_s": built.tokens / t,
+                        "mfu": built.flops / t / peak}
+    ours_s = record["ours"]["step_s"]
+    for peer in ("hf_eager", "hf_compile"):
+        if peer in record:
+            record[f"speedup_vs_{peer}"] = record[peer]["step_s"] / ours_s
+    record["load_average"] = common.load_average()
+    del holder, hf, fns
+    return record
+
+
+# ----------------------------------------------------------------------------- data pipeline
+
+def data_pipeline(batches: int = 30) -> dict[str, Any]:
+    """The default experiment's training iterator: seconds per batch (after the first)."""
+    from transformer_jax.tasks import make_task
+    from transformer_jax.train.config import ExperimentConfig
+
+    cfg = ExperimentConfig()
+    with tempfile.TemporaryDirectory(prefix="bench_data_") as workdir:
+        t0 = time.perf_counter()
+        task = make_task(cfg, workdir)
+        it = task.train_iterator(0, 1)
+        first = next(it)
+        setup_s = time.perf_counter() - t0
+        times = []
+        for _ in range(batches):
+            t0 = time.perf_counter()
+            next(it)
+            times.append(time.perf_counter() - t0)
+    shapes = {k: tuple(np.shape(v)) for k, v in first.items()}
+    return {"experiment": cfg.name, "batch_shapes": shapes, "setup_and_first_batch_s": setup_s,
+            "batch_s_median": common.median(times), "batch_s_max": max(times)}
+
+
+# ----------------------------------------------------------------------------- report
+
+def markdown(records: list[dict], peak: float, data: dict | None) -> str:
+    header = ["case", "params", "ours ms", "HF eager ms", "torch.compile ms", "ours tok/s",
+              "ours MFU", "eager MFU", "compile MFU", "ours/eager", "ours/compile",
+              "compile s (ours / torch)", "jit cache", "donated"]
+    rows = []
+    for r in records:
+        if "error" in r:
+            rows.append([r["name"], "error: " + r["error"]] + [""] * (len(header) - 2))
+            continue
+        g = lambda k, f: common.fmt(r[k][f] if k in r else None, ".0f" if f == "step_s" else ".0%")  # noqa: E731
+        rows.append([
+            r["name"], f"{r['params'] / 1e6:.2f}M",
+            common.fmt(r["ours"]["step_s"] * 1e3, ".0f"),
+            common.fmt(r["hf_eager"]["step_s"] * 1e3, ".0f"),
+            common.fmt(r["hf_compile"]["step_s"] * 1e3 if "hf_compile" in r else None, ".0f"),
+            f"{r['ours']['tokens_per_s']:,.0f}", g("ours", "mfu"), g("hf_eager", "mfu"),
+            g("hf_compile", "mfu"),
+            f"{r['speedup_vs_hf_eager']:.2f}x",
+            common.fmt(r.get("speedup_vs_hf_compile"), ".2f") + ("x" if "speedup_vs_hf_compile" in r else ""),
+            f"{r['ours_compile_s']:.1f} / {common.fmt(r.get('hf_compile_warmup_s'), '.1f')}",
+            r["jit_cache_size"], "yes" if r["donated"] else "NO"])
+    text = [common.md_table(header, rows), "",
+            f"MFU against the fp32 matmul peak measured in this run: {peak / 1e9:.0f} GFLOP/s. "
+            "ours/eager and ours/compile are step-time ratios (> 1: ours is faster). "
+            "torch.compile s = its first two steps (compile included)."]
+    if data:
+        text += ["", f"Data pipeline ({data['experiment']}, batches {data['batch_shapes']}): "
+                     f"{data['batch_s_median'] * 1e3:.2f} ms per batch (max {data['batch_s_max'] * 1e3:.2f} ms)"
+                     + (f" vs a train step of {data['step_s'] * 1e3:.0f} ms ({data['batch_s_median'] / data['step_s']:.1%})"
+                        if data.get("step_s") else "")]
+    return "\n".join(text)
+
+
+def run(args) -> dict[str, Any]:
+    cases = quick_cases() if args.quick else default_cases()
+    if args.families:
+        wanted = set(args.families.split(","))
+        cases = [c for c in cases if c.family in wanted]
+    peak = measure_matmul_peak()
+    print(f"# train: {len(cases)} cases; fp32 matmul peak {peak / 1e9:.0f} GFLOP/s", flush=True)
+    records = []
+    for i, case in enumerate(cases):
+        use_compile = not args.no_compile and (not args.quick or case.family == "gpt")
+        try:
+            r = run_case(case, rounds=args.rounds, warmup=args.warmup, use_compile=use_compile,
+                         peak=peak)
+        except Exception as e:  # noqa: BLE001 - report and keep going
+            r = {"family": case.family, "name": case.name, "error": f"{type(e).__name__}: {e}"[:300]}
+        records.append(r)
+        if "error" in r:
+            print(f"  {case.name}: {r['error']}", flush=True)
+        else:
+            peers = ", ".join(f"{k} {r[k]['step_s'] * 1e3:.0f} ms" for k in ("hf_eager", "hf_compile") if k in r)
+            print(f"  {case.name}: ours {r['ours']['step_s'] * 1e3:.0f} ms (MFU {r['ours']['mfu']:.0%}), "
+                  f"{peers}; ours/eager {r['speedup_vs_hf_eager']:.2f}x"
+                  + (f", ours/compile {r['speedup_vs_hf_compile']:.2f}x" if "speedup_vs_hf_compile" in r else ""),
+                  flush=True)
+    data = None
+    if not args.no_data:
+        data = data_pipeline()
+        ref = next((r for r in records if r.get("name", "").startswith("GPT 4L/128") and "ours" in r), None)
+        if ref:
+            data["step_s"] = ref["ours"]["step_s"]
+            data["batch_over_step"] = data["batch_s_median"] / ref["ours"]["step_s"]
+        print(f"  data pipeline: {data['batch_s_median'] * 1e3:.2f} ms/batch", flush=True)
+    peak_after = measure_matmul_peak()
+    return {"benchmark": "train", "machine": common.machine_info(), "peak_flops": peak,
+            "peak_flops_after": peak_after, "optimizer": OPT, "rounds": args.rounds,
+            "records": records, "data_pipeline": data, "markdown": markdown(records, peak, data)}
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="small sizes, torch.compile for GPT only")
+    p.add_argument("--families", default=None, help="comma-separated subset of gpt,bert,t5,vit")
+    p.add_argument("--rounds", type=int, default=5, help="timed alternating rounds")
+    p.add_argument("--warmup", type=int, default=2, help="untimed calls of each side first")
+    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer")
+    p.add_argument("--no-data", action="store_true", help="skip the data-pipeline timing")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_args(p)
+    p.add_argument("--out", default="train", help="stem of the result files in benchmarks/results/")
+    args = p.parse_args(argv)
+    result = run(args)
+    print("\n" + result["markdown"])
+    js, md = common.write_results(args.out, result, "# Train step\n\n" + result["markdown"])
+    print(f"\nwrote {js} and {md}")
+    return 0 if all("error" not in r for r in result["records"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""The speed-related pieces: argmax, the gather-free cross-entropy, one compilation per train
+step with donated state, the host allocator tuning, and the benchmark timing helper.
+
+No timings are asserted here (they depend on the machine); ``python -m benchmarks`` measures.
+"""
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from transformer_jax import host_memory
+from transformer_jax.decode import argmax
+from transformer_jax.models import GPT, GPTConfig
+from transformer_jax.train.optim import constant, label_smoothed_cross_entropy, make_optimizer
+from transformer_jax.train.step import create_train_state, make_train_step
+
+
+def test_argmax_equals_jnp_argmax_with_ties_nan_and_inf():
+    x = np.array(jax.random.normal(jax.random.PRNGKey(0), (6, 50)))
+    x[0, [3, 7, 9]] = 5.0                  # ties: the first index wins
+    x[1, [4, 8]] = np.nan                  # NaN counts as the maximum, first one wins
+    x[2] = -np.inf                         # all equal
+    x[3, 0] = np.inf
+    x[4, -1] = 9.0
+    got = np.asarray(jax.jit(argmax)(jnp.asarray(x)))
+    np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
+    np.testing.assert_array_equal(got[:5], [3, 4, 0, 0, 49])
+    ints = jnp.array([[1, 3, 3], [0, 0, 0], [-2, -1, -5]])
+    np.testing.assert_array_equal(argmax(ints), [1, 0, 1])
+    assert argmax(ints).dtype == jnp.int32
+
+
+def _reference_ce(logits, targets, weights, smoothing):
+    """The textbook form: log-softmax, gather the target, mean of -log p for smoothing."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    per = (1 - smoothing) * nll + smoothing * -jnp.mean(logp, axis=-1)
+    return jnp.sum(jnp.where(weights != 0, per * weights, 0.0))
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_cross_entropy_value_and_gradient_match_log_softmax_gather(smoothing):
+    k1, k2, k3 = jax.random.split(jax.random.PRNGKey(1), 3)
+    logits = 3.0 * jax.random.normal(k1, (4, 7, 33))
+    targets = jax.random.randint(k2, (4, 7), 0, 33)
+    weights = (jax.random.uniform(k3, (4, 7)) > 0.3).astype(jnp.float32)
+    ours = jax.value_and_grad(lambda l: label_smoothed_cross_entropy(l, targets, weights, smoothing)[0])
+    ref = jax.value_and_grad(lambda l: _reference_ce(l, targets, weights, smoothing))
+    (v1, g1), (v2, g2) = ours(logits), ref(logits)
+    np.testing.assert_allclose(v1, v2, rtol=1e-6)
+    np.testing.assert_allclose(g1, g2, rtol=1e-5, atol=1e-7)
+
+
+def test_cross_entropy_ignores_minus_inf_logits_off_target():
+    logits = jnp.array([[0.0, -jnp.inf, 1.0], [2.0, 0.5, -jnp.inf]])
+    targets = jnp.array([2, 0])
+    loss, weight = label_smoothed_cross_entropy(logits, targets)
+    want = -(1.0 - np.log(1 + np.e)) - (2.0 - np.log(np.exp(2.0) + np.exp(0.5)))
+    np.testing.assert_allclose(loss, want, rtol=1e-6)
+    assert float(weight) == 2.0
+    grad = jax.grad(lambda l: label_smoothed_cross_entropy(l, targets)[0])(logits)
+    assert np.all(np.isfinite(grad))
+
+
+def test_train_step_compiles_once_and_consumes_the_donated_state():
+    cfg = GPTConfig.preset("tiny", dropout_rate=0.0, attention_dropout_rate=0.0)
+    ids = jax.random.randint(jax.random.PRNGKey(0), (2, 17), 0, cfg.vocab_size)
+    batch = {"inputs": ids[:, :-1], "targets": ids[:, 1:], "weights": jnp.ones((2, 16))}
+    state = create_train_state(GPT(cfg), make_optimizer(schedule=constant(1e-3)),
+                               jax.random.PRNGKey(1), batch["inputs"])
+    step = jax.jit(make_train_step(), donate_argnums=(0,))
+    first_leaf = jax.tree_util.tree_leaves(state.params)[0]
+    for _ in range(3):
+        state, metrics = step(state, batch)
+    assert step._cache_size() == 1            # the initial state has the signature of later ones
+    assert first_leaf.is_deleted()            # donation took effect
+    assert int(state.step) == 3 and np.isfinite(float(metrics["loss"]))
+
+
+def test_tune_malloc_applies_in_a_fresh_process_and_jax_still_computes():
+    code = ("from transformer_jax.host_memory import tune_malloc, _glibc\n"
+            "import jax.numpy as jnp\n"
+            "ok = tune_malloc()\n"
+            "x = jnp.arange(2**22, dtype=jnp.float32)\n"     # 16 MiB buffers: heap, not mmap
+            "print(ok == (_glibc() is not None), float((x * 2).sum() / 2 - x.sum()))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "0.0"]
+
+
+def test_tune_malloc_after_jax_started_is_a_noop_with_a_warning(monkeypatch):
+    monkeypatch.setattr(host_memory, "_tuned", False)
+    jnp.ones(2).block_until_ready()           # backends exist now
+    if host_memory._glibc() is None:
+        pytest.skip("not Linux/glibc")
+    with pytest.warns(RuntimeWarning, match="after JAX created its backends"):
+        assert host_memory.tune_malloc() is False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert host_memory.tune_malloc_if_cpu() is False     # the CLI path: silent
+
+
+def test_cpu_only_host_follows_jax_platforms_and_the_off_switch(monkeypatch):
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda,cpu")
+    assert not host_memory.cpu_only_host()
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    assert host_memory.cpu_only_host()
+    monkeypatch.setenv(host_memory.ENV_VAR, "0")
+    monkeypatch.setattr(host_memory, "tune_malloc", lambda **kw: pytest.fail("must not be called"))
+    assert host_memory.tune_malloc_if_cpu() is False
+
+
+def test_benchmark_alternate_rotates_the_order_and_times_every_round():
+    root = str(Path(__file__).resolve().parents[1])
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from benchmarks.common import alternate
+
+    calls = []
+    fns = {name: (lambda name=name: calls.append(name)) for name in ("a", "b", "c")}
+    times = alternate(fns, rounds=3, warmup=1)
+    assert calls == ["a", "b", "c",                       # warm-up
+                     "a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert {k: len(v) for k, v in times.items()} == {"a": 3, "b": 3, "c": 3}
