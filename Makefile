@@ -1,6 +1,7 @@
 # Two commands for a newcomer; each sets up its own virtual environment in .venv first.
 #   make train   train the default GPT on the embedded Python-stdlib corpus (~4 min on 2 CPU cores)
 #   make test    run the test suite (what CI runs)
+#   make bench   the benchmark suite against PyTorch (~10 min; ARGS=--quick)
 PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
@@ -18,6 +19,9 @@ train: $(BIN)/.installed
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q $(ARGS)
+
+bench: $(BIN)/.installed
+	$(BIN)/python -m benchmarks $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
