@@ -67,6 +67,31 @@ class PresetConfig:
                                  f"vocabulary [0, {self.vocab_size})")
 
 
+class EncoderDecoderFlops:
+    """Training FLOPs of encoder-decoder configs (T5, Transformer), PaLM convention.
+
+    Needs ``_layer_params() -> (encoder layer, decoder layer)`` weight counts and the fields
+    ``num_layers``, ``decoder_layers``, ``vocab_size``, ``d_model``, ``num_heads``, ``head_dim``.
+    """
+
+    def flops_per_example(self, src_len: int, tgt_len: int) -> float:
+        """Training FLOPs of one (source, target) pair: 6 per matmul weight per token (the
+        encoder's weights x S, the decoder's and the V D read-out x T) + 12 N H per attention
+        logit per layer (L_enc S^2 + L_dec (T^2 + T S)). Embedding lookups, position terms
+        and norms' elementwise work are not counted."""
+        enc, dec = self._layer_params()
+        s, t = src_len, tgt_len
+        weights = self.num_layers * enc * s + self.decoder_layers * dec * t
+        weights += self.vocab_size * self.d_model * t
+        width = self.num_heads * self.head_dim
+        attn = width * (self.num_layers * s * s + self.decoder_layers * (t * t + t * s))
+        return 6.0 * weights + 12.0 * attn
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """``flops_per_example(seq_len, seq_len)`` per token of the pair (2 seq_len tokens)."""
+        return self.flops_per_example(seq_len, seq_len) / (2 * seq_len)
+
+
 def stack_layers(params: dict, num_layers: int, *, prefix: str = "h_", name: str = "h") -> dict:
     """Unscanned ``{prefix}0 .. {prefix}{L-1}`` subtrees -> one ``name`` subtree with a leading (L,) axis."""
     import jax

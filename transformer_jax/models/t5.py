@@ -53,13 +53,13 @@ from ..layers.masks import causal_mask, combine_masks, key_padding_mask
 from ..layers.mlp import ACTIVATIONS, FeedForward
 from ..layers.norms import RMSNorm
 from ..layers.relative import relative_position_bias
-from .base import PresetConfig
+from .base import EncoderDecoderFlops, PresetConfig
 
 Array = jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
-class T5Config(PresetConfig):
+class T5Config(EncoderDecoderFlops, PresetConfig):
     vocab_size: int = 32128
     d_model: int = 512
     num_heads: int = 8
@@ -147,25 +147,6 @@ class T5Config(PresetConfig):
             return total
         head = 0 if self.tie_embeddings else self.vocab_size * self.d_model
         return total + self.vocab_size * self.d_model + head
-
-    def flops_per_example(self, src_len: int, tgt_len: int) -> float:
-        """Training FLOPs of one (source, target) pair, PaLM convention (6 per matmul weight
-        per token, + 12 per attention logit and value per layer).
-
-        Counted: the encoder's weights for S tokens, the decoder's for T tokens, the read-out
-        (V D) for T tokens; attention 12 N H (L_enc S^2 + L_dec T^2 + L_dec T S). Not
-        counted: embedding lookups, the relative-bias lookups, norms' elementwise work.
-        """
-        enc, dec = self._layer_params()
-        s, t = src_len, tgt_len
-        weights = self.num_layers * enc * s + self.decoder_layers * dec * t
-        weights += self.vocab_size * self.d_model * t
-        attn = self.inner_dim * (self.num_layers * s * s + self.decoder_layers * (t * t + t * s))
-        return 6.0 * weights + 12.0 * attn
-
-    def flops_per_token(self, seq_len: int) -> float:
-        """``flops_per_example(seq_len, seq_len)`` per token of the pair (2 seq_len tokens)."""
-        return self.flops_per_example(seq_len, seq_len) / (2 * seq_len)
 
 
 # ----------------------------------------------------------------------------- attention

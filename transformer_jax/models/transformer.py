@@ -51,13 +51,13 @@ from ..layers.embeddings import sinusoidal_table
 from ..layers.masks import key_padding_mask
 from ..layers.mlp import ACTIVATIONS
 from ..layers.norms import LayerNorm
-from .base import PresetConfig
+from .base import EncoderDecoderFlops, PresetConfig
 
 Array = jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
-class TransformerConfig(PresetConfig):
+class TransformerConfig(EncoderDecoderFlops, PresetConfig):
     vocab_size: int = 37000                 # the paper's shared source/target BPE vocabulary
     max_len: int = 512                      # longest source or target (sinusoidal table rows)
     num_layers: int = 6                     # encoder layers
@@ -134,22 +134,6 @@ class TransformerConfig(PresetConfig):
         if non_embedding:
             return total
         return total + self.vocab_size * self.d_model * (1 if self.tie_embeddings else 2)
-
-    def flops_per_example(self, src_len: int, tgt_len: int) -> float:
-        """Training FLOPs of one (source, target) pair, PaLM convention: 6 per weight per token
-        (encoder weights x S, decoder weights and the V D read-out x T) + 12 D per attention
-        logit per layer (L_enc S^2 + L_dec (T^2 + T S)). Embedding lookups, positions and
-        norms' elementwise work are not counted."""
-        enc, dec = self._layer_params()
-        s, t = src_len, tgt_len
-        weights = self.num_layers * enc * s + self.decoder_layers * dec * t
-        weights += self.vocab_size * self.d_model * t
-        attn = self.d_model * (self.num_layers * s * s + self.decoder_layers * (t * t + t * s))
-        return 6.0 * weights + 12.0 * attn
-
-    def flops_per_token(self, seq_len: int) -> float:
-        """``flops_per_example(seq_len, seq_len)`` per token of the pair (2 seq_len tokens)."""
-        return self.flops_per_example(seq_len, seq_len) / (2 * seq_len)
 
 
 # ----------------------------------------------------------------------------- stack

@@ -45,13 +45,18 @@ class Task:
         """Model config fields the data fixes (e.g. ``vocab_size``, ``num_classes``)."""
         return {}
 
+    def make_iterator(self, split: str, process_index: int, process_count: int, *, train: bool):
+        """This process's batches of ``split``: with ``train``, an endless shuffled iterator
+        with ``get_state()`` / ``set_state()``; otherwise one finite pass."""
+        raise NotImplementedError(f"task {self.name!r} must define make_iterator()")
+
     def train_iterator(self, process_index: int, process_count: int):
         """Endless iterator of numpy batches with ``get_state()`` / ``set_state()``."""
-        raise NotImplementedError(f"task {self.name!r} must define train_iterator()")
+        return self.make_iterator("train", process_index, process_count, train=True)
 
     def eval_batches(self, process_index: int, process_count: int) -> Iterable[dict]:
         """A finite iterable of eval batches (at most ``cfg.eval_batches`` are used)."""
-        raise NotImplementedError(f"task {self.name!r} must define eval_batches()")
+        return self.make_iterator(self.cfg.eval_split, process_index, process_count, train=False)
 
     def init_args(self) -> tuple:
         """Positional arguments for ``model.init(rng, *args)``."""

@@ -243,7 +243,9 @@ class ClassifyTask(Task):
                                     "labels": np.asarray(labels, np.int32)}
         return self._encoded[split]
 
-    def _iterator(self, split, process_index, process_count, *, train: bool):
+    def make_iterator(self, split, process_index, process_count, *, train: bool):
+        # Eval is shuffled too (a fixed order: seed, epoch 0), so the first eval_batches
+        # batches are a random sample of the split rather than its first modules.
         return ExampleIterator(
             self.encoded(split), batch_size=self.cfg.batch_size, seed=self.cfg.seed,
             shuffle=True, repeat=train, process_index=process_index,
@@ -256,14 +258,6 @@ class ClassifyTask(Task):
     def model_overrides(self) -> dict:
         return {"vocab_size": self.vocab.vocab_size, "head": "classification",
                 "num_classes": len(self.classes), "pad_token_id": self.vocab.pad_id}
-
-    def train_iterator(self, process_index, process_count):
-        return self._iterator("train", process_index, process_count, train=True)
-
-    def eval_batches(self, process_index, process_count):
-        # Shuffled too (a fixed order: seed, epoch 0), so the first eval_batches batches
-        # are a random sample of the split rather than its first modules.
-        return self._iterator(self.cfg.eval_split, process_index, process_count, train=False)
 
     def init_args(self):
         z = jnp.zeros((1, self.cfg.seq_len), jnp.int32)

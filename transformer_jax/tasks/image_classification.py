@@ -109,7 +109,7 @@ class ImageClassificationTask(Task):
         return (jnp.zeros((1, s, s, c), jnp.float32),)
 
     # -- data ----------------------------------------------------------------------
-    def _iterator(self, split, process_index, process_count, *, train: bool):
+    def make_iterator(self, split, process_index, process_count, *, train: bool):
         cfg, opt = self.cfg, self.options
         return image_data.make_image_iterator(
             cfg.dataset, split, image_size=self.image_size, batch_size=cfg.batch_size,
@@ -117,12 +117,6 @@ class ImageClassificationTask(Task):
             flip=opt["flip"], data_dir=cfg.data_dir, process_index=process_index,
             process_count=process_count, test_fraction=opt["test_fraction"],
             split_seed=opt["split_seed"], info=self.info)
-
-    def train_iterator(self, process_index, process_count):
-        return self._iterator("train", process_index, process_count, train=True)
-
-    def eval_batches(self, process_index, process_count):
-        return self._iterator(self.cfg.eval_split, process_index, process_count, train=False)
 
     # -- accounting ----------------------------------------------------------------
     def tokens_per_step(self) -> int:
@@ -161,7 +155,7 @@ class ImageClassificationTask(Task):
         n = int(self.options["num_samples"])
         if n <= 0:
             return None
-        batch = next(iter(self._iterator(self.cfg.eval_split, 0, 1, train=False)))
+        batch = next(iter(self.eval_batches(0, 1)))
         if self._predict is None:
             self._predict = jax.jit(lambda p, x: jnp.argmax(model.apply({"params": p}, x), -1))
         preds = np.asarray(self._predict(params, batch["images"]))

@@ -45,18 +45,12 @@ class LMTask(Task):
     def model_overrides(self) -> dict:
         return {"vocab_size": self.tokenizer.vocab_size}
 
-    def _iterator(self, split, process_index, process_count, *, train: bool):
+    def make_iterator(self, split, process_index, process_count, *, train: bool):
         cfg = self.cfg
         return data_lib.make_lm_iterator(
             cfg.dataset, split, tokenizer=self.tokenizer, seq_len=cfg.seq_len,
             batch_size=cfg.batch_size, seed=cfg.seed, shuffle=train, repeat=train,
             data_dir=cfg.data_dir, process_index=process_index, process_count=process_count)
-
-    def train_iterator(self, process_index, process_count):
-        return self._iterator("train", process_index, process_count, train=True)
-
-    def eval_batches(self, process_index, process_count):
-        return self._iterator(self.cfg.eval_split, process_index, process_count, train=False)
 
     def init_args(self):
         return (jnp.zeros((1, self.cfg.seq_len), jnp.int32),)

@@ -319,7 +319,7 @@ class MLMTask(Task):
         return {"vocab_size": self.vocab.vocab_size, "head": "mlm",
                 "pad_token_id": self.vocab.pad_id}
 
-    def _iterator(self, split, process_index, process_count, *, train: bool) -> MLMIterator:
+    def make_iterator(self, split, process_index, process_count, *, train: bool) -> MLMIterator:
         cfg = self.cfg
         windows = data_lib.make_lm_iterator(
             cfg.dataset, split, tokenizer=self.vocab.tokenizer, seq_len=cfg.seq_len - 2,
@@ -327,12 +327,6 @@ class MLMTask(Task):
             data_dir=cfg.data_dir, process_index=process_index, process_count=process_count)
         return MLMIterator(windows, self.vocab, seed=cfg.seed, stream=0 if train else 1,
                            row_offset=process_index * windows.batch_size, options=self.options)
-
-    def train_iterator(self, process_index, process_count):
-        return self._iterator("train", process_index, process_count, train=True)
-
-    def eval_batches(self, process_index, process_count):
-        return self._iterator(self.cfg.eval_split, process_index, process_count, train=False)
 
     def init_args(self):
         return (jnp.zeros((1, self.cfg.seq_len), jnp.int32),)

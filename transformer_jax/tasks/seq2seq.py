@@ -330,7 +330,7 @@ class Seq2SeqTask(Task):
         return {"vocab_size": tok.vocab_size, "pad_token_id": tok.pad_id, "eos_token_id": tok.eos_id,
                 "decoder_start_token_id": tok.pad_id}
 
-    def _iterator(self, split, process_index, process_count, *, train: bool) -> PairIterator:
+    def make_iterator(self, split, process_index, process_count, *, train: bool) -> PairIterator:
         cfg = self.cfg
         return PairIterator(
             self._pairs(split, train=train), self.tokenizer, batch_size=cfg.batch_size,
@@ -338,12 +338,6 @@ class Seq2SeqTask(Task):
             seed=cfg.seed, shuffle=train, repeat=train, process_index=process_index,
             process_count=process_count,
             describe=f"seq2seq {cfg.dataset!r} split {split!r}")
-
-    def train_iterator(self, process_index, process_count):
-        return self._iterator("train", process_index, process_count, train=True)
-
-    def eval_batches(self, process_index, process_count):
-        return self._iterator(self.cfg.eval_split, process_index, process_count, train=False)
 
     def init_args(self):
         import jax.numpy as jnp
