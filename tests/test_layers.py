@@ -121,21 +121,23 @@ def _attention_inputs(n=8, kv=2, t=37, s=53, h=16):
     return q, k, v, mask, bias
 
 
-@pytest.mark.parametrize("impl", ["jax", "chunked"])
+@pytest.mark.parametrize("impl", ["xla", "jax", "chunked"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_implementations_agree_forward_and_grad(impl, causal):
+    # reference: "xla" over the whole (T, S) square (q_chunk=T);
+    # impl="xla" with q_chunk=16 is the causal query-blocked path (blocks 16, 16, 5)
     q, k, v, mask, bias = _attention_inputs()
+    ref = dot_product_attention(q, k, v, mask=mask, bias=bias, causal=causal, q_chunk=q.shape[1])
     kw = dict(mask=mask, bias=bias, causal=causal, q_chunk=16, kv_chunk=16)
-    ref = dot_product_attention(q, k, v, **kw)
     out = dot_product_attention(q, k, v, implementation=impl, **kw)
     np.testing.assert_allclose(out, ref, **FP32_TOL)
 
     ct = rand(5, ref.shape)
-    def loss(impl):
+    def loss(impl, **chunks):
         return lambda q, k, v, b: jnp.sum(dot_product_attention(
-            q, k, v, mask=mask, bias=b, causal=causal, implementation=impl, q_chunk=16, kv_chunk=16) * ct)
-    g_ref = jax.grad(loss("xla"), argnums=(0, 1, 2, 3))(q, k, v, bias)
-    g = jax.grad(loss(impl), argnums=(0, 1, 2, 3))(q, k, v, bias)
+            q, k, v, mask=mask, bias=b, causal=causal, implementation=impl, **chunks) * ct)
+    g_ref = jax.grad(loss("xla", q_chunk=q.shape[1]), argnums=(0, 1, 2, 3))(q, k, v, bias)
+    g = jax.grad(loss(impl, q_chunk=16, kv_chunk=16), argnums=(0, 1, 2, 3))(q, k, v, bias)
     for a, b in zip(g, g_ref):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 
@@ -148,6 +150,33 @@ def test_chunked_handles_uneven_blocks_and_fully_masked_rows():
     np.testing.assert_allclose(out, ref, **FP32_TOL)
     # a fully blocked row averages the values (no NaN)
     np.testing.assert_allclose(ref[:, 3], jnp.mean(v, axis=1), atol=1e-5)
+
+
+@pytest.mark.parametrize("t, s", [(40, 40), (40, 29), (29, 40)])
+def test_xla_causal_query_blocks_equal_the_whole_square(t, s):
+    """Causal "xla" attention in query blocks (keys up to each block's last row) == the
+    whole (T, S) computation (``return_weights`` never blocks): GQA, a T5-style bias
+    broadcast over the batch, a padding mask with a query that sees no key (it must still
+    average all S values), T != S both ways; outputs and gradients."""
+    q, k, v, _, bias = _attention_inputs(n=4, kv=2, t=t, s=s)
+    mask = jnp.ones((2, 1, t, s), bool).at[0, :, 20, :].set(False).at[1, :, :, 3:7].set(False)
+    ct = rand(5, (2, t, 4, 16))
+
+    def run(block):
+        def f(q, k, v, b):
+            out = dot_product_attention(q, k, v, mask=mask, bias=b, causal=True, q_chunk=block)
+            return jnp.sum(out * ct), out
+        return jax.grad(f, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, bias)
+
+    g_ref, ref = run(t)             # one block: the whole square
+    whole, _ = dot_product_attention(q, k, v, mask=mask, bias=bias, causal=True, return_weights=True)
+    np.testing.assert_allclose(ref, whole, **FP32_TOL)
+    for block in (8, 13, 16):
+        g, out = run(block)
+        np.testing.assert_allclose(out, ref, **FP32_TOL)
+        for a, b in zip(g, g_ref):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(out[0, 20], jnp.repeat(jnp.mean(v[0], axis=0), 2, axis=0), atol=1e-5)
 
 
 def test_bf16_within_documented_tolerance():

@@ -19,7 +19,7 @@ from transformer_jax.train.config import ExperimentConfig, apply_overrides, load
 from transformer_jax.train.loop import NonFiniteLossError, load_run, train
 from transformer_jax.train.monitor import read_metrics
 from transformer_jax.train.optim import constant, make_optimizer
-from transformer_jax.train.step import create_train_state, make_train_step
+from transformer_jax.train.step import create_train_state, make_train_step, token_loss
 
 TINY = [
     "model.num_layers=1", "model.d_model=32", "model.num_heads=2", "model.max_len=64",
@@ -101,6 +101,23 @@ def test_label_smoothing_changes_objective_not_nll():
     _, smooth = jax.jit(make_train_step(label_smoothing=0.1))(s0, batch)
     np.testing.assert_allclose(smooth["nll"], plain["nll"], rtol=1e-6)   # same dropout key
     assert abs(float(smooth["loss"]) - float(plain["loss"])) > 1e-4
+
+
+def test_token_loss_sums_golden():
+    """loss/nll/weight/correct sums by hand: hits are targets holding the row maximum (a tie
+    for the top counts), weights 0 drop a position whatever its target (-100 included)."""
+    logits = jnp.array([[[2.0, 0.0, 0.0],      # target 0: hit
+                         [0.0, 1.0, 3.0],      # target 1: miss
+                         [1.0, 1.0, 0.0],      # target 1: tie for the top -> hit
+                         [5.0, 0.0, 0.0]]])    # weight 0, target -100
+    targets = jnp.array([[0, 1, 1, -100]])
+    weights = jnp.array([[1.0, 2.0, 1.0, 0.0]])
+    loss_sum, sums = token_loss(logits, targets, weights, 0.0)
+    lse = np.log(np.exp(np.asarray(logits[0, :3])).sum(-1))
+    nll = lse - np.array([2.0, 1.0, 1.0])
+    np.testing.assert_allclose(loss_sum, nll @ np.array([1.0, 2.0, 1.0]), rtol=1e-6)
+    np.testing.assert_allclose(sums["nll"], loss_sum, rtol=1e-6)
+    assert float(sums["weight"]) == 4.0 and float(sums["correct"]) == 2.0
 
 
 def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, data_dir):

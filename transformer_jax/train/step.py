@@ -19,7 +19,6 @@ import optax
 from flax import struct
 from flax.training import train_state
 
-from ..decode import argmax
 from .optim import label_smoothed_cross_entropy, mean_loss
 
 Array = jax.Array
@@ -54,7 +53,8 @@ def token_loss(logits: Array, targets: Array, weights: Array | None, smoothing: 
     """Cross-entropy terms for logits (..., V) and integer targets (...): (loss_sum, sums).
 
     sums: ``weight`` (tokens counted), ``nll`` (plain cross-entropy sum) and ``correct``
-    (argmax hits), so that a step reports loss, nll and accuracy per token.
+    (hits: the target holds the top logit), so that a step reports loss, nll and accuracy
+    per token.
     """
     loss_sum, weight_sum = label_smoothed_cross_entropy(logits, targets, weights, smoothing)
     if smoothing:
@@ -62,7 +62,13 @@ def token_loss(logits: Array, targets: Array, weights: Array | None, smoothing: 
     else:
         nll_sum = jax.lax.stop_gradient(loss_sum)
     w = jnp.ones(targets.shape, jnp.float32) if weights is None else weights.astype(jnp.float32)
-    hits = (argmax(jax.lax.stop_gradient(logits)) == targets).astype(jnp.float32)
+    # A hit: the target's logit is the largest (a tie for the top counts as a hit). Unlike
+    # an argmax this reuses the row maximum and the target logit that the loss computes
+    # (XLA merges the identical reductions), instead of another pass over the (..., V) logits.
+    lg = jax.lax.stop_gradient(logits).astype(jnp.float32)
+    is_target = jnp.arange(lg.shape[-1], dtype=jnp.int32) == targets.astype(jnp.int32)[..., None]
+    target_logit = jnp.sum(jnp.where(is_target, lg, 0.0), axis=-1)
+    hits = (target_logit >= jnp.max(lg, axis=-1)).astype(jnp.float32)
     return loss_sum, {"weight": weight_sum, "nll": nll_sum, "correct": jnp.sum(hits * w)}
 
 
