@@ -118,6 +118,9 @@ def test_token_loss_sums_golden():
     np.testing.assert_allclose(loss_sum, nll @ np.array([1.0, 2.0, 1.0]), rtol=1e-6)
     np.testing.assert_allclose(sums["nll"], loss_sum, rtol=1e-6)
     assert float(sums["weight"]) == 4.0 and float(sums["correct"]) == 2.0
+    # an out-of-range target is never a hit, even where every logit is below zero
+    _, sums = token_loss(-jnp.ones((1, 2, 3)), jnp.array([[-100, 7]]), jnp.ones((1, 2)), 0.0)
+    assert float(sums["correct"]) == 0.0
 
 
 def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, data_dir):

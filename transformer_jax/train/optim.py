@@ -293,6 +293,21 @@ def make_optimizer(
 # ---------------------------------------------------------------------------
 
 
+def target_logits(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(logits[..., target], in_range)`` for float32 logits (..., V) and integer targets.
+
+    Out-of-range targets (a padding id, -100) are clipped into [0, V) for the lookup;
+    ``in_range`` says which were not. The logit is picked by a compare-and-sum, not a
+    gather: its gradient is then a select that fuses with the softmax gradient instead of a
+    scatter into a zeroed (..., V) buffer.
+    """
+    num_classes = logits.shape[-1]
+    targets = targets.astype(jnp.int32)
+    safe = jnp.clip(targets, 0, num_classes - 1)
+    is_target = jnp.arange(num_classes, dtype=jnp.int32) == safe[..., None]
+    return jnp.sum(jnp.where(is_target, logits, 0.0), axis=-1), safe == targets
+
+
 def label_smoothed_cross_entropy(
     logits: jax.Array,
     targets: jax.Array,
@@ -334,15 +349,10 @@ def label_smoothed_cross_entropy(
             f"logits {logits.shape} and targets {targets.shape} disagree: "
             "expected logits.shape == targets.shape + (V,)"
         )
-    num_classes = logits.shape[-1]
     logits = logits.astype(jnp.float32)
-    safe_targets = jnp.clip(targets.astype(jnp.int32), 0, num_classes - 1)
-    # -log p[v] = lse - logits[v]. The target logit is picked by a compare-and-sum, not a
-    # gather: its gradient is then a select that fuses with the softmax gradient instead
-    # of a scatter into a zeroed (..., V) buffer, and no (..., V) log-probs are stored.
+    # -log p[v] = lse - logits[v] (no (..., V) log-probs are stored)
     lse = jax.nn.logsumexp(logits, axis=-1)
-    is_target = jnp.arange(num_classes, dtype=jnp.int32) == safe_targets[..., None]
-    nll = lse - jnp.sum(jnp.where(is_target, logits, 0.0), axis=-1)
+    nll = lse - target_logits(logits, targets)[0]
     if smoothing:
         uniform = lse - jnp.mean(logits, axis=-1)
         per_token = (1.0 - smoothing) * nll + smoothing * uniform

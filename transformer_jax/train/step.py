@@ -19,7 +19,7 @@ import optax
 from flax import struct
 from flax.training import train_state
 
-from .optim import label_smoothed_cross_entropy, mean_loss
+from .optim import label_smoothed_cross_entropy, mean_loss, target_logits
 
 Array = jax.Array
 
@@ -62,13 +62,13 @@ def token_loss(logits: Array, targets: Array, weights: Array | None, smoothing: 
     else:
         nll_sum = jax.lax.stop_gradient(loss_sum)
     w = jnp.ones(targets.shape, jnp.float32) if weights is None else weights.astype(jnp.float32)
-    # A hit: the target's logit is the largest (a tie for the top counts as a hit). Unlike
-    # an argmax this reuses the row maximum and the target logit that the loss computes
-    # (XLA merges the identical reductions), instead of another pass over the (..., V) logits.
+    # A hit: an in-range target whose logit is the largest (a tie for the top counts as a
+    # hit). Unlike an argmax this reuses the row maximum and the target logit that the loss
+    # computes (XLA merges the identical reductions), instead of another pass over the
+    # (..., V) logits.
     lg = jax.lax.stop_gradient(logits).astype(jnp.float32)
-    is_target = jnp.arange(lg.shape[-1], dtype=jnp.int32) == targets.astype(jnp.int32)[..., None]
-    target_logit = jnp.sum(jnp.where(is_target, lg, 0.0), axis=-1)
-    hits = (target_logit >= jnp.max(lg, axis=-1)).astype(jnp.float32)
+    target_logit, in_range = target_logits(lg, targets)
+    hits = (in_range & (target_logit >= jnp.max(lg, axis=-1))).astype(jnp.float32)
     return loss_sum, {"weight": weight_sum, "nll": nll_sum, "correct": jnp.sum(hits * w)}
 
 
