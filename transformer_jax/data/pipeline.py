@@ -60,6 +60,7 @@ sort, so orders are the same on every platform and NumPy version.
 
 from __future__ import annotations
 
+import abc
 import collections
 import dataclasses
 import hashlib
@@ -162,9 +163,9 @@ class EpochIterator(Iterator[dict]):
         self.epoch = self.index = 0
         self._order: tuple[int, np.ndarray] | None = None
 
+    @abc.abstractmethod
     def make_batch(self, rows: np.ndarray, valid: np.ndarray) -> dict[str, np.ndarray]:
         """``rows`` (B/P,) example indices (0 where not ``valid``) -> the batch arrays."""
-        raise NotImplementedError
 
     def __iter__(self):
         return self

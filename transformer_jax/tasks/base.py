@@ -9,6 +9,7 @@ and samples shown at eval time. ``ExperimentConfig.task`` picks the task by name
 """
 from __future__ import annotations
 
+import abc
 import difflib
 from pathlib import Path
 from typing import Any, ClassVar, Iterable
@@ -16,7 +17,7 @@ from typing import Any, ClassVar, Iterable
 from ..train.step import LossFn
 
 
-class Task:
+class Task(abc.ABC):
     """Base class; subclasses set ``name``, ``OPTIONS`` and implement the data methods."""
     name: ClassVar[str] = ""
     OPTIONS: ClassVar[dict[str, Any]] = {}   # option name -> default
@@ -37,18 +38,18 @@ class Task:
     # -- required -----------------------------------------------------------------
     loss_fn: LossFn
 
+    @abc.abstractmethod
     def spec(self) -> dict:
         """JSON: what rebuilds this task's preprocessing later (tokenizer spec, labels...)."""
-        raise NotImplementedError(f"task {self.name!r} must define spec()")
 
     def model_overrides(self) -> dict[str, Any]:
         """Model config fields the data fixes (e.g. ``vocab_size``, ``num_classes``)."""
         return {}
 
+    @abc.abstractmethod
     def make_iterator(self, split: str, process_index: int, process_count: int, *, train: bool):
         """This process's batches of ``split``: with ``train``, an endless shuffled iterator
         with ``get_state()`` / ``set_state()``; otherwise one finite pass."""
-        raise NotImplementedError(f"task {self.name!r} must define make_iterator()")
 
     def train_iterator(self, process_index: int, process_count: int):
         """Endless iterator of numpy batches with ``get_state()`` / ``set_state()``."""
@@ -58,9 +59,9 @@ class Task:
         """A finite iterable of eval batches (at most ``cfg.eval_batches`` are used)."""
         return self.make_iterator(self.cfg.eval_split, process_index, process_count, train=False)
 
+    @abc.abstractmethod
     def init_args(self) -> tuple:
         """Positional arguments for ``model.init(rng, *args)``."""
-        raise NotImplementedError(f"task {self.name!r} must define init_args()")
 
     # -- optional -----------------------------------------------------------------
     def init_params(self, params):

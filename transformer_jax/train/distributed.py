@@ -28,6 +28,7 @@ step is compiled:
 """
 from __future__ import annotations
 
+import abc
 import json
 import os
 from typing import Any, Callable
@@ -217,7 +218,7 @@ def _adjusted(params, adjust: Callable[[Any], Any]) -> tuple[Any, bool]:
     return new, not same
 
 
-class Placement:
+class Placement(abc.ABC):
     """Where the train state and batches live, and how steps are compiled. Subclasses:
     :class:`JitPlacement`, :class:`PmapPlacement`; build one with :func:`make_placement`."""
     parallelism: str = ""
@@ -242,8 +243,9 @@ class Placement:
         """Abstract state with the shardings a restored checkpoint should take here."""
         return sh.with_shardings(self._abstract, self._shardings)
 
+    @abc.abstractmethod
     def init_state(self, create_state: Callable[[], Any], tx, adjust_params: Callable[[Any], Any]):
-        raise NotImplementedError
+        """The initial train state, placed (and sharded) for this strategy."""
 
     def from_checkpoint(self, state):
         return state
@@ -268,9 +270,9 @@ class Placement:
         return multihost_utils.process_allgather(state.params, tiled=True)
 
     # -- steps -----------------------------------------------------------------
+    @abc.abstractmethod
     def compile(self, step_fn: Callable) -> Callable:
         """``run(state, host_batch) -> (state, metrics)``; metrics are replicated scalars."""
-        raise NotImplementedError
 
     def put_batch(self, batch):
         """This process's host rows -> global arrays split over the batch axes of :attr:`mesh`."""
