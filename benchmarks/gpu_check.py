@@ -55,6 +55,7 @@ if str(REPO_ROOT) not in sys.path:  # run as a script from a source checkout
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from benchmarks.common import fmt  # noqa: E402
 from transformer_jax.layers.attention import _cudnn_problems, dot_product_attention  # noqa: E402
 from transformer_jax.models import GPT, GPTConfig  # noqa: E402
 from transformer_jax.train.optim import constant, make_optimizer  # noqa: E402
@@ -237,10 +238,6 @@ def bench_attention(args, seq: int, impls: list[str]) -> list[dict]:
 
 # ----------------------------------------------------------------------------- report
 
-def fmt(x, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
-
-
 def markdown(result: dict) -> str:
     meta = result["meta"]
     lines = [f"# GPU check ({meta['date']})", "",
@@ -349,8 +346,6 @@ def main(argv=None) -> None:
     if backend != "gpu":
         notes.append(f"backend {backend}: 'cudnn' is skipped, 'jax' is XLA's path, and "
                      "'pallas' runs its kernels in interpret mode")
-    notes.append("GPT passes an explicit causal mask besides causal=True, so in the train "
-                 "step cuDNN and the Pallas kernels also read a (T, T) mask")
     result = {"meta": {}, "matmul": None, "train": [], "attention": [], "notes": notes}
 
     def over_budget(what: str) -> bool:
