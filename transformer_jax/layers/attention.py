@@ -106,21 +106,17 @@ def _causal_query_block(t: int) -> int:
     return max(XLA_CAUSAL_MIN_BLOCK, -(-t // XLA_CAUSAL_MAX_BLOCKS))
 
 
+def _block(x: Array | None, axis: int, start, size: int) -> Array | None:
+    """``size`` entries of ``axis`` from ``start``; None and broadcast (size-1) axes pass."""
+    if x is None or x.shape[axis] == 1:
+        return x
+    return jax.lax.dynamic_slice_in_dim(x, start, size, axis)
+
+
 def _causal_blocks(t: int, s: int, block: int) -> list[tuple[int, int, int]]:
     """(first query, end query, number of keys) of each query block; keys are top-left
     aligned (query i sees keys j <= i), so block [a, e) needs keys [0, min(e, s))."""
     return [(a, min(a + block, t), min(a + block, t, s)) for a in range(0, t, block)]
-
-
-def _slice_qk(x: Array | None, rows: tuple[int, int], keys: int, t: int, s: int) -> Array | None:
-    """Rows [a, e) and keys [0, keys) of a (..., T|1, S|1) mask or bias."""
-    if x is None:
-        return None
-    if x.shape[-2] == t and t > 1:
-        x = x[..., rows[0]:rows[1], :]
-    if x.shape[-1] == s and s > 1:
-        x = x[..., :keys]
-    return x
 
 
 def _unnormalised_softmax(logits, bias, mask, dropout_rate, dropout_rng):
@@ -191,9 +187,10 @@ def _xla_attention(q, k, v, mask, bias, scale, causal, dropout_rate, dropout_rng
         outs = []
         for i, (a, e, keys) in enumerate(_causal_blocks(t, s, query_block)):
             logits = dot("BKGTH,BKSH->BKGTS", qt[:, :, :, a:e], kt[:, :, :keys]) * scale
-            blk_mask = combine_masks(_slice_qk(mask, (a, e), keys, t, s),
+            blk_mask = combine_masks(_block(_block(mask, 3, a, e - a), 4, 0, keys),
                                      causal_mask(e - a, keys, offset=a)[:, :, None])
-            p, denom = _unnormalised_softmax(logits, _slice_qk(bias, (a, e), keys, t, s), blk_mask,
+            blk_bias = _block(_block(bias, 3, a, e - a), 4, 0, keys)
+            p, denom = _unnormalised_softmax(logits, blk_bias, blk_mask,
                                              dropout_rate, None if rng is None else jax.random.fold_in(rng, i))
             outs.append(dot("BSKH,BKGTS->BKGTH", v[:, :keys], p.astype(v.dtype)) / denom)
         out, weights = jnp.concatenate(outs, axis=3), None
@@ -214,12 +211,6 @@ def _pad_axis(x: Array, axis: int, size: int, value) -> Array:
     pad = [(0, 0)] * x.ndim
     pad[axis] = (0, extra)
     return jnp.pad(x, pad, constant_values=value)
-
-
-def _block(x: Array | None, axis: int, start, size: int) -> Array | None:
-    if x is None or x.shape[axis] == 1:
-        return x
-    return jax.lax.dynamic_slice_in_dim(x, start, size, axis)
 
 
 def _empty_rows(mask: Array, t: int, s: int) -> Array:
