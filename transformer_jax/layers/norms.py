@@ -4,6 +4,7 @@ Parameters: ``scale`` (D,) and, for LayerNorm, ``bias`` (D,); logical axis ``nor
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -13,6 +14,36 @@ import jax.numpy as jnp
 from .dense import canonical_dtype
 
 Array = jax.Array
+
+
+def _standardise_with_rstd(x: Array, eps: float) -> tuple[Array, Array]:
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    centred = x - mean
+    rstd = jax.lax.rsqrt(jnp.mean(jnp.square(centred), axis=-1, keepdims=True) + eps)
+    return centred * rstd, rstd
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def standardise(x: Array, eps: float) -> Array:
+    """``(x - mean) / sqrt(var + eps)`` over the last axis (biased variance, as torch).
+
+    Its derivative is written out: for a tangent ``dx``,
+    ``rstd * (dx - mean(dx) - y * mean(dx * y))``, so forward and reverse mode both reuse
+    the normalised ``y`` and ``rstd`` instead of differentiating through the mean and the
+    variance. Measured on XLA:CPU (2026-11-29): a LayerNorm module's forward + backward at
+    (8, 256, 384) ~1.4x faster; whole train steps, alternating in one process: BERT 6L/384
+    1.4% and ViT 12L/192 2.9% faster, GPT 6L/384 unchanged.
+    """
+    return _standardise_with_rstd(x, eps)[0]
+
+
+@standardise.defjvp
+def _standardise_jvp(eps, primals, tangents):
+    (x,), (dx,) = primals, tangents
+    y, rstd = _standardise_with_rstd(x, eps)
+    dy = rstd * (dx - jnp.mean(dx, axis=-1, keepdims=True)
+                 - y * jnp.mean(dx * y, axis=-1, keepdims=True))
+    return y, dy
 
 
 class LayerNorm(nn.Module):
@@ -26,10 +57,7 @@ class LayerNorm(nn.Module):
     @nn.compact
     def __call__(self, x: Array) -> Array:
         d = x.shape[-1]
-        x32 = x.astype(jnp.float32)
-        mean = jnp.mean(x32, axis=-1, keepdims=True)
-        var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
-        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
+        y = standardise(x.astype(jnp.float32), self.eps)
         if self.use_scale:
             scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
                                (d,), self.param_dtype)
