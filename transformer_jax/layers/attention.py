@@ -160,9 +160,8 @@ def _xla_attention(q, k, v, mask, bias, scale, causal, dropout_rate, dropout_rng
     matmuls run over (B, K, G*T, .) rows (``_attend_rows``): leading batch dimensions and
     rank-4 operands. (XLA:CPU ran the contractions with the heads between T and H about
     1.3x slower, and over rank-5 (B, K, G, T, .) operands ~1.3x slower at 2k-4k tokens,
-    forward + backward.) Causal
-    attention is computed in blocks of ``query_block`` queries unless the weights are
-    returned. A single query row (a KV-cache decode step) keeps the (B, T, K, G) order:
+    forward + backward.) Causal attention is computed in blocks of ``query_block`` queries
+    unless the weights are returned. A single query row (a KV-cache decode step) keeps the (B, T, K, G) order:
     its transposes would be free, but XLA:CPU then lays the (B, S, K, H) cache out worse
     for the two dots (~10% fewer tokens/s at batch 16).
     """
@@ -172,15 +171,15 @@ def _xla_attention(q, k, v, mask, bias, scale, causal, dropout_rate, dropout_rng
     user_mask = mask
     mask = None if mask is None else _group_heads(mask, kh, g)                # (B, K, G, T, S)
     bias = None if bias is None else _group_heads(bias, kh, g)
-    if causal:
-        mask_full = combine_masks(mask, causal_mask(t, s)[:, :, None])
+    # the mask of the whole (T, S) square, for the paths that compute all of it
+    square_mask = combine_masks(mask, causal_mask(t, s)[:, :, None]) if causal else mask
     use_dropout = not deterministic and dropout_rate > 0.0
     rng = dropout_rng if use_dropout else None
     dot = functools.partial(jnp.einsum, precision=precision, preferred_element_type=jnp.float32)
 
     if t == 1:
         logits = dot("BTKGH,BSKH->BKGTS", q.reshape(b, t, kh, g, h), k) * scale
-        p, denom = _unnormalised_softmax(logits, bias, mask_full if causal else mask,
+        p, denom = _unnormalised_softmax(logits, bias, square_mask,
                                          dropout_rate, rng)
         # v as the first operand: XLA:CPU then lays a (B, S, K, H) KV cache out as
         # (B, K, S, H) (contiguous H rows) instead of (B, K, H, S), a 2.5x cheaper copy per
@@ -194,7 +193,7 @@ def _xla_attention(q, k, v, mask, bias, scale, causal, dropout_rate, dropout_rng
     query_block = query_block or _causal_query_block(t)
     blocked = causal and not return_weights and t > query_block
     if not blocked:
-        p, denom, out = _attend_rows(dot, qt, kt, vt, scale, bias, mask_full if causal else mask,
+        p, denom, out = _attend_rows(dot, qt, kt, vt, scale, bias, square_mask,
                                      dropout_rate, rng)
         weights = (p / denom).reshape(b, n, t, s) if return_weights else None
     else:
