@@ -10,6 +10,10 @@ converted state dict reads naturally: ``self_attn``, ``cross_attn``, ``mlp``, ``
 Each block sows its intermediates (``'intermediates'`` collection, when made mutable):
 ``+sa`` after self-attention, ``+ca`` after cross-attention, ``+mlp`` after the
 feed-forward, so a parity failure can be traced to the first sublayer that differs.
+
+In pre-norm blocks every sublayer passes its residual input through
+``store_gradient_once`` (below): an identity that makes XLA:CPU store the residual
+stream's gradient once per sublayer.
 """
 from __future__ import annotations
 
@@ -25,6 +29,50 @@ from .mlp import FeedForward
 from .norms import make_norm
 
 Array = jax.Array
+
+
+# ----------------------------------------------------------------------------- residual stream
+
+@jax.custom_jvp
+def store_gradient_once(x: Array) -> Array:
+    """Identity on ``x``; on CPU its gradient (and tangent) is computed once and stored.
+
+    The gradient of a residual stream is a chain of additions, one per sublayer
+    (dx_l = dx_(l+1) + the sublayer's input gradient). XLA:CPU's fusion pass copies cheap
+    elementwise producers into every consumer, so unless a link of that chain is stored,
+    each layer's backward fusion recomputes the whole chain from the top. The work is
+    quadratic in depth: a GPT (D=384, T=256, B=8) train step's largest fusion read 86
+    arrays at 6 layers and 338 at 24. Passed through here, the gradient goes through a
+    ``lax.cond``, which no fusion can cross, so every link is stored once (a copy of one
+    (B, T, D) array). The predicate compares an element of ``x`` with itself, which XLA
+    cannot fold (NaN), and both branches return the gradient unchanged.
+
+    Measured here (2026-11-29, train steps fwd + bwd + AdamW, one process, alternating,
+    bitwise the same loss and gradient norm): GPT D=384, T=256, B=8 at 6 layers within
+    noise (1,145 vs 1,143 ms), at 12 layers 2,331 -> 2,120 ms, at 24 layers 6,879 ->
+    4,746 ms; ViT 12L/192 304 -> 263 ms. Post-norm blocks don't need it (a norm's
+    backward, with its reductions, sits in every link of their chain) and don't use it.
+    Other backends keep the plain identity, which ``lax.platform_dependent`` selects
+    when lowering: their fusion passes have their own cost models, and a conditional on
+    a GPU waits for its predicate on the host.
+    """
+    return x
+
+
+def _through_conditional(x: Array, t: Array) -> Array:
+    if x.size == 0:
+        return t
+    first = x.reshape(-1)[0]
+    # ``u * 1.0`` is exact; written so because JAX drops a conditional whose branches
+    # all just return their operand
+    return jax.lax.cond(first == first, lambda u: u, lambda u: u * 1.0, t)
+
+
+@store_gradient_once.defjvp
+def _store_gradient_once_jvp(primals, tangents):
+    (x,), (t,) = primals, tangents
+    return x, jax.lax.platform_dependent(x, t, cpu=_through_conditional,
+                                         default=lambda x, t: t)
 
 
 class _BlockBase(nn.Module):
@@ -73,6 +121,8 @@ class _BlockBase(nn.Module):
     def _residual(self, x: Array, sublayer, norm_name: str, tag: str, deterministic: bool) -> Array:
         """Apply one sublayer with its residual connection, pre- or post-norm."""
         norm = self._norm(norm_name)
+        if self.pre_norm:   # post-norm: each link of the gradient chain has a norm's reductions
+            x = store_gradient_once(x)
         y = sublayer(norm(x) if self.pre_norm else x)
         y = nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
         x = x + y
