@@ -10,6 +10,9 @@ Sections (each also runs on its own, see its module docstring):
   and ViT at two sizes each, against HF transformers PyTorch eager and ``torch.compile``
   with the same config, batch and AdamW, alternating in this process; jit-cache,
   donation and data-pipeline checks.
+* ``floor``        (``benchmarks/matmul_floor.py``): the GPT 6L/384 train step's own dots
+  alone, in XLA and in torch, next to both steps: how far each step is from its matmuls
+  and the highest ours/eager ratio these XLA kernels allow.
 * ``decode``       (``benchmarks/decode_gpt2.py``): GPT-2 124M greedy decoding with the KV
   cache vs HF ``generate`` at batch 1 and 16 (identical tokens asserted), and the share of
   the memory-bandwidth roofline measured in the same run.
@@ -38,7 +41,7 @@ from benchmarks import common  # noqa: E402
 
 common.setup_process()
 
-SECTIONS = ("train", "decode", "attention", "compile")
+SECTIONS = ("train", "floor", "decode", "attention", "compile")
 
 
 def run_attention(quick: bool) -> dict:
@@ -72,7 +75,7 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"unknown section(s) {unknown}; choose from {', '.join(SECTIONS)}")
 
-    from benchmarks import compile_time, decode_gpt2, train
+    from benchmarks import compile_time, decode_gpt2, matmul_floor, train
 
     started = time.perf_counter()
     results: dict[str, dict] = {}
@@ -85,6 +88,13 @@ def main(argv=None) -> int:
                                         warmup=1 if args.quick else 2, no_compile=False, no_data=False)
                 results[section] = train.run(ns)
                 stem, title = "train", "Train step"
+            elif section == "floor":
+                ns = argparse.Namespace(layers=6, width=384, heads=6, seq=256, batch=8, vocab=8192,
+                                        rounds=3 if args.quick else 7, warmup=1 if args.quick else 2)
+                if args.quick:
+                    ns.layers, ns.width, ns.heads, ns.seq, ns.vocab = 2, 128, 4, 128, 259
+                results[section] = matmul_floor.run(ns)
+                stem, title = "matmul_floor", "Matmul floor"
             elif section == "decode":
                 ns = argparse.Namespace(batches="1,16", prompt_len=32,
                                         new_tokens=32 if args.quick else 128,
@@ -110,6 +120,7 @@ def main(argv=None) -> int:
     elapsed = time.perf_counter() - started
     machine = common.machine_info()
     titles = {"train": "Train step (ours vs HF PyTorch eager / torch.compile)",
+              "floor": "The GPT step's matmuls alone (XLA vs torch kernels)",
               "decode": "KV-cache decoding, GPT-2 124M (ours vs HF generate)",
               "attention": "Attention forward+backward vs sequence length",
               "compile": "Compile time, unrolled vs scan over layers"}

@@ -126,3 +126,52 @@ def test_benchmark_alternate_rotates_the_order_and_times_every_round():
     assert calls == ["a", "b", "c",                       # warm-up
                      "a", "b", "c", "b", "c", "a", "c", "a", "b"]
     assert {k: len(v) for k, v in times.items()} == {"a": 3, "b": 3, "c": 3}
+
+
+def _matmul_floor():
+    root = str(Path(__file__).resolve().parents[1])
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from benchmarks import matmul_floor
+    return matmul_floor
+
+
+def test_matmul_floor_reads_every_dot_of_a_compiled_program():
+    """The dots of the optimised HLO, fused or not: forms, shapes, counts and FLOPs."""
+    mf = _matmul_floor()
+    a, b, c, d = jnp.ones((8, 16)), jnp.ones((16, 12)), jnp.ones((3, 5, 4)), jnp.ones((3, 6, 4))
+    f = jax.jit(lambda a, b, c, d: (a @ b, jnp.tanh(a) @ b, jnp.einsum("bik,bjk->bij", c, d),
+                                    a.T @ jnp.ones((8, 12))))
+    dots = mf.compiled_dots(f, a, b, c, d)
+    nn_, bt, tn = (mf.Dot((8, 16), (16, 12), (), (), (1,), (0,)),
+                   mf.Dot((3, 5, 4), (3, 6, 4), (0,), (0,), (2,), (2,)),
+                   mf.Dot((8, 16), (8, 12), (), (), (0,), (0,)))
+    assert dots == {nn_: 2, bt: 1, tn: 1}
+    assert (nn_.flops, bt.flops, tn.flops) == (2 * 8 * 16 * 12, 2 * 3 * 5 * 6 * 4, 2 * 16 * 8 * 12)
+    # names resolve across computations; an operand without a definition is an error
+    text = ("%fused (p0: f32[4,6], p1: f32[6,2]) -> f32[4,2] {\n"
+            "  %p0 = f32[4,6]{1,0} parameter(0)\n  %p1 = f32[6,2]{1,0} parameter(1)\n"
+            "  ROOT %dot.1 = f32[4,2]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, "
+            "rhs_contracting_dims={0}, metadata={op_name=\"x\"}\n}\n")
+    assert mf.hlo_dots(text) == {mf.Dot((4, 6), (6, 2), (), (), (1,), (0,)): 1}
+    with pytest.raises(ValueError, match="'q' has no definition"):
+        mf.hlo_dots(text.replace("dot(%p0, %p1)", "dot(%q, %p1)"))
+
+
+@pytest.mark.parametrize("dims", [
+    ((6, 5), (5, 7), (), (), (1,), (0,)),                 # x @ w
+    ((6, 5), (7, 5), (), (), (1,), (1,)),                 # dy @ w^T
+    ((6, 5), (6, 7), (), (), (0,), (0,)),                 # x^T @ dy (the weight gradient)
+    ((2, 3, 4, 8), (2, 3, 5, 8), (0, 1), (0, 1), (3,), (3,)),   # q k^T
+    ((2, 3, 4, 5), (2, 3, 4, 8), (0, 1), (0, 1), (2,), (2,)),   # p^T dv
+])
+def test_matmul_floor_torch_dot_equals_dot_general(dims):
+    """The torch side runs the same contraction as ``lax.dot_general``, output order included."""
+    import torch
+    mf = _matmul_floor()
+    dot = mf.Dot(*dims)
+    rng = np.random.default_rng(0)
+    lhs, rhs = rng.standard_normal(dot.lhs, np.float32), rng.standard_normal(dot.rhs, np.float32)
+    want = jax.lax.dot_general(lhs, rhs, dot.dimension_numbers, precision="highest")
+    got = mf.torch_dot(torch, dot, torch.from_numpy(lhs), torch.from_numpy(rhs)).numpy()
+    np.testing.assert_allclose(got, np.asarray(want), rtol=1e-5, atol=1e-5)
