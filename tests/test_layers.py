@@ -344,8 +344,8 @@ def test_feedforward_activations(act, golden):
 
 def test_store_gradient_once_is_the_identity_to_every_order():
     """Values, gradients, tangents and second derivatives through ``store_gradient_once``
-    equal those of the plain function bitwise, also under vmap and for a NaN first element
-    (the one its conditional reads)."""
+    equal those of the plain function bitwise, also under vmap, with NaN inputs, for an
+    empty array and for integer inputs (float0 tangents)."""
     from transformer_jax.layers.blocks import store_gradient_once as sgo
     x, dx = rand(1, (3, 4, 8)), rand(2, (3, 4, 8))
     f = lambda a: jnp.sum(jnp.sin(sgo(a) * 1.5) ** 2)      # noqa: E731
@@ -359,6 +359,10 @@ def test_store_gradient_once_is_the_identity_to_every_order():
     xn = x.at[0, 0, 0].set(jnp.nan)
     np.testing.assert_array_equal(jax.grad(f)(xn), jax.grad(ref)(xn))
     assert jax.grad(lambda a: jnp.sum(sgo(a)))(jnp.zeros((0, 3))).shape == (0, 3)
+    ints = jnp.arange(6)
+    primal, tangent = jax.jvp(sgo, (ints,), (np.zeros(6, jax.dtypes.float0),))
+    np.testing.assert_array_equal(primal, ints)
+    assert tangent.dtype == jax.dtypes.float0
 
 
 class _PreNormStack(nn.Module):
@@ -396,6 +400,10 @@ def test_pre_norm_residual_gradient_is_stored_once_per_sublayer_on_cpu():
     conds8, ops8 = _grad_hlo_facts(8)
     assert (conds2, conds8) == (2 * 2 - 1, 2 * 8 - 1)
     assert ops8 == ops2 <= 12, (ops2, ops8)
+    # vmap keeps the conditional (its predicate doesn't depend on the batched values)
+    from transformer_jax.layers.blocks import store_gradient_once as sgo
+    grads = jax.jit(jax.vmap(jax.grad(lambda a: jnp.sum(jnp.sin(sgo(a)) ** 2))))
+    assert grads.lower(rand(0, (4, 3, 8))).compile().as_text().count(" conditional(") == 1
 
 
 @pytest.mark.parametrize("pre_norm", [True, False])

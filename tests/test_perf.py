@@ -167,7 +167,7 @@ def test_matmul_floor_reads_every_dot_of_a_compiled_program():
 ])
 def test_matmul_floor_torch_dot_equals_dot_general(dims):
     """The torch side runs the same contraction as ``lax.dot_general``, output order included."""
-    import torch
+    torch = pytest.importorskip("torch")
     mf = _matmul_floor()
     dot = mf.Dot(*dims)
     rng = np.random.default_rng(0)
