@@ -140,6 +140,13 @@ def write_results(stem: str, payload: dict[str, Any], markdown: str,
     return js, md
 
 
+def report(stem: str, title: str, result: dict[str, Any]) -> None:
+    """Print a benchmark's markdown and write ``<stem>.{json,md}`` (titled) to RESULTS_DIR."""
+    print("\n" + result["markdown"])
+    js, md = write_results(stem, result, f"# {title}\n\n" + result["markdown"])
+    print(f"\nwrote {js} and {md}")
+
+
 def _json_default(x: Any) -> Any:
     if hasattr(x, "item"):
         return x.item()

@@ -99,9 +99,7 @@ def main(argv=None) -> int:
     add_args(p)
     args = p.parse_args(argv)
     result = run(args)
-    print("\n" + result["markdown"])
-    js, md = common.write_results("compile_time", result, "# Compile time\n\n" + result["markdown"])
-    print(f"\nwrote {js} and {md}")
+    common.report("compile_time", "Compile time", result)
     return 0
 
 

@@ -190,9 +190,7 @@ def main(argv=None) -> int:
     if args.quick:
         args.new_tokens, args.repeats = 32, 1
     result = run(args)
-    print("\n" + result["markdown"])
-    js, md = common.write_results("decode_gpt2", result, "# Decode\n\n" + result["markdown"])
-    print(f"\nwrote {js} and {md}")
+    common.report("decode_gpt2", "Decode", result)
     return 0 if all(r["tokens"]["identical"] for r in result["rows"]) else 1
 
 

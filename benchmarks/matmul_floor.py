@@ -299,9 +299,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="matmul_floor", help="stem of the result files")
     args = p.parse_args(argv)
     result = run(args)
-    print("\n" + result["markdown"])
-    js, md = common.write_results(args.out, result, "# Matmul floor\n\n" + result["markdown"])
-    print(f"\nwrote {js} and {md}")
+    common.report(args.out, "Matmul floor", result)
     return 0
 
 

@@ -413,9 +413,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="train", help="stem of the result files in benchmarks/results/")
     args = p.parse_args(argv)
     result = run(args)
-    print("\n" + result["markdown"])
-    js, md = common.write_results(args.out, result, "# Train step\n\n" + result["markdown"])
-    print(f"\nwrote {js} and {md}")
+    common.report(args.out, "Train step", result)
     return 0 if all("error" not in r for r in result["records"]) else 1
 
 
