@@ -202,17 +202,11 @@ def run(args) -> dict[str, Any]:
     import torch
 
     from benchmarks import train
-    from transformer_jax.train.optim import constant, make_optimizer
-    from transformer_jax.train.step import create_train_state, make_train_step
 
     case = train.gpt_case(args.layers, args.width, args.heads, args.seq, args.batch, args.vocab)
     torch.manual_seed(0)
     built = case.build(np.random.default_rng(0))
-    o = train.OPT
-    tx = make_optimizer(schedule=constant(o["lr"]), b1=o["b1"], b2=o["b2"], eps=o["eps"],
-                        weight_decay=o["weight_decay"], clip_norm=o["clip"])
-    state = create_train_state(built.module, tx, jax.random.PRNGKey(0), *built.init_args)
-    step = jax.jit(make_train_step(loss_fn=built.loss_fn), donate_argnums=(0,))
+    step, state, ours = train.our_train_step(built)
     dots = compiled_dots(step, state, built.batch)
     flops = sum(d.flops * c for d, c in dots.items())
     if not 0.75 <= flops / built.flops <= 1.25:
@@ -220,12 +214,7 @@ def run(args) -> dict[str, Any]:
             f"the step's dots add up to {flops / 1e9:.1f} GFLOP against {built.flops / 1e9:.1f} "
             "model GFLOP: some dots were not read (a loop body counts once: use unrolled "
             "layers) or the HLO text has a form hlo_dots does not parse")
-    holder = {"state": state}
-
-    def ours():
-        holder["state"], metrics = step(holder["state"], built.batch)
-        jax.block_until_ready(metrics)
-
+    del state
     xla_call, xla_fn, xla_args = xla_dots(dots)
     floor_dots = compiled_dots(xla_fn, *xla_args)
     if floor_dots != dots:
@@ -233,10 +222,8 @@ def run(args) -> dict[str, Any]:
         raise RuntimeError("XLA compiled the dots-only program into other dots than the step's: "
                            f"missing {dict(missing)}, extra {dict(extra)}")
     hf = built.hf_model
-    opt = torch.optim.AdamW(hf.parameters(), lr=o["lr"], betas=(o["b1"], o["b2"]), eps=o["eps"],
-                            weight_decay=o["weight_decay"])
     fns = {"ours_step": ours, "xla_dots": xla_call,
-           "hf_eager_step": train._hf_step_fn(hf, hf, opt, built.hf_inputs),
+           "hf_eager_step": train._hf_step_fn(hf, hf, train.hf_adamw(hf), built.hf_inputs),
            "torch_dots": torch_dots(dots)}
     peak = measure_matmul_peak()
     times = common.alternate(fns, rounds=args.rounds, warmup=args.warmup)
@@ -286,7 +273,11 @@ def markdown(r: dict[str, Any]) -> str:
     ])
 
 
-def main(argv=None) -> int:
+QUICK_ARGS = ["--layers", "2", "--width", "128", "--heads", "4", "--seq", "128", "--vocab", "259",
+              "--rounds", "3", "--warmup", "1"]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--width", type=int, default=384)
@@ -297,9 +288,12 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=7, help="timed alternating rounds")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls of each first")
     p.add_argument("--out", default="matmul_floor", help="stem of the result files")
-    args = p.parse_args(argv)
-    result = run(args)
-    common.report(args.out, "Matmul floor", result)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    common.report(args.out, "Matmul floor", run(args))
     return 0
 
 

@@ -89,10 +89,7 @@ def main(argv=None) -> int:
                 results[section] = train.run(ns)
                 stem, title = "train", "Train step"
             elif section == "floor":
-                ns = argparse.Namespace(layers=6, width=384, heads=6, seq=256, batch=8, vocab=8192,
-                                        rounds=3 if args.quick else 7, warmup=1 if args.quick else 2)
-                if args.quick:
-                    ns.layers, ns.width, ns.heads, ns.seq, ns.vocab = 2, 128, 4, 128, 259
+                ns = matmul_floor.parse_args(matmul_floor.QUICK_ARGS if args.quick else [])
                 results[section] = matmul_floor.run(ns)
                 stem, title = "matmul_floor", "Matmul floor"
             elif section == "decode":

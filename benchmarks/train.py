@@ -233,6 +233,28 @@ def _hf_step_fn(model_call, model, opt, inputs):
     return step
 
 
+def our_train_step(built: Built, seed: int = 0):
+    """Our side of a case with AdamW(OPT): (the jitted step, which donates its state, the
+    first state, a call that runs one step on ``built.batch`` and waits for it)."""
+    tx = make_optimizer(schedule=constant(OPT["lr"]), b1=OPT["b1"], b2=OPT["b2"], eps=OPT["eps"],
+                        weight_decay=OPT["weight_decay"], clip_norm=OPT["clip"])
+    state = create_train_state(built.module, tx, jax.random.PRNGKey(seed), *built.init_args)
+    step = jax.jit(make_train_step(loss_fn=built.loss_fn), donate_argnums=(0,))
+    holder = {"state": state}
+
+    def call():
+        holder["state"], metrics = step(holder["state"], built.batch)
+        jax.block_until_ready(metrics)
+    return step, state, call
+
+
+def hf_adamw(model):
+    """torch AdamW with the settings of OPT (clipping is in ``_hf_step_fn``)."""
+    torch, _ = _hf()
+    return torch.optim.AdamW(model.parameters(), lr=OPT["lr"], betas=(OPT["b1"], OPT["b2"]),
+                             eps=OPT["eps"], weight_decay=OPT["weight_decay"])
+
+
 def run_case(case: Case, *, rounds: int, warmup: int, use_compile: bool,
              seed: int = 0) -> dict[str, Any]:
     """Time one case; ``run`` adds the MFU once the peak is known."""
@@ -244,24 +266,15 @@ def run_case(case: Case, *, rounds: int, warmup: int, use_compile: bool,
                               "model_flops_per_step": built.flops}
 
     # ours: compile (first call) timed separately
-    tx = make_optimizer(schedule=constant(OPT["lr"]), b1=OPT["b1"], b2=OPT["b2"], eps=OPT["eps"],
-                        weight_decay=OPT["weight_decay"], clip_norm=OPT["clip"])
-    state = create_train_state(built.module, tx, jax.random.PRNGKey(seed), *built.init_args)
-    step = jax.jit(make_train_step(loss_fn=built.loss_fn), donate_argnums=(0,))
-    holder = {"state": state}
+    step, state, ours = our_train_step(built, seed)
     old_leaf = jax.tree_util.tree_leaves(state.params)[0]
-
-    def ours():
-        holder["state"], metrics = step(holder["state"], built.batch)
-        jax.block_until_ready(metrics)
-
+    del state
     _, record["ours_compile_s"] = common.timed(ours)
     record["donated"] = bool(old_leaf.is_deleted())
 
     fns: dict[str, Callable[[], Any]] = {"ours": ours}
     hf = built.hf_model
-    opt_eager = torch.optim.AdamW(hf.parameters(), lr=OPT["lr"], betas=(OPT["b1"], OPT["b2"]),
-                                  eps=OPT["eps"], weight_decay=OPT["weight_decay"])
+    opt_eager = hf_adamw(hf)
     fns["hf_eager"] = _hf_step_fn(hf, hf, opt_eager, built.hf_inputs)
     if use_compile:
         # a fresh dynamo cache per case: otherwise the cases before this one count against
@@ -282,7 +295,7 @@ def run_case(case: Case, *, rounds: int, warmup: int, use_compile: bool,
         if peer in record:
             record[f"speedup_vs_{peer}"] = record[peer]["step_s"] / ours_s
     record["load_average"] = common.load_average()
-    del holder, hf, fns
+    del ours, hf, fns
     return record
 
 

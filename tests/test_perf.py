@@ -114,11 +114,17 @@ def test_cpu_only_host_follows_jax_platforms_and_the_off_switch(monkeypatch):
     assert host_memory.tune_malloc_if_cpu() is False
 
 
-def test_benchmark_alternate_rotates_the_order_and_times_every_round():
+def _benchmarks(module: str):
+    """``benchmarks.<module>`` from this checkout (the suite is not an installed package)."""
+    import importlib
     root = str(Path(__file__).resolve().parents[1])
     if root not in sys.path:
         sys.path.insert(0, root)
-    from benchmarks.common import alternate
+    return importlib.import_module(f"benchmarks.{module}")
+
+
+def test_benchmark_alternate_rotates_the_order_and_times_every_round():
+    alternate = _benchmarks("common").alternate
 
     calls = []
     fns = {name: (lambda name=name: calls.append(name)) for name in ("a", "b", "c")}
@@ -128,17 +134,9 @@ def test_benchmark_alternate_rotates_the_order_and_times_every_round():
     assert {k: len(v) for k, v in times.items()} == {"a": 3, "b": 3, "c": 3}
 
 
-def _matmul_floor():
-    root = str(Path(__file__).resolve().parents[1])
-    if root not in sys.path:
-        sys.path.insert(0, root)
-    from benchmarks import matmul_floor
-    return matmul_floor
-
-
 def test_matmul_floor_reads_every_dot_of_a_compiled_program():
     """The dots of the optimised HLO, fused or not: forms, shapes, counts and FLOPs."""
-    mf = _matmul_floor()
+    mf = _benchmarks("matmul_floor")
     a, b, c, d = jnp.ones((8, 16)), jnp.ones((16, 12)), jnp.ones((3, 5, 4)), jnp.ones((3, 6, 4))
     f = jax.jit(lambda a, b, c, d: (a @ b, jnp.tanh(a) @ b, jnp.einsum("bik,bjk->bij", c, d),
                                     a.T @ jnp.ones((8, 12))))
@@ -168,7 +166,7 @@ def test_matmul_floor_reads_every_dot_of_a_compiled_program():
 def test_matmul_floor_torch_dot_equals_dot_general(dims):
     """The torch side runs the same contraction as ``lax.dot_general``, output order included."""
     torch = pytest.importorskip("torch")
-    mf = _matmul_floor()
+    mf = _benchmarks("matmul_floor")
     dot = mf.Dot(*dims)
     rng = np.random.default_rng(0)
     lhs, rhs = rng.standard_normal(dot.lhs, np.float32), rng.standard_normal(dot.rhs, np.float32)
