@@ -406,6 +406,60 @@ def test_pre_norm_residual_gradient_is_stored_once_per_sublayer_on_cpu():
     assert grads.lower(rand(0, (4, 3, 8))).compile().as_text().count(" conditional(") == 1
 
 
+def test_wide_gradient_is_the_identity_to_every_order():
+    """Values, gradients, tangents and second derivatives through ``wide_gradient`` equal
+    those of the plain matmul (fp32, highest precision), for tall and wide operands."""
+    from transformer_jax.layers.dense import wide_gradient
+    hi = jax.lax.Precision.HIGHEST
+    for k, n in [(24, 8), (8, 24), (12, 12)]:
+        x, w, g = rand(0, (32, k)), rand(1, (k, n)), rand(2, (32, n))
+        dw = rand(3, (k, n))
+        f = lambda a, b: jnp.vdot(jnp.tanh(jnp.dot(a, wide_gradient(b), precision=hi)), g)  # noqa: E731
+        ref = lambda a, b: jnp.vdot(jnp.tanh(jnp.dot(a, b, precision=hi)), g)               # noqa: E731
+        np.testing.assert_array_equal(wide_gradient(w), w)
+        np.testing.assert_array_equal(f(x, w), ref(x, w))
+        for got, want in zip(jax.jit(jax.grad(f, (0, 1)))(x, w), jax.jit(jax.grad(ref, (0, 1)))(x, w)):
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(jax.jvp(lambda b: f(x, b), (w,), (dw,))[1],
+                                   jax.jvp(lambda b: ref(x, b), (w,), (dw,))[1], rtol=1e-6)
+        hvp = lambda fn: jax.jvp(jax.grad(lambda b: fn(x, b)), (w,), (dw,))[1]  # noqa: E731
+        np.testing.assert_allclose(hvp(f), hvp(ref), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="2-D matmul operand"):
+        jax.grad(lambda a: jnp.sum(wide_gradient(a)))(jnp.ones((2, 3, 4)))
+
+
+def _weight_gradient_dots(monkeypatch=None):
+    """Output shapes, as laid out in memory (row-major), of the dots that contract the rows
+    (the weight gradients) in the compiled parameter gradient of Dense(48 -> 16) followed by a tied read-out (V=64)."""
+    import re
+    from transformer_jax.layers import dense
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return dense.Embed(64, 16).attend(dense.Dense(16)(x))
+    x = rand(0, (4, 8, 48))
+    params = Net().init(jax.random.PRNGKey(1), x)
+    grad = jax.jit(jax.grad(lambda p: jnp.sum(jnp.sin(Net().apply(p, x)))))
+    text = grad.lower(params).compile().as_text()
+    shapes = []
+    for m in re.finditer(r"= f32\[(\d+),(\d+)\]\{(\d),(\d)\} dot\([^\n]*lhs_contracting_dims=\{0\}",
+                         text):
+        a, b, minor = int(m.group(1)), int(m.group(2)), m.group(3)
+        shapes.append((a, b) if minor == "1" else (b, a))      # as laid out in memory
+    return sorted(shapes)
+
+
+def test_weight_gradients_are_computed_with_the_longer_axis_last(monkeypatch):
+    """Dense's (48, 16) kernel and the (64, 16) read-out table get their gradients as
+    (16, 48) and (16, 64) products (XLA:CPU's faster orientation), transposed afterwards;
+    without ``wide_gradient`` XLA writes them as (48, 16) and (64, 16)."""
+    from transformer_jax.layers import dense
+    assert _weight_gradient_dots() == [(16, 48), (16, 64)]
+    monkeypatch.setattr(dense, "wide_gradient", lambda w: w)
+    assert _weight_gradient_dots() == [(48, 16), (64, 16)]
+
+
 @pytest.mark.parametrize("pre_norm", [True, False])
 def test_encoder_block_composition(pre_norm):
     """The block equals its sublayers composed by hand (pre: x + f(norm x); post: norm(x + f(x)))."""
