@@ -3,7 +3,9 @@
 Timing rule of the suite: the implementations being compared run in ONE process, on the
 same inputs, and are called in alternation (round-robin, the starting implementation
 rotating every round) after their warm-up, so that load from anything else on the
-machine hits all of them alike; every figure is the median of its rounds.
+machine hits all of them alike; each timed call starts after a short pause (``SETTLE_S``),
+so that no implementation starts in the wake of another's spinning worker threads; every
+figure is the median of its rounds.
 
 ``setup_process()`` must run before JAX starts its backend: it applies the same host
 allocator tuning as the ``transformer-jax`` CLI (``transformer_jax.host_memory``), which
@@ -44,9 +46,21 @@ def setup_process() -> bool:
 
 # ----------------------------------------------------------------------------- timing
 
-def alternate(fns: dict[str, Callable[[], Any]], rounds: int, warmup: int = 1) -> dict[str, list[float]]:
+# Pause before each timed call. PyTorch's OpenMP worker threads keep spinning for a few
+# milliseconds after each of its parallel regions, and XLA's threads then share the two
+# cores with them: measured here (2026-11-30), an XLA program of 12 small batched matmuls
+# took 18.1-18.4 ms right after a torch matmul and 12.3-13.6 ms after a 30 ms pause (the
+# same program after another XLA call: 11.3-13.8 ms either way; torch after XLA: no
+# difference). The rotation in ``alternate`` keeps the cyclic order, so without the pause
+# the same implementation would always start in the wake of the same peer.
+SETTLE_S = 0.03
+
+
+def alternate(fns: dict[str, Callable[[], Any]], rounds: int, warmup: int = 1,
+              settle_s: float = SETTLE_S) -> dict[str, list[float]]:
     """Wall seconds of each call: ``warmup`` untimed calls each, then ``rounds`` rounds in
-    which every function runs once, the first one of a round rotating."""
+    which every function runs once, the first one of a round rotating. Each timed call
+    starts ``settle_s`` seconds (untimed) after the previous one returned."""
     names = list(fns)
     for name in names:
         for _ in range(warmup):
@@ -54,6 +68,8 @@ def alternate(fns: dict[str, Callable[[], Any]], rounds: int, warmup: int = 1) -
     times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
+            if settle_s:
+                time.sleep(settle_s)
             start = time.perf_counter()
             fns[name]()
             times[name].append(time.perf_counter() - start)

@@ -128,10 +128,29 @@ def test_benchmark_alternate_rotates_the_order_and_times_every_round():
 
     calls = []
     fns = {name: (lambda name=name: calls.append(name)) for name in ("a", "b", "c")}
-    times = alternate(fns, rounds=3, warmup=1)
+    times = alternate(fns, rounds=3, warmup=1, settle_s=0)
     assert calls == ["a", "b", "c",                       # warm-up
                      "a", "b", "c", "b", "c", "a", "c", "a", "b"]
     assert {k: len(v) for k, v in times.items()} == {"a": 3, "b": 3, "c": 3}
+
+
+def test_benchmark_alternate_pauses_before_every_timed_call(monkeypatch):
+    """The pause (for the peer's spinning worker threads) comes before each timed call,
+    not before warm-ups, and is not part of the call's time."""
+    common = _benchmarks("common")
+    calls, clock = [], [0.0]
+    monkeypatch.setattr(common.time, "sleep", lambda s: calls.append(("sleep", s)))
+    monkeypatch.setattr(common.time, "perf_counter", lambda: clock[0])
+
+    def call(name):
+        calls.append(name)
+        clock[0] += {"a": 1.0, "b": 2.0}[name]
+    times = common.alternate({"a": lambda: call("a"), "b": lambda: call("b")}, rounds=2,
+                             warmup=1, settle_s=0.25)
+    assert calls == ["a", "b", ("sleep", 0.25), "a", ("sleep", 0.25), "b",
+                     ("sleep", 0.25), "b", ("sleep", 0.25), "a"]
+    assert times == {"a": [1.0, 1.0], "b": [2.0, 2.0]}
+    assert common.SETTLE_S > 0
 
 
 def test_matmul_floor_reads_every_dot_of_a_compiled_program():
