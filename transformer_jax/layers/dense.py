@@ -46,28 +46,36 @@ def _flat_init(init: Initializer, in_shape: tuple[int, ...], out_shape: tuple[in
     return f
 
 
+def _check_matrix(w: Array) -> None:
+    if w.ndim != 2:
+        raise ValueError(f"wide_gradient expects a 2-D matmul operand (K, N), got shape "
+                         f"{w.shape}; reshape the weight to (K, N) before passing it")
+
+
 @jax.custom_jvp
 def wide_gradient(w: Array) -> Array:
     """Identity on the right operand ``w`` (K, N) of ``x @ w``; fixes its gradient's layout.
 
     The weight gradient ``x^T g`` (contracting the B*T rows) is computed with its longer
-    axis last, (min(K, N), max(K, N)), and transposed afterwards when the weight has the
-    longer axis first. Left to itself XLA folds that transpose into the dot and writes the
-    (K, N) result directly, which XLA:CPU's kernel does ~20% slower for tall results:
-    an FFN output weight (1536, 384) or the tied read-out's (8192, 384) table ran at 150-157
-    GFLOP/s, the same products computed as (384, 1536) / (384, 8192) at 177-197 GFLOP/s
-    (2048 rows, measured here 2026-11-30). The transpose afterwards is one pass over a
-    weight-sized array. ``optimization_barrier`` keeps the dot and the transpose apart; it
-    changes no value, and tangents (forward mode) go through the same identity.
+    axis last, (min(K, N), max(K, N)), then transposed when the parameter is stored the
+    other way: an FFN output kernel (F, D), or the tied read-out's (V, D) table, whose
+    operand here is its transpose (D, V). Left to itself XLA folds that transpose into the
+    dot and writes the tall result directly, which XLA:CPU's kernel does ~20% slower: the
+    (1536, 384) and (8192, 384) weight gradients ran at 150-157 GFLOP/s, the same products
+    as (384, 1536) and (384, 8192) at 177-197 GFLOP/s (2048 rows, measured here
+    2026-11-30). ``optimization_barrier`` keeps the dot and the transpose apart. The same
+    program runs on every backend; elsewhere the cost is at most one pass over a
+    weight-sized array. Values are unchanged, and tangents (forward mode) go through the
+    same identity.
     """
+    _check_matrix(w)
     return w
 
 
 @wide_gradient.defjvp
 def _wide_gradient_jvp(primals, tangents):
     (w,), (t,) = primals, tangents
-    if t.ndim != 2:
-        raise ValueError(f"wide_gradient expects a 2-D matmul operand, got shape {t.shape}")
+    _check_matrix(w)
     if t.shape[0] <= t.shape[1]:
         return w, jax.lax.optimization_barrier(t)
     return w, jax.lax.optimization_barrier(t.T).T
@@ -141,6 +149,6 @@ class Embed(nn.Module):
         dtype = canonical_dtype(self.dtype)
         lead = x.shape[:-1]
         x2 = x.reshape((-1, x.shape[-1])).astype(dtype)
-        logits = jnp.dot(x2, wide_gradient(self.embedding.astype(dtype).T), precision=self.precision,
-                         preferred_element_type=jnp.float32)
+        table = wide_gradient(self.embedding.astype(dtype).T)                  # (D, V)
+        logits = jnp.dot(x2, table, precision=self.precision, preferred_element_type=jnp.float32)
         return logits.reshape(lead + (self.num_embeddings,))
