@@ -61,7 +61,7 @@ def wide_gradient(w: Array) -> Array:
     other way: an FFN output kernel (F, D), or the tied read-out's (V, D) table, whose
     operand here is its transpose (D, V). Left to itself XLA folds that transpose into the
     dot and writes the tall result directly, which XLA:CPU's kernel does ~20% slower: the
-    (1536, 384) and (8192, 384) weight gradients ran at 150-157 GFLOP/s, the same products
+    (1536, 384) and (8192, 384) weight gradients ran at 146-157 GFLOP/s, the same products
     as (384, 1536) and (384, 8192) at 177-197 GFLOP/s (2048 rows, measured here
     2026-11-30). ``optimization_barrier`` keeps the dot and the transpose apart. The same
     program runs on every backend; elsewhere the cost is at most one pass over a
