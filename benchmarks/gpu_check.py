@@ -24,7 +24,9 @@ each is timed, wrapped so that a failure is recorded and the run goes on, and sk
    they compile). Reported: median ms (fwd+bwd and fwd only), TFLOP/s in the
    FlashAttention convention (causal fwd = 2 B N T^2 H, bwd = 2.5 x fwd), and the max abs
    difference of out/grads from ``xla`` at the same size (bf16: expect ~1e-2).
-4. **train** once more for every other implementation in ``--train-impls``.
+4. **train** once more for every other entry of ``--train-impls``: by default
+   ``jax+plain`` (the ``jax`` step traced without ``store_gradient_once``, so the two rows
+   show what its conditional per sublayer costs on this GPU), ``xla`` and ``pallas``.
 
 Output: progress on stdout; ``benchmarks/results/gpu_check.{json,md}``
 (``gpu_check_smoke.{json,md}`` with ``--smoke``).
@@ -38,6 +40,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -56,6 +59,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from benchmarks.common import fmt  # noqa: E402
+from transformer_jax.layers import blocks  # noqa: E402
 from transformer_jax.layers.attention import _cudnn_problems, dot_product_attention  # noqa: E402
 from transformer_jax.models import GPT, GPTConfig  # noqa: E402
 from transformer_jax.train.optim import constant, make_optimizer  # noqa: E402
@@ -115,6 +119,28 @@ def gpt_config(args, impl: str) -> GPTConfig:
                             scan_layers=args.scan_layers, remat=args.remat)
 
 
+@contextlib.contextmanager
+def plain_residual_gradient(on: bool):
+    """While tracing: pre-norm blocks without ``store_gradient_once`` (its conditional per
+    sublayer), for the ``+plain`` train variants that measure what it costs on this GPU."""
+    saved = blocks.store_gradient_once
+    if on:
+        blocks.store_gradient_once = lambda x: x
+    try:
+        yield
+    finally:
+        blocks.store_gradient_once = saved
+
+
+def split_impl(impl: str) -> tuple[str, bool]:
+    """'jax+plain' -> ('jax', True): attention implementation, and whether the step is
+    traced without ``store_gradient_once``."""
+    base, _, variant = impl.partition("+")
+    if variant not in ("", "plain"):
+        raise ValueError(f"train impl {impl!r}: the only variant is '+plain' (e.g. 'jax+plain')")
+    return base, variant == "plain"
+
+
 class Trainer:
     """One jitted init (parameters do not depend on the attention implementation) shared
     by the train benchmarks of every implementation."""
@@ -132,11 +158,13 @@ class Trainer:
 
     def run(self, impl: str) -> dict:
         args = self.args
-        cfg = gpt_config(args, impl)
+        attention, plain = split_impl(impl)
+        cfg = gpt_config(args, attention)
         state = self._init(jax.random.PRNGKey(0)).replace(apply_fn=GPT(cfg).apply)
         step = jax.jit(make_train_step(), donate_argnums=(0,))
         t0 = time.perf_counter()
-        compiled = step.lower(state, self.batch).compile()
+        with plain_residual_gradient(plain):
+            compiled = step.lower(state, self.batch).compile()
         compile_s = time.perf_counter() - t0
         log(f"  train[{impl}] compiled in {compile_s:.1f} s")
         for _ in range(args.warmup):
@@ -295,9 +323,10 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=None, help="train batch (default 16)")
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--steps", type=int, default=None)
-    p.add_argument("--train-impls", default="jax,xla,pallas",
+    p.add_argument("--train-impls", default="jax,jax+plain,xla,pallas",
                    help="attention implementations of the train benchmark; the first is run "
-                        "before the attention section, the others after it")
+                        "before the attention section, the others after it; '+plain' traces "
+                        "the step without store_gradient_once (what its conditionals cost)")
     p.add_argument("--scan-layers", action="store_true", help="scan the 12 blocks (faster "
                    "compile, usually a little slower steps)")
     p.add_argument("--remat", action="store_true")

@@ -1,8 +1,10 @@
 """The speed-related pieces: argmax, the gather-free cross-entropy, one compilation per train
-step with donated state, the host allocator tuning, and the benchmark timing helper.
+step with donated state, the host allocator tuning, the benchmark timing helper, and the GPU
+check script in smoke mode.
 
 No timings are asserted here (they depend on the machine); ``python -m benchmarks`` measures.
 """
+import json
 import subprocess
 import sys
 import warnings
@@ -192,3 +194,25 @@ def test_matmul_floor_torch_dot_equals_dot_general(dims):
     want = jax.lax.dot_general(lhs, rhs, dot.dimension_numbers, precision="highest")
     got = mf.torch_dot(torch, dot, torch.from_numpy(lhs), torch.from_numpy(rhs)).numpy()
     np.testing.assert_allclose(got, np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_gpu_check_script_runs_as_it_stands_in_smoke_mode(tmp_path):
+    """``benchmarks/gpu_check.py --smoke`` (tiny sizes, any backend): every requested train
+    step and attention kernel gives a result, the step traced without
+    ``store_gradient_once`` (``jax+plain``) trains to the same loss as ``jax`` (bf16, 3
+    steps), and the Pallas kernels (interpret mode here) match XLA's attention."""
+    from benchmarks import gpu_check
+    with pytest.raises(ValueError, match=r"only variant is '\+plain'"):
+        gpu_check.split_impl("jax+fast")
+    out = tmp_path / "smoke"
+    gpu_check.main(["--smoke", "--attn-seqs", "64", "--train-impls", "jax,jax+plain",
+                    "--attn-impls", "xla,pallas", "--out", str(out)])
+    result = json.loads(out.with_suffix(".json").read_text())
+    train = {r["impl"]: r for r in result["train"]}
+    assert set(train) == {"jax", "jax+plain"} and all("error" not in r for r in train.values())
+    assert 5.0 < train["jax"]["final_loss"] < 7.0      # ~ln(vocab 512) = 6.24 at the start
+    assert abs(train["jax"]["final_loss"] - train["jax+plain"]["final_loss"]) < 1e-3
+    pallas = [r for r in result["attention"] if r["impl"] == "pallas"]
+    assert len(pallas) == 1 and pallas[0]["max_abs_diff_out"] <= 2e-2
+    assert pallas[0]["max_abs_diff_grad"] <= 5e-2
+    assert "| jax+plain |" in out.with_suffix(".md").read_text()

@@ -12,8 +12,8 @@ Each block sows its intermediates (``'intermediates'`` collection, when made mut
 feed-forward, so a parity failure can be traced to the first sublayer that differs.
 
 In pre-norm blocks every sublayer passes its residual input through
-``store_gradient_once`` (below): an identity that makes XLA:CPU store the residual
-stream's gradient once per sublayer.
+``store_gradient_once`` (below): an identity whose gradient is stored once per sublayer,
+so that XLA:CPU does not recompute the residual stream's gradient in every layer.
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ Array = jax.Array
 
 @jax.custom_jvp
 def store_gradient_once(x: Array) -> Array:
-    """Identity on ``x``; on CPU its gradient (and tangent) is computed once and stored.
+    """Identity on ``x`` whose gradient (and tangent) is computed once and stored.
 
     The gradient of a residual stream is a chain of additions, one per sublayer
     (dx_l = dx_(l+1) + the sublayer's input gradient). XLA:CPU's fusion pass copies cheap
@@ -44,17 +44,22 @@ def store_gradient_once(x: Array) -> Array:
     quadratic in depth: a GPT (D=384, T=256, B=8) train step's largest fusion read 86
     arrays at 6 layers and 338 at 24. Passed through here, the gradient goes through a
     ``lax.cond``, which no fusion can cross, so every link is stored once (a copy of one
-    (B, T, D) array). Both branches return the gradient unchanged.
+    (B, T, D) array). Both branches return the gradient unchanged. (An
+    ``optimization_barrier`` does not do it: XLA:CPU removes barriers before fusion, and
+    the 12-layer step below stayed at 2,275 ms.)
 
     Measured here (2026-11-29/30, train steps fwd + bwd + AdamW, one process, alternating,
     bitwise the same loss and gradient norm): GPT D=384, T=256, B=8 at 6 layers within
-    noise (1,145 vs 1,143 ms), at 12 layers 2,331 -> 2,120 ms, at 24 layers 6,879 ->
-    4,746 ms; ViT 12L/192 304 -> 263 ms. XLA compiles the GPT 24L/1024 step in ~9 s
-    instead of ~23 s. Post-norm blocks don't need it (a norm's backward, with its
-    reductions, sits in every link of their chain) and don't use it. Other backends keep
-    the plain identity, which ``lax.platform_dependent`` selects when lowering: their
-    fusion passes have their own cost models, and a conditional on a GPU waits for its
-    predicate on the host.
+    noise (1,145 vs 1,143 ms), at 12 layers 2,331 -> 2,120 ms (2026-11-30: 2,283 -> 1,997),
+    at 24 layers 6,879 -> 4,746 ms; ViT 12L/192 304 -> 263 ms. XLA compiles the GPT
+    24L/1024 step in ~9 s instead of ~23 s. Post-norm blocks don't need it (a norm's
+    backward, with its reductions, sits in every link of their chain) and don't use it.
+
+    It is the same program on every backend: the model code has no platform branch.
+    Elsewhere the cost is one stored (B, T, D) array per sublayer in the backward pass,
+    which GPU and TPU fusion would mostly store anyway, and one conditional per sublayer,
+    for which XLA:GPU may wait on the host for the predicate. ``benchmarks/gpu_check.py``
+    times the GPT-2 step with and without it when a GPU is lent.
     """
     return x
 
@@ -72,7 +77,7 @@ def _through_conditional(t: Array) -> Array:
 @store_gradient_once.defjvp
 def _store_gradient_once_jvp(primals, tangents):
     (x,), (t,) = primals, tangents
-    return x, jax.lax.platform_dependent(t, cpu=_through_conditional, default=lambda t: t)
+    return x, _through_conditional(t)
 
 
 class _BlockBase(nn.Module):
