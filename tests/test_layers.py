@@ -391,20 +391,12 @@ def _grad_hlo_facts(layers):
     return text.count(" conditional("), max(operands)
 
 
-def test_pre_norm_residual_gradient_goes_through_one_conditional_per_sublayer():
-    """One conditional per sublayer in the compiled gradient (the very first one's
-    gradient, w.r.t. the input, is not needed); vmap keeps it, since its predicate doesn't
-    depend on the batched values."""
-    assert [_grad_hlo_facts(n)[0] for n in (2, 8)] == [2 * 2 - 1, 2 * 8 - 1]
-    from transformer_jax.layers.blocks import store_gradient_once as sgo
-    grads = jax.jit(jax.vmap(jax.grad(lambda a: jnp.sum(jnp.sin(sgo(a)) ** 2))))
-    assert grads.lower(rand(0, (4, 3, 8))).compile().as_text().count(" conditional(") == 1
-
-
 def test_store_gradient_once_is_the_same_program_on_every_backend():
     """The model code has no platform branch: the GPT gradient lowered for CPU, CUDA and
-    TPU (cross-platform lowering, no device needed) has the same conditionals, one per
-    sublayer, and the same StableHLO apart from the platform attributes."""
+    TPU (cross-platform lowering, no device needed) has the same StableHLO op sequence,
+    with one conditional per sublayer. (Lowering shows ``lax.platform_dependent``
+    branches; choices made in Python at trace time from ``jax.default_backend()``, like
+    attention's cuDNN check for ``attention_impl="jax"``, are outside what it sees.)"""
     from transformer_jax.models import GPT, GPTConfig
     cfg = GPTConfig(vocab_size=32, max_len=8, num_layers=2, num_heads=2, d_model=16)
     model, ids = GPT(cfg), jnp.zeros((1, 8), jnp.int32)
@@ -416,16 +408,24 @@ def test_store_gradient_once_is_the_same_program_on_every_backend():
     assert {plat: t.count("stablehlo.case") for plat, t in texts.items()} == \
         {"cpu": 4, "cuda": 4, "tpu": 4}
     ops = {plat: re.findall(r"= (\w+\.[\w.]+)", t) for plat, t in texts.items()}
-    assert ops["cpu"] == ops["cuda"] == ops["tpu"]
+    assert len(ops["cpu"]) > 100 and ops["cpu"] == ops["cuda"] == ops["tpu"]
 
 
-@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the fusion counts are XLA:CPU's")
-def test_pre_norm_residual_gradient_fusions_do_not_grow_with_depth_on_cpu():
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the compiled HLO is XLA:CPU's")
+def test_pre_norm_residual_gradient_is_stored_once_per_sublayer_on_cpu():
     """XLA:CPU would otherwise recompute the residual stream's gradient chain inside every
     layer's backward fusion (the largest fusion read 27 operands at 2 layers and 124 at 8
-    without ``store_gradient_once``). With it the fusions don't grow with depth."""
-    ops2, ops8 = _grad_hlo_facts(2)[1], _grad_hlo_facts(8)[1]
+    without ``store_gradient_once``). With it: one conditional per sublayer survives
+    compilation (the very first one's gradient, w.r.t. the input, is not needed), and the
+    fusions don't grow with depth."""
+    conds2, ops2 = _grad_hlo_facts(2)
+    conds8, ops8 = _grad_hlo_facts(8)
+    assert (conds2, conds8) == (2 * 2 - 1, 2 * 8 - 1)
     assert ops8 == ops2 <= 12, (ops2, ops8)
+    # vmap keeps the conditional (its predicate doesn't depend on the batched values)
+    from transformer_jax.layers.blocks import store_gradient_once as sgo
+    grads = jax.jit(jax.vmap(jax.grad(lambda a: jnp.sum(jnp.sin(sgo(a)) ** 2))))
+    assert grads.lower(rand(0, (4, 3, 8))).compile().as_text().count(" conditional(") == 1
 
 
 def test_wide_gradient_is_the_identity_to_every_order():

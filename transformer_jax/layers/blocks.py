@@ -45,8 +45,9 @@ def store_gradient_once(x: Array) -> Array:
     arrays at 6 layers and 338 at 24. Passed through here, the gradient goes through a
     ``lax.cond``, which no fusion can cross, so every link is stored once (a copy of one
     (B, T, D) array). Both branches return the gradient unchanged. (An
-    ``optimization_barrier`` does not do it: XLA:CPU removes barriers before fusion, and
-    the 12-layer step below stayed at 2,275 ms.)
+    ``optimization_barrier`` alone does not do it: XLA:CPU removes barriers before fusion,
+    and the 12-layer step below stayed at 2,275 ms. The conditional outlives that removal;
+    the barrier on its predicate only stops XLA from folding it earlier.)
 
     Measured here (2026-11-29/30, train steps fwd + bwd + AdamW, one process, alternating,
     bitwise the same loss and gradient norm): GPT D=384, T=256, B=8 at 6 layers within
