@@ -165,8 +165,8 @@ class Trainer:
         t0 = time.perf_counter()
         with plain_residual_gradient(plain):
             compiled = step.lower(state, self.batch).compile()
-        conditionals = compiled.as_text().count(" conditional(")
         compile_s = time.perf_counter() - t0
+        conditionals = compiled.as_text().count(" conditional(")   # not part of compile_s
         log(f"  train[{impl}] compiled in {compile_s:.1f} s")
         for _ in range(args.warmup):
             state, metrics = compiled(state, self.batch)
@@ -184,7 +184,8 @@ class Trainer:
         return {"impl": impl, "params": cfg.num_params(), "seq": args.seq, "batch": args.batch,
                 "dtype": cfg.dtype, "param_dtype": cfg.param_dtype,
                 "scan_layers": cfg.scan_layers, "remat": cfg.remat, "compile_s": compile_s,
-                "conditionals": conditionals, "step_ms": 1e3 * dt, "step_ms_all": [1e3 * t for t in times],
+                "conditionals": conditionals, "step_ms": 1e3 * dt,
+                "step_ms_all": [1e3 * t for t in times],
                 "tokens_per_s": tokens / dt, "model_tflops": flops / dt / 1e12,
                 "mfu": flops / dt / (args.peak_tflops * 1e12), "final_loss": loss,
                 "loss_finite": bool(jnp.isfinite(loss)),

@@ -449,7 +449,8 @@ def test_wide_gradient_is_the_identity_to_every_order():
         hvp = lambda fn: jax.jvp(jax.grad(lambda b: fn(x, b)), (w,), (dw,))[1]  # noqa: E731
         np.testing.assert_allclose(hvp(f), hvp(ref), rtol=1e-5, atol=1e-6)
     for bad in (lambda a: wide_gradient(a), jax.grad(lambda a: jnp.sum(wide_gradient(a)))):
-        with pytest.raises(ValueError, match=r"2-D matmul operand \(K, N\), got shape \(2, 3, 4\)"):
+        with pytest.raises(ValueError,
+                           match=r"2-D matmul operand \(K, N\), got shape \(2, 3, 4\)"):
             bad(jnp.ones((2, 3, 4)))
 
 
