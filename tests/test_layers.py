@@ -181,6 +181,74 @@ def test_xla_causal_query_blocks_equal_the_whole_square(t, s):
     np.testing.assert_allclose(out[0, 20], jnp.repeat(jnp.mean(v[0], axis=0), 2, axis=0), atol=1e-5)
 
 
+def _plain_attention(q, k, v, mask, bias, causal):
+    """softmax(Q K^T / sqrt(H) + bias) V written with plain einsums (GQA by repeating K/V),
+    for comparing against the library's matmuls and their written-out JVPs."""
+    n, kv, h = q.shape[2], k.shape[2], q.shape[3]
+    k, v = jnp.repeat(k, n // kv, axis=2), jnp.repeat(v, n // kv, axis=2)
+    hi = jax.lax.Precision.HIGHEST
+    logits = jnp.einsum("BTNH,BSNH->BNTS", q, k, precision=hi) / math.sqrt(h) + bias
+    allowed = mask & jnp.tril(jnp.ones(logits.shape[-2:], bool)) if causal else mask
+    logits = jnp.where(allowed, logits, jnp.finfo(jnp.float32).min)
+    return jnp.einsum("BNTS,BSNH->BTNH", jax.nn.softmax(logits, axis=-1), v, precision=hi)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_xla_attention_derivatives_equal_the_plain_formula_to_every_order(causal):
+    """The reference path's two matmuls carry written-out JVPs (their reverse mode contracts
+    a materialised transpose). Values, gradients, forward-mode tangents, a second
+    derivative and a vmapped gradient all equal those of the plain formula: GQA, bias,
+    padding mask, causal query blocks of 16 over T=37."""
+    q, k, v, mask, bias = _attention_inputs()
+    ct = rand(5, q.shape)
+    ours = lambda q, k, v: dot_product_attention(q, k, v, mask=mask, bias=bias,  # noqa: E731
+                                                 causal=causal, q_chunk=16)
+    plain = lambda q, k, v: _plain_attention(q, k, v, mask, bias, causal)  # noqa: E731
+    np.testing.assert_allclose(ours(q, k, v), plain(q, k, v), **FP32_TOL)
+    loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v) * ct)  # noqa: E731
+    grads = [jax.grad(loss(f), (0, 1, 2))(q, k, v) for f in (ours, plain)]
+    for a, b in zip(*grads):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    tangents = (rand(6, q.shape), rand(7, k.shape), rand(8, v.shape))
+    np.testing.assert_allclose(jax.jvp(ours, (q, k, v), tangents)[1],
+                               jax.jvp(plain, (q, k, v), tangents)[1], rtol=1e-4, atol=1e-5)
+    # d/dq of |d loss / dk|^2: reverse over reverse through both written-out rules
+    def second(f):
+        return jax.grad(lambda q: jnp.sum(jax.grad(loss(f), 1)(q, k, v) ** 2))(q)
+    np.testing.assert_allclose(second(ours), second(plain), rtol=1e-3, atol=1e-4)
+    vs = jnp.stack([v, 2 * v])
+    batched = jax.vmap(jax.grad(loss(ours), 2), in_axes=(None, None, 0))(q, k, vs)
+    np.testing.assert_allclose(batched[1], jax.grad(loss(ours), 2)(q, k, 2 * v), rtol=1e-6)
+
+
+def _row_contracting_batched_dots(causal):
+    """Batched dots in the compiled attention gradient that contract the rows (axis 2) of
+    both rank-4 operands, the form XLA:CPU gives to Eigen rather than YNNPACK."""
+    q, k, v, _, _ = _attention_inputs(n=4, kv=4, t=48, s=48)
+    f = lambda q, k, v: jnp.sum(jnp.sin(dot_product_attention(q, k, v, causal=causal,  # noqa: E731
+                                                              q_chunk=16)))
+    text = jax.jit(jax.grad(f, (0, 1, 2))).lower(q, k, v).compile().as_text()
+    return len(re.findall(r"dot\([^\n]*lhs_batch_dims=\{0,1\}, lhs_contracting_dims=\{2\}, "
+                          r"rhs_batch_dims=\{0,1\}, rhs_contracting_dims=\{2\}", text))
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the dot forms are XLA:CPU's choice")
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_key_and_value_gradients_contract_a_transposed_operand(monkeypatch, causal):
+    """dK and dV contract over the query rows. With the plain einsums XLA:CPU computes them
+    as dots over the rows of both operands (2 per query block: 6 causal with blocks of
+    16 over 48 rows, 2 over the whole square); with the written-out JVPs none is left."""
+    from transformer_jax.layers import attention
+    assert _row_contracting_batched_dots(causal) == 0
+    plain_scores = lambda q, k, precision: jnp.einsum(  # noqa: E731
+        "BKRH,BKSH->BKRS", q, k, precision=precision, preferred_element_type=jnp.float32)
+    plain_weigh = lambda p, v, precision: jnp.einsum(  # noqa: E731
+        "BKRS,BKSH->BKRH", p, v, precision=precision, preferred_element_type=jnp.float32)
+    monkeypatch.setattr(attention, "_scores", plain_scores)
+    monkeypatch.setattr(attention, "_weigh_values", plain_weigh)
+    assert _row_contracting_batched_dots(causal) == (6 if causal else 2)
+
+
 def test_bf16_within_documented_tolerance():
     q, k, v, mask, _ = _attention_inputs()
     ref = dot_product_attention(q, k, v, mask=mask, causal=True)
