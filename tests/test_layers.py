@@ -240,10 +240,10 @@ def test_attention_key_and_value_gradients_contract_a_transposed_operand(monkeyp
     16 over 48 rows, 2 over the whole square); with the written-out JVPs none is left."""
     from transformer_jax.layers import attention
     assert _row_contracting_batched_dots(causal) == 0
-    plain_scores = lambda q, k, precision: jnp.einsum(  # noqa: E731
-        "BKRH,BKSH->BKRS", q, k, precision=precision, preferred_element_type=jnp.float32)
-    plain_weigh = lambda p, v, precision: jnp.einsum(  # noqa: E731
-        "BKRS,BKSH->BKRH", p, v, precision=precision, preferred_element_type=jnp.float32)
+    plain_scores = lambda q, k, precision: attention._matmul(precision)(  # noqa: E731
+        "BKRH,BKSH->BKRS", q, k)
+    plain_weigh = lambda p, v, precision: attention._matmul(precision)(  # noqa: E731
+        "BKRS,BKSH->BKRH", p, v)
     monkeypatch.setattr(attention, "_scores", plain_scores)
     monkeypatch.setattr(attention, "_weigh_values", plain_weigh)
     assert _row_contracting_batched_dots(causal) == (6 if causal else 2)

@@ -235,7 +235,7 @@ def _xla_attention(q, k, v, mask, bias, scale, causal, dropout_rate, dropout_rng
     square_mask = combine_masks(mask, causal_mask(t, s)[:, :, None]) if causal else mask
     use_dropout = not deterministic and dropout_rate > 0.0
     rng = dropout_rng if use_dropout else None
-    dot = functools.partial(jnp.einsum, precision=precision, preferred_element_type=jnp.float32)
+    dot = _matmul(precision)
 
     if t == 1:
         logits = dot("BTKGH,BSKH->BKGTS", q.reshape(b, t, kh, g, h), k) * scale
