@@ -21,8 +21,9 @@ checked not to grow over the repeats (no recompilation per call or per token).
 Memory roofline: decoding one token per sequence reads every weight once and the KV cache
 filled so far, so a step needs at least ``bytes = parameter bytes + KV bytes`` (KV bytes =
 2 * layers * batch * mean filled length * width * 4) of memory traffic. The bandwidth is
-measured in the same run (a 256 MiB numpy copy, read + write), and "roofline share" =
-achieved tokens/s / (batch * bandwidth / bytes).
+measured in the same run (``common.measure_memory_bandwidth``: the faster of a 256 MiB copy
+and a 256 MiB matrix-vector read), and "roofline share" = achieved tokens/s /
+(batch * bandwidth / bytes).
 
 Results: a table on stdout and ``benchmarks/results/decode_gpt2.{json,md}``.
 
@@ -134,7 +135,7 @@ def bench_batch(module, params, model, batch: int, args, rng, bandwidth: float) 
     }
 
 
-def markdown(rows: list[dict], bandwidth: float) -> str:
+def markdown(rows: list[dict], bandwidth: dict[str, float]) -> str:
     header = ["batch", "ours tok/s", "HF tok/s", "ours/HF", "roofline tok/s", "ours share",
               "HF share", "ours compile s", "recompiled", "tokens identical"]
     body = []
@@ -147,7 +148,9 @@ def markdown(rows: list[dict], bandwidth: float) -> str:
     r0 = rows[0]
     return (common.md_table(header, body) + "\n\n"
             f"GPT-2 124M fp32, prompt {r0['prompt_len']} + {r0['new_tokens']} greedy tokens. "
-            f"Roofline: measured copy bandwidth {bandwidth / 1e9:.1f} GB/s; bytes per step = "
+            f"Roofline: measured memory bandwidth {bandwidth['roofline'] / 1e9:.1f} GB/s (copy "
+            f"{bandwidth['copy'] / 1e9:.1f}, matrix-vector read {bandwidth['read'] / 1e9:.1f}); "
+            f"bytes per step = "
             f"parameters ({r0['param_bytes'] / 2**20:.0f} MiB) + KV cache at the mean filled length.")
 
 
@@ -157,18 +160,20 @@ def run(args) -> dict:
     module, params = from_hf(model)
     bandwidth = common.measure_memory_bandwidth()
     print(f"# decode: GPT-2 124M, batches {batches}, {args.prompt_len} + {args.new_tokens} tokens, "
-          f"{args.repeats} alternating repeats; copy bandwidth {bandwidth / 1e9:.1f} GB/s", flush=True)
+          f"{args.repeats} alternating repeats; memory bandwidth {bandwidth['roofline'] / 1e9:.1f} GB/s "
+          f"(copy {bandwidth['copy'] / 1e9:.1f}, read {bandwidth['read'] / 1e9:.1f})", flush=True)
     rng = np.random.default_rng(args.seed)
     rows = []
     for batch in batches:
-        r = bench_batch(module, params, model, batch, args, rng, bandwidth)
+        r = bench_batch(module, params, model, batch, args, rng, bandwidth["roofline"])
         rows.append(r)
         print(f"  batch {batch}: ours {r['ours_tokens_per_s']:.1f} tok/s, HF {r['hf_tokens_per_s']:.1f} "
               f"tok/s, ours/HF {r['ratio_ours_over_hf']:.2f}x, identical={r['tokens']['identical']}",
               flush=True)
     return {"benchmark": "decode_gpt2", "machine": common.machine_info(),
             "model": "gpt2 (124M shape, random weights)", "logit_scale": args.logit_scale,
-            "bandwidth_bytes_per_s": bandwidth, "args": vars(args), "rows": rows,
+            "bandwidth_bytes_per_s": bandwidth["roofline"], "bandwidth_streams": bandwidth,
+            "args": vars(args), "rows": rows,
             "markdown": markdown(rows, bandwidth)}
 
 

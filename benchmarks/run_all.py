@@ -84,7 +84,7 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         try:
             if section == "train":
-                ns = argparse.Namespace(quick=args.quick, families=None, rounds=3 if args.quick else 7,
+                ns = argparse.Namespace(quick=args.quick, families=None, rounds=3 if args.quick else 9,
                                         warmup=1 if args.quick else 2, no_compile=False, no_data=False)
                 results[section] = train.run(ns)
                 stem, title = "train", "Train step"

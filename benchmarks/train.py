@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import statistics
 import sys
 import tempfile
 import time
@@ -255,6 +256,18 @@ def hf_adamw(model):
                              eps=OPT["eps"], weight_decay=OPT["weight_decay"])
 
 
+def round_ratios(peer_s: list[float], ours_s: list[float]) -> dict[str, Any]:
+    """Peer time / our time of each round (the two calls of a round ran seconds apart), and
+    their median and quartiles. A drift of the machine's speed over a run moves both calls
+    of a round alike, so these ratios spread less than the two sides' times do; the
+    quartiles say how far one run's ratio can be trusted."""
+    if len(peer_s) != len(ours_s) or not ours_s:
+        raise ValueError(f"need one time per round on each side, got {len(peer_s)} and {len(ours_s)}")
+    ratios = [p / o for p, o in zip(peer_s, ours_s)]
+    q1, med, q3 = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
+    return {"ratios": ratios, "median": med, "q1": q1, "q3": q3}
+
+
 def run_case(case: Case, *, rounds: int, warmup: int, use_compile: bool,
              seed: int = 0) -> dict[str, Any]:
     """Time one case; ``run`` adds the MFU once the peak is known."""
@@ -294,6 +307,8 @@ def run_case(case: Case, *, rounds: int, warmup: int, use_compile: bool,
     for peer in ("hf_eager", "hf_compile"):
         if peer in record:
             record[f"speedup_vs_{peer}"] = record[peer]["step_s"] / ours_s
+            record[f"round_speedups_vs_{peer}"] = round_ratios(record[peer]["times_s"],
+                                                               record["ours"]["times_s"])
     record["load_average"] = common.load_average()
     del ours, hf, fns
     return record
@@ -328,7 +343,7 @@ def data_pipeline(batches: int = 30) -> dict[str, Any]:
 def markdown(records: list[dict], peak: float, data: dict | None) -> str:
     header = ["case", "params", "ours ms", "HF eager ms", "torch.compile ms", "ours tok/s",
               "ours MFU", "eager MFU", "compile MFU", "ours/eager", "ours/compile",
-              "compile s (ours / torch)", "jit cache", "donated"]
+              "ours/eager per round (quartiles)", "compile s (ours / torch)", "jit cache", "donated"]
     rows = []
     for r in records:
         if "error" in r:
@@ -344,16 +359,22 @@ def markdown(records: list[dict], peak: float, data: dict | None) -> str:
         def ratio(key):
             return f"{r[key]:.2f}x" if key in r else "-"
 
+        def spread(key):
+            q = r.get(key)
+            return f"{q['median']:.2f}x ({q['q1']:.2f}-{q['q3']:.2f})" if q else "-"
+
         rows.append([
             r["name"], f"{r['params'] / 1e6:.2f}M", ms("ours"), ms("hf_eager"), ms("hf_compile"),
             f"{r['ours']['tokens_per_s']:,.0f}", mfu("ours"), mfu("hf_eager"), mfu("hf_compile"),
             ratio("speedup_vs_hf_eager"), ratio("speedup_vs_hf_compile"),
+            spread("round_speedups_vs_hf_eager"),
             f"{r['ours_compile_s']:.1f} / {common.fmt(r.get('hf_compile_warmup_s'), '.1f')}",
             r["jit_cache_size"], "yes" if r["donated"] else "NO"])
     text = [common.md_table(header, rows), "",
             f"MFU against the fp32 matmul peak measured in this run (the larger of the "
             f"measurements before and after the cases): {peak / 1e9:.0f} GFLOP/s. "
-            "ours/eager and ours/compile are step-time ratios (> 1: ours is faster). "
+            "ours/eager and ours/compile are ratios of the median step times (> 1: ours is "
+            "faster); per round: the median and quartiles of each round's eager/ours ratio. "
             "torch.compile s = its first two steps (compile included)."]
     if data:
         line = (f"Data pipeline ({data['experiment']}, batches {data['batch_shapes']}): "

@@ -155,6 +155,29 @@ def test_benchmark_alternate_pauses_before_every_timed_call(monkeypatch):
     assert common.SETTLE_S > 0
 
 
+def test_benchmark_round_ratios_pair_the_calls_of_each_round():
+    """Each round's peer/ours ratio, then their median and quartiles: a run in which the
+    machine slows down halfway keeps ratios that its medians would blur."""
+    round_ratios = _benchmarks("train").round_ratios
+    ours = [1.0, 1.0, 2.0, 2.0, 2.0]                   # the machine halves its speed
+    peer = [1.2, 1.1, 2.4, 2.6, 2.2]
+    got = round_ratios(peer, ours)
+    np.testing.assert_allclose(got["ratios"], [1.2, 1.1, 1.2, 1.3, 1.1])
+    np.testing.assert_allclose([got["q1"], got["median"], got["q3"]], [1.1, 1.2, 1.2])
+    # the ratio of the medians would say 2.2 / 2.0 = 1.1
+    assert round_ratios([3.0], [2.0]) == {"ratios": [1.5], "median": 1.5, "q1": 1.5, "q3": 1.5}
+    with pytest.raises(ValueError, match="one time per round on each side, got 2 and 3"):
+        round_ratios([1.0, 1.0], [1.0, 1.0, 1.0])
+
+
+def test_memory_bandwidth_roofline_is_the_faster_of_a_copy_and_a_read():
+    bw = _benchmarks("common").measure_memory_bandwidth(mib=8, repeats=2)
+    assert set(bw) == {"copy", "read", "roofline"}
+    assert bw["roofline"] == max(bw["copy"], bw["read"])
+    # any machine this runs on streams 8 MiB at more than 100 MB/s and less than 10 TB/s
+    assert all(1e8 < bw[k] < 1e13 for k in ("copy", "read")), bw
+
+
 def test_matmul_floor_reads_every_dot_of_a_compiled_program():
     """The dots of the optimised HLO, fused or not: forms, shapes, counts and FLOPs."""
     mf = _benchmarks("matmul_floor")
