@@ -1,4 +1,4 @@
-"""Greedy and beam search (torch-free checks; HF equality is in tests/parity/test_hf_t5.py)
+"""Greedy and beam search (torch-free checks; HF equality is in tests/interop/test_hf_t5.py)
 and the ``seq2seq`` task that decodes with them: data, batches, exact resume, training."""
 import functools
 import json

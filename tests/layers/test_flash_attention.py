@@ -2,7 +2,7 @@
 
 ``"pallas"`` runs its kernels in interpret mode here (CPU), so shapes are small and the
 block sizes (16) are chosen to give several query and key blocks with ragged ends.
-Tolerances: fp32 outputs 1e-5 (as the other implementations, tests/test_layers.py),
+Tolerances: fp32 outputs 1e-5 (as the other implementations, tests/layers/test_layers.py),
 gradients 1e-4 (sums over up to S products); bf16 within the library's 2e-2.
 """
 import jax

@@ -1,7 +1,7 @@
 """T5 without torch: relative-position buckets (golden values), presets, structure, the
 unscaled attention, KV-cache decoding, one training step, and clear errors.
 
-HF parity (forward, gradients, beam search) lives in tests/parity/test_hf_t5.py.
+HF parity (forward, gradients, beam search) lives in tests/interop/test_hf_t5.py.
 """
 import functools
 

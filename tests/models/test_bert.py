@@ -1,6 +1,6 @@
 """BERT: the model, the MLM masking recipe, and the mlm / classify tasks end to end.
 
-HF parity lives in ``tests/parity/test_hf_bert.py``.
+HF parity lives in ``tests/interop/test_hf_bert.py``.
 """
 import json
 from pathlib import Path
@@ -463,5 +463,5 @@ def test_experiment_files_build(tmp_path):
         cfg = load_experiment(name)
         model_cfg, _ = build(cfg, make_task(cfg, tmp_path / name).model_overrides())
         assert (model_cfg.head, model_cfg.num_params(), model_cfg.vocab_size) == (head, count, 262)
-        doc = (Path(__file__).resolve().parents[1] / "experiments" / f"{name}.py").read_text()
+        doc = (Path(__file__).resolve().parents[2] / "experiments" / f"{name}.py").read_text()
         assert f"{count:,} parameters" in doc
