@@ -14,7 +14,7 @@ import tensorflow_datasets as tfds
 
 from transformer_jax.data import ByteTokenizer, make_lm_iterator
 from transformer_jax.models import FAMILIES
-from transformer_jax.models.base import stack_layers
+from transformer_jax.layers.stack import stack_layers
 from transformer_jax.models.bert import (HEADS, Bert, BertConfig, BertForMaskedLM, BertForPreTraining,
                                          BertForSequenceClassification, BertModel, _embedding_init)
 from transformer_jax.tasks import make_task
@@ -61,7 +61,7 @@ def test_config_presets_and_validation():
     assert FAMILIES["bert"] == (BertConfig, Bert)
     with pytest.raises(ValueError, match="d_model=30 is not divisible by num_heads=4"):
         BertConfig.preset("tiny", d_model=30)
-    with pytest.raises(ValueError, match="unknown head 'lm'.*pretraining"):
+    with pytest.raises(ValueError, match="head='lm' is unknown.*pretraining"):
         BertConfig.preset("tiny", head="lm")
     with pytest.raises(ValueError, match="pad_token_id=600 is outside"):
         BertConfig.preset("tiny", pad_token_id=600)
@@ -161,7 +161,7 @@ def test_pad_row_is_zero_at_init_and_gets_no_lookup_gradient():
 def test_scan_and_remat_match_unscanned(params):
     ids, mask = ids_and_mask(3)
     ref = Bert(CFG).apply({"params": params}, ids, None, mask)
-    scanned = {**params, "bert": stack_layers(params["bert"], 2, prefix="layer_", name="layer")}
+    scanned = {**params, "bert": stack_layers(params["bert"], 2, name="layer")}
     for flags in (dict(scan_layers=True), dict(scan_layers=True, remat=True)):
         out = Bert(CFG.replace(**flags)).apply({"params": scanned}, ids, None, mask)
         for k in ref:

@@ -7,7 +7,7 @@ import pytest
 
 from transformer_jax import decode
 from transformer_jax.decode import generate, sample_logits
-from transformer_jax.models.base import stack_layers, unstack_layers
+from transformer_jax.layers.stack import stack_layers, unstack_layers
 from transformer_jax.models.gpt import GPT, GPTConfig, init_params
 
 FP32_TOL = dict(rtol=1e-5, atol=1e-5)
@@ -54,17 +54,17 @@ def test_scan_and_remat_match_unrolled(tiny):
     x = ids(1, (2, 16))
     ref = model.apply({"params": params}, x)
     scanned = GPT(TINY.replace(scan_layers=True, remat=True))
-    sp = stack_layers(params, TINY.num_layers)
+    sp = stack_layers(params, TINY.num_layers, name="h")
     np.testing.assert_allclose(scanned.apply({"params": sp}, x), ref, **FP32_TOL)
     # the scanned model initialises the same tree layout
     init_sp = init_params(scanned, jax.random.PRNGKey(0))
     assert jax.tree_util.tree_structure(init_sp) == jax.tree_util.tree_structure(sp)
-    assert jax.tree_util.tree_structure(unstack_layers(sp)) == jax.tree_util.tree_structure(params)
+    assert jax.tree_util.tree_structure(unstack_layers(sp, name="h")) == jax.tree_util.tree_structure(params)
 
     def loss(m, p):
         return jnp.mean(jax.nn.log_softmax(m.apply({"params": p}, x))[..., 0])
     g_ref = jax.grad(lambda p: loss(model, p))(params)
-    g = unstack_layers(jax.grad(lambda p: loss(scanned, p))(sp))
+    g = unstack_layers(jax.grad(lambda p: loss(scanned, p))(sp), name="h")
     for a, b in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(g_ref)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 

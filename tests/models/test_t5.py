@@ -15,7 +15,8 @@ import pytest
 from transformer_jax.beam_search import init_decoder_cache
 from transformer_jax.layers.relative import relative_position_bias, relative_position_bucket
 from transformer_jax.models import FAMILIES, build_model
-from transformer_jax.models.t5 import T5, T5Attention, T5Config, init_params, shift_right
+from transformer_jax.layers.attention import MultiHeadAttention
+from transformer_jax.models.t5 import T5, T5Config, block_fields, init_params, shift_right
 from transformer_jax.tasks.seq2seq import seq2seq_loss
 from transformer_jax.train.step import create_train_state, make_train_step
 
@@ -163,7 +164,10 @@ def test_structure_no_biases_one_table_per_stack(tiny):
 
 
 def test_attention_has_no_sqrt_scaling():
-    attn = T5Attention(num_heads=2, head_dim=4)
+    """T5's attention is the shared MultiHeadAttention with scale 1 and no biases."""
+    fields = block_fields(T5Config(**TINY))
+    assert fields["attention_scale"] == 1.0 and fields["use_bias"] is False
+    attn = MultiHeadAttention(num_heads=2, head_dim=4, use_bias=False, scale=1.0)
     x = jnp.asarray(np.random.default_rng(0).normal(size=(1, 5, 8)), jnp.float32)
     bias = jnp.asarray(np.random.default_rng(1).normal(size=(1, 2, 5, 5)), jnp.float32)
     p = nn.meta.unbox(jax.jit(attn.init)(jax.random.PRNGKey(0), x)["params"])

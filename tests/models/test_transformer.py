@@ -185,9 +185,9 @@ def test_bad_inputs_raise(tiny):
     src, src_mask, tgt = batch()
     with pytest.raises(ValueError, match="exceeds the model's max_len=32"):
         model.apply({"params": params}, np.zeros((1, 40), np.int32), tgt[:1])
-    with pytest.raises(ValueError, match=r"src_mask must be \(B, length\) = \(3, 9\)"):
+    with pytest.raises(ValueError, match=r"attention_mask must be \(B, length\) = \(3, 9\)"):
         model.apply({"params": params}, src, tgt, src_mask[:, :4])
     with pytest.raises(ValueError, match="different batch sizes"):
         model.apply({"params": params}, src, tgt[:1])
-    with pytest.raises(ValueError, match="tgt_ids must be"):
+    with pytest.raises(ValueError, match="decoder_input_ids must be"):
         model.apply({"params": params}, src, tgt[0])

@@ -9,7 +9,7 @@ import pytest
 
 from transformer_jax.data import images as image_data
 from transformer_jax.models import FAMILIES, build_model
-from transformer_jax.models.base import stack_layers
+from transformer_jax.layers.stack import stack_layers
 from transformer_jax.models.vit import (ViT, ViTConfig, adapt_pretrained, init_params,
                                         interpolation_matrix, resize_params, resize_pos_embedding)
 from transformer_jax.tasks.image_classification import image_classification_loss
@@ -97,7 +97,7 @@ def test_num_params_and_flops_golden():
     (dict(image_size=30), "not a multiple of patch_size"),
     (dict(d_model=66), "not divisible by num_heads"),
     (dict(num_classes=-1), "num_classes"),
-    (dict(activation="swishy"), "unknown activation"),
+    (dict(activation="swishy"), "activation=.swishy. is unknown"),
     (dict(dtype="float17"), "unknown dtype"),
 ])
 def test_config_errors(overrides, match):
@@ -142,7 +142,7 @@ def test_patch_embedding_is_the_strided_convolution(tiny_params):
 def test_scan_and_remat_match_unscanned(tiny_params):
     x = random_images(2)
     ref = forward(TINY, tiny_params, x)
-    stacked = stack_layers(tiny_params, TINY.num_layers, prefix="encoderblock_", name="encoderblock")
+    stacked = stack_layers(tiny_params, TINY.num_layers, name="encoderblock")
     for cfg in (TINY.replace(scan_layers=True), TINY.replace(scan_layers=True, remat=True)):
         np.testing.assert_allclose(np.asarray(forward(cfg, stacked, x)),
                                    np.asarray(ref), rtol=1e-5, atol=1e-5)

@@ -1,19 +1,24 @@
-"""Encoder and decoder blocks, pre-norm or post-norm.
+"""Encoder and decoder blocks, pre-norm or post-norm: every family's layers are these.
 
-  pre-norm  (GPT-2, most modern models):  x = x + Drop(Sublayer(Norm(x)))
-  post-norm (the 2017 paper, BERT):       x = Norm(x + Drop(Sublayer(x)))
+  pre-norm  (GPT-2, T5, most modern models):  x = x + Drop(Sublayer(Norm(x)))
+  post-norm (the 2017 paper, BERT):           x = Norm(x + Drop(Sublayer(x)))
 
 Submodule names follow PyTorch's ``nn.TransformerEncoderLayer``/``DecoderLayer`` so that a
 converted state dict reads naturally: ``self_attn``, ``cross_attn``, ``mlp``, ``norm1``,
 ``norm2``, ``norm3``. x: (B, T, D); encoder output (memory): (B, S, D).
 
+The fields cover the families' differences: LayerNorm or RMSNorm (``norm``), biases or
+none (``use_bias``, ``norm_bias``), the attention ``attention_scale`` (T5: 1), rotary
+positions (``rope_base``), grouped-query heads, gated MLPs, and an initialiser for each
+kind of kernel. An additive logit bias (T5's relative positions) is a call argument.
+
 Each block sows its intermediates (``'intermediates'`` collection, when made mutable):
 ``+sa`` after self-attention, ``+ca`` after cross-attention, ``+mlp`` after the
 feed-forward, so a parity failure can be traced to the first sublayer that differs.
 
-In pre-norm blocks every sublayer passes its residual input through
-``store_gradient_once`` (below): an identity whose gradient is stored once per sublayer,
-so that XLA:CPU does not recompute the residual stream's gradient in every layer.
+Decoding (``decode=True``) keeps a KV cache in both attention sublayers: the
+self-attention's grows by the new tokens, the cross-attention's holds the encoder
+output's keys and values, computed once.
 """
 from __future__ import annotations
 
@@ -24,61 +29,12 @@ import jax
 import jax.numpy as jnp
 
 from .attention import MultiHeadAttention
+from .cpu_tuning import residual
 from .dense import Initializer, default_kernel_init
 from .mlp import FeedForward
 from .norms import make_norm
 
 Array = jax.Array
-
-
-# ----------------------------------------------------------------------------- residual stream
-
-@jax.custom_jvp
-def store_gradient_once(x: Array) -> Array:
-    """Identity on ``x`` whose gradient (and tangent) is computed once and stored.
-
-    The gradient of a residual stream is a chain of additions, one per sublayer
-    (dx_l = dx_(l+1) + the sublayer's input gradient). XLA:CPU's fusion pass copies cheap
-    elementwise producers into every consumer, so unless a link of that chain is stored,
-    each layer's backward fusion recomputes the whole chain from the top. The work is
-    quadratic in depth: a GPT (D=384, T=256, B=8) train step's largest fusion read 86
-    arrays at 6 layers and 338 at 24. Passed through here, the gradient goes through a
-    ``lax.cond``, which no fusion can cross, so every link is stored once (a copy of one
-    (B, T, D) array). Both branches return the gradient unchanged. (An
-    ``optimization_barrier`` alone does not do it: XLA:CPU removes barriers before fusion,
-    and the 12-layer step below stayed at 2,275 ms. The conditional outlives that removal;
-    the barrier on its predicate only stops XLA from folding it earlier.)
-
-    Measured here (2026-11-29/30, train steps fwd + bwd + AdamW, one process, alternating,
-    bitwise the same loss and gradient norm): GPT D=384, T=256, B=8 at 6 layers within
-    noise (1,145 vs 1,143 ms), at 12 layers 2,331 -> 2,120 ms (2026-11-30: 2,283 -> 1,997),
-    at 24 layers 6,879 -> 4,746 ms; ViT 12L/192 304 -> 263 ms. XLA compiles the GPT
-    24L/1024 step in ~9 s instead of ~23 s. Post-norm blocks don't need it (a norm's
-    backward, with its reductions, sits in every link of their chain) and don't use it.
-
-    It is the same program on every backend: the model code has no platform branch.
-    Elsewhere the cost is one stored (B, T, D) array per sublayer in the backward pass,
-    which GPU and TPU fusion would mostly store anyway, and one conditional per sublayer,
-    for which XLA:GPU may wait on the host for the predicate. ``benchmarks/gpu_check.py``
-    times the GPT-2 step with and without it when a GPU is lent.
-    """
-    return x
-
-
-def _through_conditional(t: Array) -> Array:
-    # The predicate is an opaque True, not something computed from the activations: XLA
-    # does not fold it (tests/test_layers.py checks), vmap never batches it (a batched
-    # predicate turns the conditional into a select, which fuses), and it needs no element
-    # of a sharded array. ``u * 1.0`` is exact; written so because JAX drops a conditional
-    # whose branches all just return their operand.
-    return jax.lax.cond(jax.lax.optimization_barrier(jnp.bool_(True)),
-                        lambda u: u, lambda u: u * 1.0, t)
-
-
-@store_gradient_once.defjvp
-def _store_gradient_once_jvp(primals, tangents):
-    (x,), (t,) = primals, tangents
-    return x, _through_conditional(t)
 
 
 class _BlockBase(nn.Module):
@@ -97,28 +53,35 @@ class _BlockBase(nn.Module):
     dropout_rate: float = 0.0            # residual (after each sublayer)
     attention_dropout_rate: float = 0.0  # on the attention weights
     mlp_dropout_rate: float = 0.0        # on the feed-forward hidden activation
-    attention_impl: str = "xla"
+    attention_impl: str = "auto"
+    attention_scale: float | None = None  # default 1/sqrt(H)
     rope_base: float | None = None
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
     kernel_init: Initializer = default_kernel_init
-    out_kernel_init: Initializer | None = None  # residual-branch output projections
+    query_kernel_init: Initializer | None = None    # attention queries; default kernel_init
+    out_kernel_init: Initializer | None = None      # attention outputs; default kernel_init
+    mlp_out_kernel_init: Initializer | None = None  # feed-forward output; default out_kernel_init
     precision: Any = None
+    cpu_tuning: bool = True
 
     def _attention(self, name: str, rope: bool) -> MultiHeadAttention:
         return MultiHeadAttention(
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
             use_bias=self.use_bias, dropout_rate=self.attention_dropout_rate,
-            implementation=self.attention_impl, rope_base=self.rope_base if rope else None,
-            dtype=self.dtype, param_dtype=self.param_dtype, kernel_init=self.kernel_init,
-            out_kernel_init=self.out_kernel_init, precision=self.precision, name=name)
+            implementation=self.attention_impl, scale=self.attention_scale,
+            rope_base=self.rope_base if rope else None, dtype=self.dtype,
+            param_dtype=self.param_dtype, kernel_init=self.kernel_init,
+            query_kernel_init=self.query_kernel_init, out_kernel_init=self.out_kernel_init,
+            precision=self.precision, cpu_tuning=self.cpu_tuning, name=name)
 
     def _mlp(self) -> FeedForward:
         return FeedForward(
             mlp_dim=self.mlp_dim, activation=self.activation, gated=self.gated_mlp,
             use_bias=self.use_bias, dropout_rate=self.mlp_dropout_rate, dtype=self.dtype,
             param_dtype=self.param_dtype, kernel_init=self.kernel_init,
-            out_kernel_init=self.out_kernel_init, precision=self.precision, name="mlp")
+            out_kernel_init=self.mlp_out_kernel_init or self.out_kernel_init,
+            precision=self.precision, cpu_tuning=self.cpu_tuning, name="mlp")
 
     def _norm(self, name: str) -> nn.Module:
         return make_norm(self.norm, self.norm_eps, self.dtype, self.param_dtype, name=name,
@@ -127,8 +90,8 @@ class _BlockBase(nn.Module):
     def _residual(self, x: Array, sublayer, norm_name: str, tag: str, deterministic: bool) -> Array:
         """Apply one sublayer with its residual connection, pre- or post-norm."""
         norm = self._norm(norm_name)
-        if self.pre_norm:   # post-norm: each link of the gradient chain has a norm's reductions
-            x = store_gradient_once(x)
+        if self.pre_norm:   # the residual stream's gradient: stored once per sublayer on CPU
+            x = residual(x, self.cpu_tuning)
         y = sublayer(norm(x) if self.pre_norm else x)
         y = nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
         x = x + y
@@ -138,6 +101,11 @@ class _BlockBase(nn.Module):
         self.sow("intermediates", tag, x)
         return x
 
+    def _feed_forward(self, x: Array, norm_name: str, deterministic: bool) -> Array:
+        mlp = self._mlp()
+        return self._residual(x, lambda h: mlp(h, deterministic=deterministic), norm_name, "+mlp",
+                              deterministic)
+
 
 class EncoderBlock(_BlockBase):
     """Bidirectional self-attention + feed-forward."""
@@ -146,21 +114,20 @@ class EncoderBlock(_BlockBase):
     def __call__(self, x: Array, mask: Array | None = None, *, bias: Array | None = None,
                  positions: Array | None = None, causal: bool = False,
                  deterministic: bool = True) -> Array:
-        """x (B, T, D); mask broadcastable to (B, N, T, T), 1 = may attend -> (B, T, D)."""
+        """x (B, T, D); mask broadcastable to (B, N, T, T), 1 = may attend; bias added to
+        the logits -> (B, T, D)."""
         return self.forward(x, mask, bias=bias, positions=positions, causal=causal,
                             deterministic=deterministic)
 
     def forward(self, x, mask=None, *, bias=None, positions=None, causal=False,
                 deterministic=True):
-        """The body of ``__call__``; subclasses with another call signature (scan adapters) reuse it."""
+        """The body of ``__call__`` (``layers.stack`` calls it with the operands by keyword)."""
         attn = self._attention("self_attn", rope=True)
         x = self._residual(
             x, lambda h: attn(h, mask=mask, bias=bias, causal=causal, positions=positions,
                               deterministic=deterministic),
             "norm1", "+sa", deterministic)
-        mlp = self._mlp()
-        return self._residual(x, lambda h: mlp(h, deterministic=deterministic), "norm2", "+mlp",
-                              deterministic)
+        return self._feed_forward(x, "norm2", deterministic)
 
 
 class DecoderBlock(_BlockBase):
@@ -186,7 +153,7 @@ class DecoderBlock(_BlockBase):
 
     def forward(self, x, memory=None, *, self_mask=None, cross_mask=None, self_bias=None,
                 cross_bias=None, positions=None, causal=True, deterministic=True, decode=False):
-        """The body of ``__call__``; subclasses with another call signature (scan adapters) reuse it."""
+        """The body of ``__call__`` (``layers.stack`` calls it with the operands by keyword)."""
         attn = self._attention("self_attn", rope=True)
         x = self._residual(
             x, lambda h: attn(h, mask=self_mask, bias=self_bias, causal=causal,
@@ -200,9 +167,7 @@ class DecoderBlock(_BlockBase):
             cross = self._attention("cross_attn", rope=False)
             x = self._residual(
                 x, lambda h: cross(h, memory, mask=cross_mask, bias=cross_bias,
-                                   deterministic=deterministic),
+                                   deterministic=deterministic, decode=decode),
                 "norm2", "+ca", deterministic)
             mlp_norm = "norm3"
-        mlp = self._mlp()
-        return self._residual(x, lambda h: mlp(h, deterministic=deterministic), mlp_norm, "+mlp",
-                              deterministic)
+        return self._feed_forward(x, mlp_norm, deterministic)

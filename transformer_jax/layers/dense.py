@@ -6,10 +6,10 @@ Dtype policy (one rule for the whole library):
   * softmax, normalisation statistics and the logits fed to the loss are fp32.
 
 Dense layers flatten every leading axis into one before the matmul: ``(B, T, D) ->
-(B*T, D)``. XLA:CPU runs the weight-gradient contraction of a 2-D activation much faster
-than the same contraction over a 3-D one, and the flattening is free on GPU and TPU.
-Their weight, and the tied read-out's, passes through ``wide_gradient`` (below), which
-fixes the orientation the weight gradient is computed in.
+(B*T, D)``, a free reshape on every backend, after which the matmul and its weight
+gradient are plain 2-D products. Their weight, and the tied read-out's, passes through
+``cpu_tuning.matmul_weight`` (the orientation of the weight gradient on XLA:CPU; an
+identity elsewhere, or everywhere with ``cpu_tuning=False``).
 """
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ from typing import Any, Callable, Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+from .cpu_tuning import matmul_weight
 
 Array = jax.Array
 Dtype = Any
@@ -46,41 +48,6 @@ def _flat_init(init: Initializer, in_shape: tuple[int, ...], out_shape: tuple[in
     return f
 
 
-def _check_matrix(w: Array) -> None:
-    if w.ndim != 2:
-        raise ValueError(f"wide_gradient expects a 2-D matmul operand (K, N), got shape "
-                         f"{w.shape}; reshape the weight to (K, N) before passing it")
-
-
-@jax.custom_jvp
-def wide_gradient(w: Array) -> Array:
-    """Identity on the right operand ``w`` (K, N) of ``x @ w``; fixes its gradient's layout.
-
-    The weight gradient ``x^T g`` (contracting the B*T rows) is computed with its longer
-    axis last, (min(K, N), max(K, N)), then transposed when the parameter is stored the
-    other way: an FFN output kernel (F, D), or the tied read-out's (V, D) table, whose
-    operand here is its transpose (D, V). Left to itself XLA folds that transpose into the
-    dot and writes the tall result directly, which XLA:CPU's kernel does ~20% slower: the
-    (1536, 384) and (8192, 384) weight gradients ran at 146-157 GFLOP/s, the same products
-    as (384, 1536) and (384, 8192) at 177-197 GFLOP/s (2048 rows, measured here
-    2026-11-30). ``optimization_barrier`` keeps the dot and the transpose apart. The same
-    program runs on every backend; elsewhere the cost is at most one pass over a
-    weight-sized array. Values are unchanged, and tangents (forward mode) go through the
-    same identity.
-    """
-    _check_matrix(w)
-    return w
-
-
-@wide_gradient.defjvp
-def _wide_gradient_jvp(primals, tangents):
-    (w,), (t,) = primals, tangents
-    _check_matrix(w)
-    if t.shape[0] <= t.shape[1]:
-        return w, jax.lax.optimization_barrier(t)
-    return w, jax.lax.optimization_barrier(t.T).T
-
-
 class Dense(nn.Module):
     """``y = x @ W + b`` contracting the last ``in_axes`` axes of ``x`` into ``features``.
 
@@ -97,6 +64,7 @@ class Dense(nn.Module):
     kernel_init: Initializer = default_kernel_init
     bias_init: Initializer = nn.initializers.zeros_init()
     precision: Any = None
+    cpu_tuning: bool = True
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
@@ -114,7 +82,7 @@ class Dense(nn.Module):
         lead = x.shape[:-self.in_axes]
         x2 = x.reshape((-1, math.prod(in_shape))).astype(dtype)
         w2 = kernel.reshape((math.prod(in_shape), math.prod(features))).astype(dtype)
-        y = jnp.dot(x2, wide_gradient(w2), precision=self.precision)
+        y = jnp.dot(x2, matmul_weight(w2, self.cpu_tuning), precision=self.precision)
         if self.use_bias:
             bias = self.param(
                 "bias", nn.with_logical_partitioning(self.bias_init, axes[self.in_axes:]),
@@ -132,6 +100,7 @@ class Embed(nn.Module):
     param_dtype: Dtype = jnp.float32
     embedding_init: Initializer = nn.initializers.normal(stddev=0.02)
     precision: Any = None
+    cpu_tuning: bool = True
 
     def setup(self):
         self.embedding = self.param(
@@ -149,6 +118,6 @@ class Embed(nn.Module):
         dtype = canonical_dtype(self.dtype)
         lead = x.shape[:-1]
         x2 = x.reshape((-1, x.shape[-1])).astype(dtype)
-        table = wide_gradient(self.embedding.astype(dtype).T)                  # (D, V)
+        table = matmul_weight(self.embedding.astype(dtype).T, self.cpu_tuning)  # (D, V)
         logits = jnp.dot(x2, table, precision=self.precision, preferred_element_type=jnp.float32)
         return logits.reshape(lead + (self.num_embeddings,))

@@ -28,8 +28,9 @@ slices (``pl.ds``), ``lax.fori_loop`` and 2-D ``dot_general``, so one source tar
     one head are held in VMEM, S * H * itemsize * 4 bytes with double buffering);
   * CPU (and any other backend): ``interpret=True`` (chosen automatically), which runs the
     kernels as plain XLA loops; exact but slow, for tests.
-This repository's tests run the kernels in interpret mode only; GPU/TPU compilation is
-exercised by ``benchmarks/gpu_check.py`` where such a device is available.
+The tests run the kernels in interpret mode and lower them for TPU (Mosaic) and GPU
+(Triton) from the CPU host; ``benchmarks/gpu_check.py`` compiles and times them where a
+GPU is available.
 
 Not supported (a clear ``ValueError`` names the alternative): attention dropout and
 returning the weights (use ``"xla"``, or ``"chunked"`` for dropout). Lengths that are not
@@ -47,7 +48,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from .attention import _NEG, _check_broadcast, _check_qkv, _fill_empty_rows
+from .attention_base import NEG, check_broadcast, check_qkv, fill_empty_rows, pad_axis
 
 Array = jax.Array
 
@@ -148,7 +149,7 @@ def _scores(st: _Static, q, k, q_start, k_start, bias_blk, mask_blk):
     if mask_blk is not None:
         allowed = (mask_blk != 0) if allowed is None else allowed & (mask_blk != 0)
     if allowed is not None:
-        s = jnp.where(allowed, s, _NEG)
+        s = jnp.where(allowed, s, NEG)
     return s, allowed, key_ok
 
 
@@ -197,7 +198,7 @@ def _fwd_kernel(*refs, st: _Static, has_bias: bool, has_mask: bool):
         return acc, m_new, l
 
     hv = r["o"].shape[-1]
-    init = (jnp.zeros((bq, hv), jnp.float32), jnp.full((bq, 1), _NEG, jnp.float32),
+    init = (jnp.zeros((bq, hv), jnp.float32), jnp.full((bq, 1), NEG, jnp.float32),
             jnp.zeros((bq, 1), jnp.float32))
     acc, m, l = lax.fori_loop(0, _kv_blocks(st, i, bq, bk), body, init)
     r["o"][...] = (acc / l).astype(r["o"].dtype)
@@ -411,12 +412,7 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 # ----------------------------------------------------------------------------- public
 
 def _pad_to(x: Array, axis: int, size: int, value=0) -> Array:
-    extra = size - x.shape[axis]
-    if extra <= 0:
-        return x
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, extra)
-    return jnp.pad(x, pad, constant_values=value)
+    return pad_axis(x, axis, size, value, keep_broadcast=False)
 
 
 def _prepare_aux(x: Array | None, t: int, s: int, tp: int, sp: int, dtype) -> Array | None:
@@ -432,7 +428,8 @@ def _prepare_aux(x: Array | None, t: int, s: int, tp: int, sp: int, dtype) -> Ar
 def flash_attention(query: Array, key: Array, value: Array, *, bias: Array | None = None,
                     mask: Array | None = None, causal: bool = False, scale: float | None = None,
                     block_sizes: BlockSizes | None = None, interpret: bool | None = None,
-                    num_warps: int | None = None, num_stages: int = 2) -> Array:
+                    platform: str | None = None, num_warps: int | None = None,
+                    num_stages: int = 2) -> Array:
     """Exact attention with Pallas kernels, same conventions as ``dot_product_attention``.
 
     Args:
@@ -443,17 +440,21 @@ def flash_attention(query: Array, key: Array, value: Array, *, bias: Array | Non
       block_sizes: ``BlockSizes``; default ``DEFAULT_BLOCK_SIZES`` of the platform, shrunk
         to the (power-of-two rounded) sequence lengths.
       interpret: run the kernels as XLA loops; default: on any backend but GPU/TPU.
+      platform: "tpu" (Mosaic), "gpu" (Triton) or "interpret"; default: from ``interpret``
+        and the default backend. A function lowered for another platform than the one it
+        runs on (``jax.jit(f).trace(...).lower(lowering_platforms=...)``) passes it.
       num_warps, num_stages: Triton launch parameters on GPU (default 4 warps for H <= 64,
         else 8; 2 stages).
 
     Returns: (B, T, N, Hv) in value's dtype.
     """
-    b, t, s, n, kh, h = _check_qkv(query, key, value)
+    b, t, s, n, kh, h = check_qkv(query, key, value)
     shape = (b, n, t, s)
-    mask = _check_broadcast(mask, "mask", shape)
-    bias = _check_broadcast(bias, "bias", shape)
-    interpret = default_interpret() if interpret is None else interpret
-    platform = "interpret" if interpret else jax.default_backend()
+    mask = check_broadcast(mask, "mask", shape)
+    bias = check_broadcast(bias, "bias", shape)
+    if platform is None:
+        interpret = default_interpret() if interpret is None else interpret
+        platform = "interpret" if interpret else jax.default_backend()
     if platform not in ("gpu", "tpu", "interpret"):
         raise ValueError(f"the Pallas attention kernels compile for GPU (Triton) and TPU "
                          f"(Mosaic) only; backend {platform!r} needs interpret=True (the "
@@ -483,5 +484,5 @@ def flash_attention(query: Array, key: Array, value: Array, *, bias: Array | Non
                  _prepare_aux(mask, t, s, tp, sp, jnp.int32), st)
     out = out[:, :, :t, :hv].transpose(0, 2, 1, 3).astype(value.dtype)
     if causal and mask is not None:
-        out = _fill_empty_rows(out, value, mask, t, s)
+        out = fill_empty_rows(out, value, mask, t, s)
     return out

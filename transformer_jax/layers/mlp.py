@@ -44,13 +44,15 @@ class FeedForward(nn.Module):
     kernel_init: Initializer = default_kernel_init
     out_kernel_init: Initializer | None = None
     precision: Any = None
+    cpu_tuning: bool = True
 
     @nn.compact
     def __call__(self, x: Array, *, deterministic: bool = True) -> Array:
         act = get_activation(self.activation)
         dense = lambda feats, axes, name, init=self.kernel_init: Dense(  # noqa: E731
             feats, use_bias=self.use_bias, kernel_axes=axes, dtype=self.dtype,
-            param_dtype=self.param_dtype, kernel_init=init, precision=self.precision, name=name)
+            param_dtype=self.param_dtype, kernel_init=init, precision=self.precision,
+            cpu_tuning=self.cpu_tuning, name=name)
         if self.gated:
             h = act(dense(self.mlp_dim, ("embed", "mlp"), "wi_0")(x)) * dense(self.mlp_dim, ("embed", "mlp"), "wi_1")(x)
         else:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import PresetConfig, stack_layers, unstack_layers
+from .base import PresetConfig
 from .bert import Bert, BertConfig
 from .gpt import GPT, GPTConfig
 from .t5 import T5, T5Config
@@ -39,5 +39,5 @@ def model_from_config(family: str, config: dict[str, Any]):
 
 
 __all__ = ["FAMILIES", "GPT", "GPTConfig", "PresetConfig", "build_model", "model_from_config",
-           "stack_layers", "unstack_layers", "ViT", "ViTConfig", "Bert", "BertConfig",
+           "ViT", "ViTConfig", "Bert", "BertConfig",
            "T5", "T5Config", "Transformer", "TransformerConfig"]

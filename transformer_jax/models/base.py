@@ -5,6 +5,10 @@ import dataclasses
 import difflib
 from typing import Any, ClassVar, TypeVar
 
+from ..layers.attention import IMPLEMENTATIONS
+from ..layers.dense import canonical_dtype
+from ..layers.stack import REMAT_POLICIES
+
 C = TypeVar("C", bound="PresetConfig")
 
 
@@ -46,8 +50,25 @@ class PresetConfig:
     # -- validation helpers for ``__post_init__`` (errors name ``Config.field``) ----------
     def _require_positive(self, *names: str) -> None:
         for name in names:
-            if getattr(self, name) < 1:
-                raise ValueError(f"{type(self).__name__}.{name} must be >= 1, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{type(self).__name__}.{name} must be an integer >= 1, got "
+                                 f"{value!r}")
+
+    def _require_divisible(self, name: str, by: str) -> None:
+        if getattr(self, name) % getattr(self, by):
+            raise ValueError(f"{type(self).__name__}: {name}={getattr(self, name)} is not divisible "
+                             f"by {by}={getattr(self, by)}")
+
+    def _require_model_settings(self) -> None:
+        """The fields every family shares: attention implementation, layer stack, dtypes."""
+        self._require_choice("attention_impl", IMPLEMENTATIONS)
+        self._require_choice("remat_policy", REMAT_POLICIES)
+        for name in ("dtype", "param_dtype"):
+            try:
+                canonical_dtype(getattr(self, name))
+            except ValueError as e:
+                raise ValueError(f"{type(self).__name__}.{name}: {e}") from None
 
     def _require_choice(self, name: str, choices, hint: str = "") -> None:
         value = getattr(self, name)
@@ -57,8 +78,10 @@ class PresetConfig:
 
     def _require_rates(self, *names: str) -> None:
         for name in names:
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"{type(self).__name__}.{name} must be in [0, 1), got {getattr(self, name)}")
+            value = getattr(self, name)
+            numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not numeric or not 0.0 <= value < 1.0:
+                raise ValueError(f"{type(self).__name__}.{name} must be in [0, 1), got {value!r}")
 
     def _require_token_ids(self, *names: str) -> None:
         for name in names:
@@ -90,31 +113,3 @@ class EncoderDecoderFlops:
     def flops_per_token(self, seq_len: int) -> float:
         """``flops_per_example(seq_len, seq_len)`` per token of the pair (2 seq_len tokens)."""
         return self.flops_per_example(seq_len, seq_len) / (2 * seq_len)
-
-
-def stack_layers(params: dict, num_layers: int, *, prefix: str = "h_", name: str = "h") -> dict:
-    """Unscanned ``{prefix}0 .. {prefix}{L-1}`` subtrees -> one ``name`` subtree with a leading (L,) axis."""
-    import jax
-    import jax.numpy as jnp
-
-    missing = [f"{prefix}{i}" for i in range(num_layers) if f"{prefix}{i}" not in params]
-    if missing:
-        raise KeyError(f"cannot stack layers: missing {missing}")
-    layers = [params[f"{prefix}{i}"] for i in range(num_layers)]
-    out = {k: v for k, v in params.items() if not (k.startswith(prefix) and k[len(prefix):].isdigit())}
-    out[name] = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *layers)
-    return out
-
-
-def unstack_layers(params: dict, *, prefix: str = "h_", name: str = "h") -> dict:
-    """Inverse of :func:`stack_layers`."""
-    import jax
-
-    if name not in params:
-        raise KeyError(f"cannot unstack layers: no {name!r} subtree in params")
-    stacked = params[name]
-    num_layers = jax.tree_util.tree_leaves(stacked)[0].shape[0]
-    out = {k: v for k, v in params.items() if k != name}
-    for i in range(num_layers):
-        out[f"{prefix}{i}"] = jax.tree_util.tree_map(lambda x: x[i], stacked)
-    return out

@@ -1,7 +1,7 @@
 """BERT: an encoder-only, post-norm Transformer with learned positions and segment embeddings.
 
-Read top to bottom: config and presets -> the layer adapter (scan/remat) -> the encoder
-(HF's ``BertModel``) -> the model with its heads.
+Read top to bottom: config and presets -> the encoder (HF's ``BertModel``) -> the model
+with its heads.
 
   input_ids (B, T), token_type_ids (B, T), attention_mask (B, T) (1 = real token)
     -> word (V, D) + position (P, D) + token-type (Y, D) embeddings -> LayerNorm -> dropout
@@ -56,6 +56,7 @@ from ..layers.dense import Dense, Embed, canonical_dtype
 from ..layers.masks import key_padding_mask
 from ..layers.mlp import ACTIVATIONS
 from ..layers.norms import LayerNorm
+from ..layers.stack import layer_stack
 from .base import PresetConfig
 
 Array = jax.Array
@@ -81,9 +82,11 @@ class BertConfig(PresetConfig):
     pad_token_id: int | None = 0         # see the module docstring
     head: str = "pretraining"            # one of HEADS
     num_classes: int = 2                 # "classification" head only
-    scan_layers: bool = False
-    remat: bool = False
-    attention_impl: str = "xla"
+    scan_layers: bool = False            # one scanned layer (compile time independent of depth)
+    remat: bool = False                  # recompute activations in the backward pass
+    remat_policy: str = "nothing_saveable"
+    attention_impl: str = "auto"         # layers.attention.IMPLEMENTATIONS
+    cpu_tuning: bool = True              # layers/cpu_tuning.py on XLA:CPU
     dtype: str = "float32"               # compute dtype
     param_dtype: str = "float32"
 
@@ -94,22 +97,19 @@ class BertConfig(PresetConfig):
     }
 
     def __post_init__(self):
-        if self.d_model % self.num_heads:
-            raise ValueError(f"BertConfig: d_model={self.d_model} is not divisible by "
-                             f"num_heads={self.num_heads}")
-        if self.head not in HEADS:
-            raise ValueError(f"BertConfig: unknown head {self.head!r}; choose one of {HEADS}")
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(f"BertConfig: unknown activation {self.activation!r}; choose one of "
-                             f"{sorted(ACTIVATIONS)}")
-        if self.num_classes < 1:
-            raise ValueError(f"BertConfig: num_classes must be >= 1, got {self.num_classes}")
-        if self.type_vocab_size < 1:
-            raise ValueError(f"BertConfig: type_vocab_size must be >= 1, got {self.type_vocab_size}")
-        if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:
-            raise ValueError(f"BertConfig: pad_token_id={self.pad_token_id} is outside the "
-                             f"vocabulary [0, {self.vocab_size}); set it inside or to None")
-        canonical_dtype(self.dtype), canonical_dtype(self.param_dtype)
+        self._require_positive("vocab_size", "max_len", "type_vocab_size", "num_layers",
+                               "num_heads", "d_model", "num_classes")
+        self._require_divisible("d_model", "num_heads")
+        if self.mlp_dim is not None:
+            self._require_positive("mlp_dim")
+        self._require_choice("head", HEADS)
+        self._require_choice("activation", ACTIVATIONS)
+        self._require_rates("dropout_rate", "attention_dropout_rate")
+        if self.classifier_dropout_rate is not None:
+            self._require_rates("classifier_dropout_rate")
+        if self.pad_token_id is not None:
+            self._require_token_ids("pad_token_id")
+        self._require_model_settings()
 
     @property
     def mlp_features(self) -> int:
@@ -160,17 +160,6 @@ class BertConfig(PresetConfig):
 
 # ----------------------------------------------------------------------------- layers
 
-class BertLayer(EncoderBlock):
-    """A post-norm encoder block whose static flag is a field, so it can be scanned/rematted."""
-    deterministic: bool = True
-    scanned: bool = False
-
-    @nn.compact
-    def __call__(self, x: Array, mask: Array | None):
-        y = self.forward(x, mask, deterministic=self.deterministic)
-        return (y, None) if self.scanned else y
-
-
 def _embedding_init(stddev: float, pad_id: int | None):
     """normal(stddev), with the pad row zeroed as torch's ``padding_idx`` does."""
     normal = nn.initializers.normal(stddev)
@@ -195,7 +184,8 @@ class BertEncoder(nn.Module):
         self.word_embeddings = Embed(
             cfg.vocab_size, cfg.d_model, dtype=canonical_dtype(cfg.dtype),
             param_dtype=canonical_dtype(cfg.param_dtype),
-            embedding_init=_embedding_init(cfg.initializer_range, cfg.pad_token_id))
+            embedding_init=_embedding_init(cfg.initializer_range, cfg.pad_token_id),
+            cpu_tuning=cfg.cpu_tuning)
 
     def attend(self, x: Array) -> Array:
         """(B, T, D) -> (B, T, V) fp32 logits through the word-embedding table."""
@@ -239,24 +229,15 @@ class BertEncoder(nn.Module):
         x = nn.with_logical_constraint(x, ("act_batch", "act_length", "act_embed"))
 
         mask = None if attention_mask is None else key_padding_mask(attention_mask)   # (B, 1, 1, T)
-        layer_kwargs = dict(
+        fields = dict(
             num_heads=cfg.num_heads, mlp_dim=cfg.mlp_features, activation=cfg.activation,
             pre_norm=False, norm="layernorm", norm_eps=cfg.norm_eps, use_bias=True,
             dropout_rate=cfg.dropout_rate, attention_dropout_rate=cfg.attention_dropout_rate,
             attention_impl=cfg.attention_impl, dtype=dtype, param_dtype=param_dtype,
-            kernel_init=init, deterministic=deterministic)
-        layer_cls = BertLayer
-        if cfg.remat:
-            layer_cls = nn.remat(layer_cls, prevent_cse=not cfg.scan_layers)
-        if cfg.scan_layers:
-            stack = nn.scan(layer_cls, variable_axes={"params": 0, "intermediates": 0},
-                            split_rngs={"params": True, "dropout": True},
-                            in_axes=nn.broadcast, length=cfg.num_layers,
-                            metadata_params={nn.PARTITION_NAME: "layers"})
-            x, _ = stack(**layer_kwargs, scanned=True, name="layer")(x, mask)
-        else:
-            for i in range(cfg.num_layers):
-                x = layer_cls(**layer_kwargs, name=f"layer_{i}")(x, mask)
+            kernel_init=init, cpu_tuning=cfg.cpu_tuning)
+        x = layer_stack(EncoderBlock, fields, cfg.num_layers, x, name="layer",
+                        operands={"mask": mask}, static={"deterministic": deterministic},
+                        scan=cfg.scan_layers, remat=cfg.remat, remat_policy=cfg.remat_policy)
 
         pooled = None
         if self.add_pooling_layer:

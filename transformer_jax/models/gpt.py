@@ -1,6 +1,6 @@
 """GPT: a decoder-only Transformer (GPT-2 layout), with KV-cache decoding.
 
-Read top to bottom: config and presets -> the layer adapter (scan/remat) -> the model.
+Read top to bottom: config and presets -> the model.
 
   tokens (B, T) -> wte (B, T, D) + wpe (T, D) -> dropout
     -> L x pre-norm DecoderBlock (causal self-attention, MLP; no cross-attention)
@@ -24,7 +24,9 @@ import jax.numpy as jnp
 from ..layers.blocks import DecoderBlock
 from ..layers.dense import Dense, Embed, canonical_dtype
 from ..layers.masks import key_padding_mask
+from ..layers.mlp import ACTIVATIONS
 from ..layers.norms import make_norm
+from ..layers.stack import layer_stack
 from .base import PresetConfig
 
 Array = jax.Array
@@ -50,9 +52,11 @@ class GPTConfig(PresetConfig):
     dropout_rate: float = 0.1            # embedding and residual dropout
     attention_dropout_rate: float = 0.1
     initializer_range: float = 0.02
-    scan_layers: bool = False
-    remat: bool = False
-    attention_impl: str = "xla"
+    scan_layers: bool = False            # one scanned layer (compile time independent of depth)
+    remat: bool = False                  # recompute activations in the backward pass
+    remat_policy: str = "nothing_saveable"
+    attention_impl: str = "auto"         # layers.attention.IMPLEMENTATIONS
+    cpu_tuning: bool = True              # layers/cpu_tuning.py on XLA:CPU
     dtype: str = "float32"               # compute dtype
     param_dtype: str = "float32"
 
@@ -65,15 +69,18 @@ class GPTConfig(PresetConfig):
     }
 
     def __post_init__(self):
-        if self.d_model % self.num_heads:
-            raise ValueError(f"GPTConfig: d_model={self.d_model} is not divisible by "
-                             f"num_heads={self.num_heads}")
-        if self.num_kv_heads is not None and self.num_heads % self.num_kv_heads:
-            raise ValueError(f"GPTConfig: num_heads={self.num_heads} must be a multiple of "
-                             f"num_kv_heads={self.num_kv_heads}")
-        if self.position not in ("learned", "rope"):
-            raise ValueError(f"GPTConfig: position must be 'learned' or 'rope', got {self.position!r}")
-        canonical_dtype(self.dtype), canonical_dtype(self.param_dtype)
+        self._require_positive("vocab_size", "max_len", "num_layers", "num_heads", "d_model")
+        self._require_divisible("d_model", "num_heads")
+        if self.num_kv_heads is not None:
+            self._require_positive("num_kv_heads")
+            self._require_divisible("num_heads", "num_kv_heads")
+        if self.mlp_dim is not None:
+            self._require_positive("mlp_dim")
+        self._require_choice("activation", ACTIVATIONS)
+        self._require_choice("norm", ("layernorm", "rmsnorm"))
+        self._require_choice("position", ("learned", "rope"))
+        self._require_rates("dropout_rate", "attention_dropout_rate")
+        self._require_model_settings()
 
     @property
     def mlp_features(self) -> int:
@@ -105,19 +112,6 @@ class GPTConfig(PresetConfig):
         """
         n = self.num_params() - (self.max_len * self.d_model if self.position == "learned" else 0)
         return 6 * n + 12 * self.num_layers * self.d_model * seq_len
-
-
-class GPTLayer(DecoderBlock):
-    """A GPT block whose static flags are fields, so it can be scanned and rematerialised."""
-    deterministic: bool = True
-    decode: bool = False
-    scanned: bool = False
-
-    @nn.compact
-    def __call__(self, x: Array, mask: Array | None, positions: Array | None):
-        y = self.forward(x, self_mask=mask, positions=positions, causal=True,
-                         deterministic=self.deterministic, decode=self.decode)
-        return (y, None) if self.scanned else y
 
 
 class GPT(nn.Module):
@@ -161,7 +155,7 @@ class GPT(nn.Module):
         position_ids = jnp.broadcast_to(position_ids, (b, t))
 
         wte = Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=param_dtype,
-                    embedding_init=init, name="wte")
+                    embedding_init=init, cpu_tuning=cfg.cpu_tuning, name="wte")
         x = wte(input_ids)
         if cfg.position == "learned":
             wpe = Embed(cfg.max_len, cfg.d_model, embedding_axes=(None, "embed"), dtype=dtype,
@@ -180,32 +174,25 @@ class GPT(nn.Module):
         mask = pad        # the causal part: causal=True in the layers (block-skipping kernels)
         rope_positions = position_ids if cfg.position == "rope" else None
 
-        layer_kwargs = dict(
+        fields = dict(
             num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, mlp_dim=cfg.mlp_features,
             activation=cfg.activation, gated_mlp=cfg.gated_mlp, pre_norm=True, norm=cfg.norm,
             norm_eps=cfg.norm_eps, use_bias=cfg.use_bias, dropout_rate=cfg.dropout_rate,
             attention_dropout_rate=cfg.attention_dropout_rate, attention_impl=cfg.attention_impl,
             rope_base=cfg.rope_base if cfg.position == "rope" else None, dtype=dtype,
             param_dtype=param_dtype, kernel_init=init, out_kernel_init=out_init,
-            cross_attention=False, deterministic=deterministic, decode=decode)
-        layer_cls = GPTLayer
-        if cfg.remat:
-            layer_cls = nn.remat(layer_cls, prevent_cse=not cfg.scan_layers)
-        if cfg.scan_layers:
-            stack = nn.scan(layer_cls, variable_axes={"params": 0, "cache": 0, "intermediates": 0},
-                            split_rngs={"params": True, "dropout": True},
-                            in_axes=(nn.broadcast, nn.broadcast), length=cfg.num_layers,
-                            metadata_params={nn.PARTITION_NAME: "layers"})
-            x, _ = stack(**layer_kwargs, scanned=True, name="h")(x, mask, rope_positions)
-        else:
-            for i in range(cfg.num_layers):
-                x = layer_cls(**layer_kwargs, name=f"h_{i}")(x, mask, rope_positions)
+            cpu_tuning=cfg.cpu_tuning, cross_attention=False)
+        x = layer_stack(DecoderBlock, fields, cfg.num_layers, x, name="h",
+                        operands={"self_mask": mask, "positions": rope_positions},
+                        static={"causal": True, "deterministic": deterministic, "decode": decode},
+                        scan=cfg.scan_layers, remat=cfg.remat, remat_policy=cfg.remat_policy)
 
         x = make_norm(cfg.norm, cfg.norm_eps, dtype, param_dtype, name="ln_f")(x)
         if cfg.tie_embeddings:
             return wte.attend(x)
         head = Dense(cfg.vocab_size, use_bias=False, kernel_axes=("embed", "vocab"), dtype=dtype,
-                     param_dtype=param_dtype, kernel_init=init, name="lm_head")
+                     param_dtype=param_dtype, kernel_init=init, cpu_tuning=cfg.cpu_tuning,
+                     name="lm_head")
         return head(x).astype(jnp.float32)
 
 

@@ -1,7 +1,8 @@
 """T5: the text-to-text encoder-decoder (v1.0 and v1.1), with KV-cache decoding.
 
-Read top to bottom: config and presets -> attention (no 1/sqrt(H) scaling, cached
-cross-attention) -> block -> stack (relative position bias) -> model.
+Read top to bottom: config and presets -> stack (relative position bias, the shared
+pre-norm blocks) -> model. The blocks are ``layers.EncoderBlock``/``DecoderBlock`` with
+RMSNorm, no biases and an attention scale of 1; they keep the KV caches.
 
   input_ids (B, S) -> shared (B, S, D) -> dropout
     -> L_enc x pre-norm block (self-attention + FF) -> RMSNorm -> dropout  = encoded (B, S, D)
@@ -29,14 +30,16 @@ Parameter names: ``shared/embedding`` (V, D); ``encoder`` and ``decoder`` stacks
 ``relative_attention_bias`` (R, N), ``layers_{i}`` (``norm1``, ``self_attn{query,key,value,
 out}``, [decoder: ``norm2``, ``cross_attn``], ``norm2``|``norm3``, ``mlp{wi|wi_0,wi_1,wo}``)
 and ``final_norm``; ``lm_head/kernel`` (D, V) when untied. Attention kernels: query/key/value
-(D, N, H), out (N, H, D) with H = ``head_dim`` (HF's ``d_kv``; N H need not equal D).
+(D, N, H), out (N, H, D) with H = ``head_dim`` (HF's ``d_kv``; N H need not equal D). With
+``scan_layers=True`` each stack's layers are one module ``layers`` whose parameters carry a
+leading (L,) axis.
 
-KV cache (``decode=True`` on ``decode``): self-attention keys/values of shape
-(B, L, N, H) are appended step by step; cross-attention keys/values are computed from the
-encoder output once, when the cache is created, and reused. Create the cache by calling
-``decode`` with ``decode=True`` on decoder inputs of the full length L and ``mutable=
-['cache']`` (see ``transformer_jax.beam_search``); each later call appends its tokens, and the
-decoder position bias uses the absolute query position (the number of cached tokens).
+KV cache (``decode=True`` on ``decode``): self-attention keys/values are appended step by
+step; cross-attention keys/values are computed from the encoder output once, when the
+cache is created, and reused. Create the cache by calling ``decode`` with ``decode=True``
+on decoder inputs of the full length L and ``mutable=['cache']`` (see
+``transformer_jax.beam_search``); each later call appends its tokens, and the decoder
+position bias uses the absolute query position (the number of cached tokens).
 """
 from __future__ import annotations
 
@@ -47,12 +50,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from ..layers.attention import IMPLEMENTATIONS, dot_product_attention
+from ..layers.blocks import DecoderBlock, EncoderBlock
 from ..layers.dense import Dense, Embed, canonical_dtype
-from ..layers.masks import causal_mask, combine_masks, key_padding_mask
-from ..layers.mlp import ACTIVATIONS, FeedForward
+from ..layers.masks import key_padding_mask
+from ..layers.mlp import ACTIVATIONS
 from ..layers.norms import RMSNorm
 from ..layers.relative import relative_position_bias
+from ..layers.stack import layer_stack
 from .base import EncoderDecoderFlops, PresetConfig
 
 Array = jax.Array
@@ -64,7 +68,7 @@ class T5Config(EncoderDecoderFlops, PresetConfig):
     d_model: int = 512
     num_heads: int = 8
     head_dim: int = 64                          # HF d_kv
-    mlp_dim: int = 2048                         # HF d_ff
+    mlp_dim: int | None = None                  # HF d_ff; default 4 * d_model
     num_layers: int = 6                         # encoder layers
     num_decoder_layers: int | None = None       # default: num_layers
     relative_attention_num_buckets: int = 32
@@ -78,8 +82,12 @@ class T5Config(EncoderDecoderFlops, PresetConfig):
     pad_token_id: int = 0
     eos_token_id: int = 1
     decoder_start_token_id: int = 0
-    initializer_factor: float = 1.0
-    attention_impl: str = "xla"
+    initializer_factor: float = 1.0             # multiplies every init std (HF's meaning)
+    scan_layers: bool = False                   # one scanned layer per stack
+    remat: bool = False                         # recompute activations in the backward pass
+    remat_policy: str = "nothing_saveable"
+    attention_impl: str = "auto"                # layers.attention.IMPLEMENTATIONS
+    cpu_tuning: bool = True                     # layers/cpu_tuning.py on XLA:CPU
     dtype: str = "float32"                      # compute dtype
     param_dtype: str = "float32"
 
@@ -99,10 +107,10 @@ class T5Config(EncoderDecoderFlops, PresetConfig):
     }
 
     def __post_init__(self):
-        self._require_positive("vocab_size", "d_model", "num_heads", "head_dim", "mlp_dim", "num_layers")
-        if self.num_decoder_layers is not None and self.num_decoder_layers < 1:
-            raise ValueError(f"T5Config.num_decoder_layers must be >= 1 (or None = num_layers), "
-                             f"got {self.num_decoder_layers}")
+        self._require_positive("vocab_size", "d_model", "num_heads", "head_dim", "num_layers")
+        for name in ("mlp_dim", "num_decoder_layers"):     # None: the default
+            if getattr(self, name) is not None:
+                self._require_positive(name)
         r = self.relative_attention_num_buckets
         if r < 4 or r % 2:
             raise ValueError(f"T5Config.relative_attention_num_buckets must be even and >= 4 (half "
@@ -114,13 +122,16 @@ class T5Config(EncoderDecoderFlops, PresetConfig):
         self._require_choice("activation", ACTIVATIONS,
                              " (v1.0: 'relu'; v1.1: 'gelu_tanh' with gated_mlp=True)")
         self._require_rates("dropout_rate")
-        self._require_choice("attention_impl", IMPLEMENTATIONS)
         self._require_token_ids("pad_token_id", "eos_token_id", "decoder_start_token_id")
-        canonical_dtype(self.dtype), canonical_dtype(self.param_dtype)
+        self._require_model_settings()
 
     @property
     def decoder_layers(self) -> int:
         return self.num_layers if self.num_decoder_layers is None else self.num_decoder_layers
+
+    @property
+    def mlp_features(self) -> int:
+        return self.mlp_dim or 4 * self.d_model
 
     @property
     def inner_dim(self) -> int:
@@ -132,7 +143,7 @@ class T5Config(EncoderDecoderFlops, PresetConfig):
         return self.tie_embeddings if self.scale_decoder_output is None else self.scale_decoder_output
 
     def _layer_params(self) -> tuple[int, int]:
-        d, i, f = self.d_model, self.inner_dim, self.mlp_dim
+        d, i, f = self.d_model, self.inner_dim, self.mlp_features
         attn = 4 * d * i
         mlp = (2 if self.gated_mlp else 1) * d * f + f * d
         return attn + mlp + 2 * d, 2 * attn + mlp + 3 * d
@@ -149,128 +160,24 @@ class T5Config(EncoderDecoderFlops, PresetConfig):
         return total + self.vocab_size * self.d_model + head
 
 
-# ----------------------------------------------------------------------------- attention
-
-class T5Attention(nn.Module):
-    """T5 attention: no biases, no 1/sqrt(H) scaling, an additive position bias.
-
-    Self-attention when ``memory`` is None, cross-attention over ``memory`` otherwise.
-    ``decode=True`` keeps a cache (``cached_key``/``cached_value`` and ``cache_index`` for
-    self-attention; ``cached_key``/``cached_value`` of the encoder output for
-    cross-attention, computed when the cache is created).
-    """
-    num_heads: int
-    head_dim: int
-    dropout_rate: float = 0.0
-    implementation: str = "xla"
-    dtype: Any = jnp.float32
-    param_dtype: Any = jnp.float32
-    query_init: Any = nn.initializers.normal(1.0)
-    kv_init: Any = nn.initializers.normal(1.0)
-    out_init: Any = nn.initializers.normal(1.0)
-
-    def _dense(self, name: str, init) -> Dense:
-        return Dense((self.num_heads, self.head_dim), use_bias=False,
-                     kernel_axes=("embed", "heads", "head_dim"), dtype=self.dtype,
-                     param_dtype=self.param_dtype, kernel_init=init, name=name)
-
-    @nn.compact
-    def __call__(self, x: Array, memory: Array | None = None, *, mask: Array | None = None,
-                 bias: Array | None = None, causal: bool = False, deterministic: bool = True,
-                 decode: bool = False) -> Array:
-        """x (B, T, D), memory (B, S, D) -> (B, T, D)."""
-        q = self._dense("query", self.query_init)(x)                               # (B, T, N, H)
-        if memory is None:
-            k = self._dense("key", self.kv_init)(x)                                # (B, T, N, H)
-            v = self._dense("value", self.kv_init)(x)
-            if decode:
-                cached = self.has_variable("cache", "cached_key")
-                ck = self.variable("cache", "cached_key", jnp.zeros, k.shape, k.dtype)
-                cv = self.variable("cache", "cached_value", jnp.zeros, v.shape, v.dtype)
-                index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
-                if cached:   # append T positions and attend over the filled part of the cache
-                    idx, t = index.value, q.shape[1]
-                    k = jax.lax.dynamic_update_slice(ck.value, k.astype(ck.value.dtype), (0, idx, 0, 0))
-                    v = jax.lax.dynamic_update_slice(cv.value, v.astype(cv.value.dtype), (0, idx, 0, 0))
-                    ck.value, cv.value, index.value = k, v, idx + t
-                    mask = combine_masks(mask, causal_mask(t, k.shape[1], offset=idx) if causal
-                                         else (jnp.arange(k.shape[1]) < idx + t)[None, None, None])
-                    causal = False
-        elif decode:
-            if self.has_variable("cache", "cached_key"):
-                k = self.get_variable("cache", "cached_key")
-                v = self.get_variable("cache", "cached_value")
-            else:
-                k = self._dense("key", self.kv_init)(memory)                       # (B, S, N, H)
-                v = self._dense("value", self.kv_init)(memory)
-                self.put_variable("cache", "cached_key", k)
-                self.put_variable("cache", "cached_value", v)
-        else:
-            k = self._dense("key", self.kv_init)(memory)                           # (B, S, N, H)
-            v = self._dense("value", self.kv_init)(memory)
-
-        dropout_rng = None
-        if not deterministic and self.dropout_rate > 0.0:
-            dropout_rng = self.make_rng("dropout")
-        out = dot_product_attention(q, k, v, mask=mask, bias=bias, causal=causal, scale=1.0,
-                                    dropout_rate=self.dropout_rate, dropout_rng=dropout_rng,
-                                    deterministic=deterministic, implementation=self.implementation)
-        out = nn.with_logical_constraint(out, ("act_batch", "act_length", "act_heads", "act_head_dim"))
-        return Dense(x.shape[-1], in_axes=2, use_bias=False, kernel_axes=("heads", "head_dim", "embed"),
-                     dtype=self.dtype, param_dtype=self.param_dtype, kernel_init=self.out_init,
-                     name="out")(out)
-
-
-# ----------------------------------------------------------------------------- block
-
-class T5Block(nn.Module):
-    """Pre-norm T5 layer: self-attention [+ cross-attention] + feed-forward, RMSNorm, no biases.
-
-    Sows ``+sa``, ``+ca``, ``+mlp`` into ``intermediates`` like the library's blocks.
-    """
-    config: T5Config
-    is_decoder: bool = False
-
-    @nn.compact
-    def __call__(self, x: Array, mask: Array | None, bias: Array | None,
-                 memory: Array | None = None, memory_mask: Array | None = None, *,
-                 deterministic: bool = True, decode: bool = False) -> Array:
-        cfg = self.config
-        dtype, param_dtype = canonical_dtype(cfg.dtype), canonical_dtype(cfg.param_dtype)
-        f, d, h = cfg.initializer_factor, cfg.d_model, cfg.head_dim
-        norm = lambda name: RMSNorm(eps=cfg.norm_eps, dtype=dtype, param_dtype=param_dtype,  # noqa: E731
-                                    name=name)
-        attention = lambda name: T5Attention(  # noqa: E731
-            num_heads=cfg.num_heads, head_dim=h, dropout_rate=cfg.dropout_rate,
-            implementation=cfg.attention_impl, dtype=dtype, param_dtype=param_dtype,
-            query_init=nn.initializers.normal(f * (d * h) ** -0.5),
-            kv_init=nn.initializers.normal(f * d ** -0.5),
-            out_init=nn.initializers.normal(f * cfg.inner_dim ** -0.5), name=name)
-        drop = lambda y: nn.Dropout(cfg.dropout_rate)(y, deterministic=deterministic)  # noqa: E731
-
-        y = attention("self_attn")(norm("norm1")(x), mask=mask, bias=bias, causal=self.is_decoder,
-                                   deterministic=deterministic, decode=decode)
-        x = x + drop(y)
-        self.sow("intermediates", "+sa", x)
-        mlp_norm = "norm2"
-        if self.is_decoder:
-            y = attention("cross_attn")(norm("norm2")(x), memory, mask=memory_mask,
-                                        deterministic=deterministic, decode=decode)
-            x = x + drop(y)
-            self.sow("intermediates", "+ca", x)
-            mlp_norm = "norm3"
-        y = FeedForward(mlp_dim=cfg.mlp_dim, activation=cfg.activation, gated=cfg.gated_mlp,
-                        use_bias=False, dropout_rate=cfg.dropout_rate, dtype=dtype,
-                        param_dtype=param_dtype, kernel_init=nn.initializers.normal(f * d ** -0.5),
-                        out_kernel_init=nn.initializers.normal(f * cfg.mlp_dim ** -0.5),
-                        name="mlp")(norm(mlp_norm)(x), deterministic=deterministic)
-        x = x + drop(y)
-        x = nn.with_logical_constraint(x, ("act_batch", "act_length", "act_embed"))
-        self.sow("intermediates", "+mlp", x)
-        return x
-
-
 # ----------------------------------------------------------------------------- stack
+
+def block_fields(cfg: T5Config) -> dict[str, Any]:
+    """The shared blocks' fields for T5: pre-norm RMSNorm, no biases, attention scale 1 (T5
+    folds 1/sqrt(H) into the query initialisation), dropout everywhere, HF's init stds."""
+    f, d = cfg.initializer_factor, cfg.d_model
+    normal = nn.initializers.normal
+    return dict(
+        num_heads=cfg.num_heads, head_dim=cfg.head_dim, mlp_dim=cfg.mlp_features,
+        activation=cfg.activation, gated_mlp=cfg.gated_mlp, pre_norm=True, norm="rmsnorm",
+        norm_eps=cfg.norm_eps, use_bias=False, norm_bias=False, dropout_rate=cfg.dropout_rate,
+        attention_dropout_rate=cfg.dropout_rate, mlp_dropout_rate=cfg.dropout_rate,
+        attention_impl=cfg.attention_impl, attention_scale=1.0,
+        dtype=canonical_dtype(cfg.dtype), param_dtype=canonical_dtype(cfg.param_dtype),
+        kernel_init=normal(f * d ** -0.5), query_kernel_init=normal(f * (d * cfg.head_dim) ** -0.5),
+        out_kernel_init=normal(f * cfg.inner_dim ** -0.5),
+        mlp_out_kernel_init=normal(f * cfg.mlp_features ** -0.5), cpu_tuning=cfg.cpu_tuning)
+
 
 class T5Stack(nn.Module):
     """The encoder (``is_decoder=False``) or decoder stack, from embeddings to the final norm."""
@@ -279,21 +186,18 @@ class T5Stack(nn.Module):
 
     def _cached_length(self) -> int:
         """L of the decoder's self-attention cache (static: read from the cache's shape)."""
-        return self.variables["cache"]["layers_0"]["self_attn"]["cached_key"].shape[1]
+        cache = self.variables["cache"]
+        layer = cache["layers"] if self.config.scan_layers else cache["layers_0"]
+        return layer["self_attn"]["cached_key"].shape[-3]               # (..., L, N, H)
 
-    @nn.compact
-    def __call__(self, x: Array, mask: Array | None = None, memory: Array | None = None,
-                 memory_mask: Array | None = None, *, deterministic: bool = True,
-                 decode: bool = False) -> Array:
-        """x (B, T, D) embeddings; mask (B|1, 1, T|1, T) bool; memory (B, S, D) -> (B, T, D)."""
+    def _position_bias(self, t: int, decode: bool) -> Array:
+        """The relative position bias (1, N, T, S), computed once and shared by every layer."""
         cfg = self.config
-        dtype, param_dtype = canonical_dtype(cfg.dtype), canonical_dtype(cfg.param_dtype)
         table = self.param(
             "relative_attention_bias",
             nn.with_logical_partitioning(
                 nn.initializers.normal(cfg.initializer_factor * cfg.d_model ** -0.5), (None, "heads")),
-            (cfg.relative_attention_num_buckets, cfg.num_heads), param_dtype)
-        t = x.shape[1]
+            (cfg.relative_attention_num_buckets, cfg.num_heads), canonical_dtype(cfg.param_dtype))
         q_offset, k_len = 0, t
         if decode:
             if not self.is_decoder:
@@ -303,16 +207,31 @@ class T5Stack(nn.Module):
             if started:
                 q_offset, k_len = index.value, self._cached_length()
                 index.value = index.value + t
-        # The position bias, computed once and shared by every layer (T5's first-layer table).
-        bias = relative_position_bias(table, t, k_len, bidirectional=not self.is_decoder,
+        return relative_position_bias(table, t, k_len, bidirectional=not self.is_decoder,
                                       max_distance=cfg.relative_attention_max_distance,
-                                      q_offset=q_offset)                           # (1, N, T, K)
+                                      q_offset=q_offset)
+
+    @nn.compact
+    def __call__(self, x: Array, mask: Array | None = None, memory: Array | None = None,
+                 memory_mask: Array | None = None, *, deterministic: bool = True,
+                 decode: bool = False) -> Array:
+        """x (B, T, D) embeddings; mask (B|1, 1, T|1, T) bool; memory (B, S, D) -> (B, T, D)."""
+        cfg = self.config
+        bias = self._position_bias(x.shape[1], decode)
         x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
-        layers = cfg.decoder_layers if self.is_decoder else cfg.num_layers
-        for i in range(layers):
-            x = T5Block(cfg, is_decoder=self.is_decoder, name=f"layers_{i}")(
-                x, mask, bias, memory, memory_mask, deterministic=deterministic, decode=decode)
-        x = RMSNorm(eps=cfg.norm_eps, dtype=dtype, param_dtype=param_dtype, name="final_norm")(x)
+        stack = dict(scan=cfg.scan_layers, remat=cfg.remat, remat_policy=cfg.remat_policy)
+        if self.is_decoder:
+            x = layer_stack(DecoderBlock, block_fields(cfg), cfg.decoder_layers, x, name="layers",
+                            operands={"memory": memory, "self_mask": mask,
+                                      "cross_mask": memory_mask, "self_bias": bias},
+                            static={"causal": True, "deterministic": deterministic,
+                                    "decode": decode}, **stack)
+        else:
+            x = layer_stack(EncoderBlock, block_fields(cfg), cfg.num_layers, x, name="layers",
+                            operands={"mask": mask, "bias": bias},
+                            static={"deterministic": deterministic}, **stack)
+        x = RMSNorm(eps=cfg.norm_eps, dtype=canonical_dtype(cfg.dtype),
+                    param_dtype=canonical_dtype(cfg.param_dtype), name="final_norm")(x)
         return nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
 
 
@@ -350,13 +269,15 @@ class T5(nn.Module):
         cfg = self.config
         dtype, param_dtype = canonical_dtype(cfg.dtype), canonical_dtype(cfg.param_dtype)
         self.shared = Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=param_dtype,
-                            embedding_init=nn.initializers.normal(cfg.initializer_factor))
+                            embedding_init=nn.initializers.normal(cfg.initializer_factor),
+                            cpu_tuning=cfg.cpu_tuning)
         self.encoder = T5Stack(cfg, is_decoder=False)
         self.decoder = T5Stack(cfg, is_decoder=True)
         if not cfg.tie_embeddings:
             self.lm_head = Dense(cfg.vocab_size, use_bias=False, kernel_axes=("embed", "vocab"),
                                  dtype=dtype, param_dtype=param_dtype,
-                                 kernel_init=nn.initializers.normal(cfg.initializer_factor))
+                                 kernel_init=nn.initializers.normal(cfg.initializer_factor),
+                                 cpu_tuning=cfg.cpu_tuning)
 
     def __call__(self, input_ids: Array, decoder_input_ids: Array,
                  attention_mask: Array | None = None, decoder_attention_mask: Array | None = None,

@@ -2,9 +2,9 @@
 
 Read top to bottom: config and presets -> stack -> model.
 
-  src_ids (B, S) -> embed x sqrt(D) + PE[0:S] -> dropout
+  input_ids (B, S) -> embed x sqrt(D) + PE[0:S] -> dropout
     -> L_enc x post-norm EncoderBlock (self-attention, ReLU FF)          = encoded (B, S, D)
-  tgt_ids (B, T) -> embed x sqrt(D) + PE[0:T] -> dropout
+  decoder_input_ids (B, T) -> embed x sqrt(D) + PE[0:T] -> dropout
     -> L_dec x post-norm DecoderBlock (causal self-attention, cross-attention, ReLU FF)
     -> logits (B, T, V) = x @ embed^T (fp32)
 
@@ -18,7 +18,8 @@ projection, attention and FF-hidden dropout.
 
 Parameter names: ``embed/embedding`` (V, D); ``encoder/layers_{i}`` (``self_attn``
 {query,key,value,out}, ``norm1``, ``mlp``{wi,wo}, ``norm2``) and ``decoder/layers_{i}``
-(``self_attn``, ``norm1``, ``cross_attn``, ``norm2``, ``mlp``, ``norm3``) with biases;
+(``self_attn``, ``norm1``, ``cross_attn``, ``norm2``, ``mlp``, ``norm3``) with biases, or
+one scanned ``layers`` module per stack with ``scan_layers=True``;
 ``encoder/norm``, ``decoder/norm`` when ``final_norm``; ``lm_head/kernel`` when untied. The
 stacks' trees are those of :class:`~transformer_jax.interop.torch_modules.TorchTransformer`,
 so weights of a ``torch.nn.Transformer`` (``final_norm=True``, ``norm_eps=1e-5``) convert
@@ -32,7 +33,12 @@ With the paper's shared 37k BPE vocabulary: ``base`` 63,082,496 (the paper repor
 KV cache: ``decode(..., decode=True)`` appends decoder tokens to the self-attention cache
 (create it by a first call on inputs of the full length L with ``mutable=['cache']``; see
 ``transformer_jax.beam_search``); positions continue from the number of cached tokens.
-Cross-attention keys/values are recomputed from the encoder output at every step.
+Cross-attention keys/values are computed from the encoder output once, when the cache is
+created, and reused at every step.
+
+Inputs are named as in HF's encoder-decoders (``input_ids``, ``decoder_input_ids``,
+``attention_mask``, ``decoder_attention_mask``), in ``torch.nn.Transformer``'s order:
+source, target, source mask, target mask.
 """
 from __future__ import annotations
 
@@ -44,13 +50,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from ..layers.attention import IMPLEMENTATIONS
 from ..layers.blocks import DecoderBlock, EncoderBlock
 from ..layers.dense import Dense, Embed, canonical_dtype
 from ..layers.embeddings import sinusoidal_table
 from ..layers.masks import key_padding_mask
 from ..layers.mlp import ACTIVATIONS
 from ..layers.norms import LayerNorm
+from ..layers.stack import layer_stack
 from .base import EncoderDecoderFlops, PresetConfig
 
 Array = jax.Array
@@ -64,7 +70,7 @@ class TransformerConfig(EncoderDecoderFlops, PresetConfig):
     num_decoder_layers: int | None = None   # default: num_layers
     d_model: int = 512
     num_heads: int = 8
-    mlp_dim: int = 2048
+    mlp_dim: int | None = None              # default 4 * d_model
     activation: str = "relu"
     dropout_rate: float = 0.1               # embedding sums and sublayer outputs (P_drop)
     attention_dropout_rate: float = 0.0
@@ -76,7 +82,11 @@ class TransformerConfig(EncoderDecoderFlops, PresetConfig):
     pad_token_id: int = 0
     eos_token_id: int = 1
     decoder_start_token_id: int = 0
-    attention_impl: str = "xla"
+    scan_layers: bool = False               # one scanned layer per stack
+    remat: bool = False                     # recompute activations in the backward pass
+    remat_policy: str = "nothing_saveable"
+    attention_impl: str = "auto"            # layers.attention.IMPLEMENTATIONS
+    cpu_tuning: bool = True                 # layers/cpu_tuning.py on XLA:CPU
     dtype: str = "float32"
     param_dtype: str = "float32"
 
@@ -88,13 +98,11 @@ class TransformerConfig(EncoderDecoderFlops, PresetConfig):
     }
 
     def __post_init__(self):
-        self._require_positive("vocab_size", "max_len", "num_layers", "d_model", "num_heads", "mlp_dim")
-        if self.num_decoder_layers is not None and self.num_decoder_layers < 1:
-            raise ValueError(f"TransformerConfig.num_decoder_layers must be >= 1 (or None = "
-                             f"num_layers), got {self.num_decoder_layers}")
-        if self.d_model % self.num_heads:
-            raise ValueError(f"TransformerConfig: d_model={self.d_model} is not divisible by "
-                             f"num_heads={self.num_heads}")
+        self._require_positive("vocab_size", "max_len", "num_layers", "d_model", "num_heads")
+        for name in ("mlp_dim", "num_decoder_layers"):     # None: the default
+            if getattr(self, name) is not None:
+                self._require_positive(name)
+        self._require_divisible("d_model", "num_heads")
         if self.d_model % 2:
             raise ValueError(f"TransformerConfig: sinusoidal positions need an even d_model, "
                              f"got {self.d_model}")
@@ -103,9 +111,8 @@ class TransformerConfig(EncoderDecoderFlops, PresetConfig):
         if self.pre_norm and self.final_norm is False:
             raise ValueError("TransformerConfig: pre_norm=True needs final_norm (the residual "
                              "stream is never normalised otherwise); leave final_norm=None")
-        self._require_choice("attention_impl", IMPLEMENTATIONS)
         self._require_token_ids("pad_token_id", "eos_token_id", "decoder_start_token_id")
-        canonical_dtype(self.dtype), canonical_dtype(self.param_dtype)
+        self._require_model_settings()
 
     @property
     def decoder_layers(self) -> int:
@@ -119,8 +126,12 @@ class TransformerConfig(EncoderDecoderFlops, PresetConfig):
     def head_dim(self) -> int:
         return self.d_model // self.num_heads
 
+    @property
+    def mlp_features(self) -> int:
+        return self.mlp_dim or 4 * self.d_model
+
     def _layer_params(self) -> tuple[int, int]:
-        d, f = self.d_model, self.mlp_dim
+        d, f = self.d_model, self.mlp_features
         attn = 4 * (d * d + d)
         ff = d * f + f + f * d + d
         return attn + ff + 2 * 2 * d, 2 * attn + ff + 3 * 2 * d
@@ -168,20 +179,24 @@ class TransformerStack(nn.Module):
         x = (x.astype(jnp.float32) + pe).astype(dtype)
         x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
         x = nn.with_logical_constraint(x, ("act_batch", "act_length", "act_embed"))
-        block = dict(num_heads=cfg.num_heads, mlp_dim=cfg.mlp_dim, activation=cfg.activation,
-                     pre_norm=cfg.pre_norm, norm="layernorm", norm_eps=cfg.norm_eps, use_bias=True,
-                     dropout_rate=cfg.dropout_rate, attention_dropout_rate=cfg.attention_dropout_rate,
-                     mlp_dropout_rate=cfg.mlp_dropout_rate, attention_impl=cfg.attention_impl,
-                     dtype=dtype, param_dtype=param_dtype,
-                     kernel_init=nn.initializers.xavier_uniform())
+        fields = dict(num_heads=cfg.num_heads, mlp_dim=cfg.mlp_features,
+                      activation=cfg.activation, pre_norm=cfg.pre_norm, norm="layernorm",
+                      norm_eps=cfg.norm_eps, use_bias=True, dropout_rate=cfg.dropout_rate,
+                      attention_dropout_rate=cfg.attention_dropout_rate,
+                      mlp_dropout_rate=cfg.mlp_dropout_rate, attention_impl=cfg.attention_impl,
+                      dtype=dtype, param_dtype=param_dtype,
+                      kernel_init=nn.initializers.xavier_uniform(), cpu_tuning=cfg.cpu_tuning)
+        stack = dict(scan=cfg.scan_layers, remat=cfg.remat, remat_policy=cfg.remat_policy)
         if self.is_decoder:
-            for i in range(cfg.decoder_layers):
-                x = DecoderBlock(**block, name=f"layers_{i}")(
-                    x, memory, self_mask=mask, cross_mask=memory_mask, causal=True,
-                    deterministic=deterministic, decode=decode)
+            x = layer_stack(DecoderBlock, fields, cfg.decoder_layers, x, name="layers",
+                            operands={"memory": memory, "self_mask": mask,
+                                      "cross_mask": memory_mask},
+                            static={"causal": True, "deterministic": deterministic,
+                                    "decode": decode}, **stack)
         else:
-            for i in range(cfg.num_layers):
-                x = EncoderBlock(**block, name=f"layers_{i}")(x, mask, deterministic=deterministic)
+            x = layer_stack(EncoderBlock, fields, cfg.num_layers, x, name="layers",
+                            operands={"mask": mask}, static={"deterministic": deterministic},
+                            **stack)
         if cfg.has_final_norm:
             x = LayerNorm(eps=cfg.norm_eps, dtype=dtype, param_dtype=param_dtype, name="norm")(x)
         return x
@@ -209,11 +224,12 @@ def _padding(name: str, mask: Array | None, shape: tuple[int, ...]) -> Array | N
 
 
 class Transformer(nn.Module):
-    """``apply(variables, src_ids, tgt_ids, src_mask=None, tgt_mask=None)`` -> logits (B, T, V) fp32.
+    """``apply(variables, input_ids, decoder_input_ids, attention_mask=None,
+    decoder_attention_mask=None)`` -> logits (B, T, V) fp32.
 
     Masks are (B, S) / (B, T) validity (1 = real token, 0 = padding); None = no padding.
-    ``src_mask`` masks the encoder's self-attention and the decoder's cross-attention;
-    ``tgt_mask`` masks padded decoder keys (the causal mask is always applied).
+    ``attention_mask`` masks the encoder's self-attention and the decoder's cross-attention;
+    ``decoder_attention_mask`` masks padded decoder keys (the causal mask is always applied).
     """
     config: TransformerConfig
 
@@ -221,51 +237,58 @@ class Transformer(nn.Module):
         cfg = self.config
         dtype, param_dtype = canonical_dtype(cfg.dtype), canonical_dtype(cfg.param_dtype)
         self.embed = Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=param_dtype,
-                           embedding_init=nn.initializers.normal(cfg.d_model ** -0.5))
+                           embedding_init=nn.initializers.normal(cfg.d_model ** -0.5),
+                           cpu_tuning=cfg.cpu_tuning)
         self.encoder = TransformerStack(cfg, is_decoder=False)
         self.decoder = TransformerStack(cfg, is_decoder=True)
         if not cfg.tie_embeddings:
             self.lm_head = Dense(cfg.vocab_size, use_bias=False, kernel_axes=("embed", "vocab"),
                                  dtype=dtype, param_dtype=param_dtype,
-                                 kernel_init=nn.initializers.xavier_uniform())
+                                 kernel_init=nn.initializers.xavier_uniform(),
+                                 cpu_tuning=cfg.cpu_tuning)
 
     def _embed(self, ids: Array) -> Array:
         x = self.embed(ids)
         return x * jnp.asarray(math.sqrt(self.config.d_model), x.dtype)
 
-    def __call__(self, src_ids: Array, tgt_ids: Array, src_mask: Array | None = None,
-                 tgt_mask: Array | None = None, *, deterministic: bool = True) -> Array:
-        src_ids, tgt_ids = _check_ids("src_ids", src_ids), _check_ids("tgt_ids", tgt_ids)
-        if src_ids.shape[0] != tgt_ids.shape[0]:
-            raise ValueError(f"src_ids {tuple(src_ids.shape)} and tgt_ids {tuple(tgt_ids.shape)} "
-                             "have different batch sizes")
-        encoded = self.encode(src_ids, src_mask, deterministic=deterministic)
-        return self.decode(tgt_ids, encoded, src_mask, tgt_mask, deterministic=deterministic)
+    def __call__(self, input_ids: Array, decoder_input_ids: Array,
+                 attention_mask: Array | None = None, decoder_attention_mask: Array | None = None,
+                 *, deterministic: bool = True) -> Array:
+        input_ids = _check_ids("input_ids", input_ids)
+        decoder_input_ids = _check_ids("decoder_input_ids", decoder_input_ids)
+        if input_ids.shape[0] != decoder_input_ids.shape[0]:
+            raise ValueError(f"input_ids {tuple(input_ids.shape)} and decoder_input_ids "
+                             f"{tuple(decoder_input_ids.shape)} have different batch sizes")
+        encoded = self.encode(input_ids, attention_mask, deterministic=deterministic)
+        return self.decode(decoder_input_ids, encoded, attention_mask, decoder_attention_mask,
+                           deterministic=deterministic)
 
-    def encode(self, src_ids: Array, src_mask: Array | None = None, *,
+    def encode(self, input_ids: Array, attention_mask: Array | None = None, *,
                deterministic: bool = True) -> Array:
-        """src_ids (B, S) -> encoder output (B, S, D)."""
-        src_ids = _check_ids("src_ids", src_ids)
-        mask = _padding("src_mask", src_mask, src_ids.shape)
-        return self.encoder(self._embed(src_ids), mask, deterministic=deterministic)
+        """input_ids (B, S) -> encoder output (B, S, D)."""
+        input_ids = _check_ids("input_ids", input_ids)
+        mask = _padding("attention_mask", attention_mask, input_ids.shape)
+        return self.encoder(self._embed(input_ids), mask, deterministic=deterministic)
 
-    def decode(self, tgt_ids: Array, encoded: Array, src_mask: Array | None = None,
-               tgt_mask: Array | None = None, *, deterministic: bool = True,
+    def decode(self, decoder_input_ids: Array, encoded: Array, attention_mask: Array | None = None,
+               decoder_attention_mask: Array | None = None, *, deterministic: bool = True,
                decode: bool = False) -> Array:
-        """tgt_ids (B, T), encoder output (B, S, D) -> logits (B, T, V) fp32.
+        """decoder_input_ids (B, T), encoder output (B, S, D) -> logits (B, T, V) fp32.
 
-        With ``decode=True`` the tokens are appended to the KV cache (``tgt_mask`` must be None).
+        ``attention_mask`` (B, S) is the *source* padding mask. With ``decode=True`` the
+        tokens are appended to the KV cache (``decoder_attention_mask`` must then be None).
         """
-        tgt_ids = _check_ids("tgt_ids", tgt_ids)
-        if encoded.ndim != 3 or encoded.shape[0] != tgt_ids.shape[0]:
-            raise ValueError(f"encoded must be (B, S, D) with B = {tgt_ids.shape[0]}; got "
-                             f"{tuple(encoded.shape)}")
-        if decode and tgt_mask is not None:
-            raise ValueError("tgt_mask is not supported with decode=True (the cache masks "
-                             "positions that are not written yet)")
-        self_mask = _padding("tgt_mask", tgt_mask, tgt_ids.shape)
-        memory_mask = _padding("src_mask", src_mask, encoded.shape[:2])
-        x = self.decoder(self._embed(tgt_ids), self_mask, encoded, memory_mask,
+        decoder_input_ids = _check_ids("decoder_input_ids", decoder_input_ids)
+        if encoded.ndim != 3 or encoded.shape[0] != decoder_input_ids.shape[0]:
+            raise ValueError(f"encoded must be (B, S, D) with B = {decoder_input_ids.shape[0]}; "
+                             f"got {tuple(encoded.shape)}")
+        if decode and decoder_attention_mask is not None:
+            raise ValueError("decoder_attention_mask is not supported with decode=True (the cache "
+                             "masks positions that are not written yet)")
+        self_mask = _padding("decoder_attention_mask", decoder_attention_mask,
+                             decoder_input_ids.shape)
+        memory_mask = _padding("attention_mask", attention_mask, encoded.shape[:2])
+        x = self.decoder(self._embed(decoder_input_ids), self_mask, encoded, memory_mask,
                          deterministic=deterministic, decode=decode)
         if self.config.tie_embeddings:
             return self.embed.attend(x)

@@ -1,7 +1,7 @@
 """ViT: the Vision Transformer (Dosovitskiy et al. 2020), big_vision layout, CLS-token head.
 
 Read top to bottom: config and presets -> position-embedding resizing (pure functions)
--> the layer adapter (scan/remat) -> the model.
+-> the model.
 
   images (B, H, W, C) NHWC
     -> patches (B, N, P, P, C), N = (H/P) * (W/P) in row-major grid order
@@ -52,6 +52,7 @@ from ..layers.blocks import EncoderBlock
 from ..layers.dense import Dense, canonical_dtype
 from ..layers.mlp import ACTIVATIONS
 from ..layers.norms import LayerNorm
+from ..layers.stack import convert_layout, layer_stack
 from .base import PresetConfig
 
 Array = jax.Array
@@ -91,9 +92,11 @@ class ViTConfig(PresetConfig):
     attention_dropout_rate: float = 0.0
     initializer_range: float = 0.02      # position embeddings
     head_zeroinit: bool = True           # big_vision: the classifier starts at zero
-    scan_layers: bool = False
-    remat: bool = False
-    attention_impl: str = "xla"
+    scan_layers: bool = False            # one scanned layer (compile time independent of depth)
+    remat: bool = False                  # recompute activations in the backward pass
+    remat_policy: str = "nothing_saveable"
+    attention_impl: str = "auto"         # layers.attention.IMPLEMENTATIONS
+    cpu_tuning: bool = True              # layers/cpu_tuning.py on XLA:CPU
     dtype: str = "float32"               # compute dtype
     param_dtype: str = "float32"
 
@@ -104,22 +107,21 @@ class ViTConfig(PresetConfig):
     }
 
     def __post_init__(self):
-        for name in ("image_size", "patch_size", "num_channels", "num_layers", "num_heads",
-                     "d_model"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"ViTConfig: {name} must be >= 1, got {getattr(self, name)}")
-        if self.num_classes < 0:
-            raise ValueError(f"ViTConfig: num_classes must be >= 0 (0 = no head), got {self.num_classes}")
+        self._require_positive("image_size", "patch_size", "num_channels", "num_layers",
+                               "num_heads", "d_model")
+        if isinstance(self.num_classes, bool) or not isinstance(self.num_classes, int) \
+                or self.num_classes < 0:
+            raise ValueError(f"ViTConfig.num_classes must be an integer >= 0 (0 = no head), got "
+                             f"{self.num_classes!r}")
         if self.image_size % self.patch_size:
             raise ValueError(f"ViTConfig: image_size={self.image_size} is not a multiple of "
                              f"patch_size={self.patch_size}; pick sizes whose patches tile the image")
-        if self.d_model % self.num_heads:
-            raise ValueError(f"ViTConfig: d_model={self.d_model} is not divisible by "
-                             f"num_heads={self.num_heads}")
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(f"ViTConfig: unknown activation {self.activation!r}; choose one of "
-                             f"{sorted(ACTIVATIONS)}")
-        canonical_dtype(self.dtype), canonical_dtype(self.param_dtype)
+        self._require_divisible("d_model", "num_heads")
+        if self.mlp_dim is not None:
+            self._require_positive("mlp_dim")
+        self._require_choice("activation", ACTIVATIONS)
+        self._require_rates("dropout_rate", "attention_dropout_rate")
+        self._require_model_settings()
 
     @property
     def mlp_features(self) -> int:
@@ -315,8 +317,6 @@ def adapt_pretrained(params: Any, config: ViTConfig, pretrained: Any,
     ``ValueError`` names the difference. Both trees unscanned or as their configs say
     (``scan_layers``).
     """
-    from .base import stack_layers, unstack_layers
-
     if pretrained_config.patch_size != config.patch_size:
         raise ValueError(f"pretrained patch_size={pretrained_config.patch_size} != "
                          f"{config.patch_size}; the patch embedding cannot be reused")
@@ -326,11 +326,8 @@ def adapt_pretrained(params: Any, config: ViTConfig, pretrained: Any,
             raise ValueError(f"pretrained {name}={theirs!r} but this model has {name}={ours!r}; "
                              f"set model.{name}={theirs!r} to reuse the weights")
     _, pretrained = resize_params(pretrained, pretrained_config, config.image_size, method=method)
-    if pretrained_config.scan_layers:
-        pretrained = unstack_layers(pretrained, prefix="encoderblock_", name="encoderblock")
-    if config.scan_layers:
-        pretrained = stack_layers(pretrained, config.num_layers, prefix="encoderblock_",
-                                  name="encoderblock")
+    pretrained = convert_layout(pretrained, (((), "encoderblock", pretrained_config.num_layers),),
+                                scanned=config.scan_layers)
     params = nn.meta.unbox(params)
     out = dict(pretrained)
     if pretrained_config.num_classes != config.num_classes:
@@ -351,17 +348,6 @@ def adapt_pretrained(params: Any, config: ViTConfig, pretrained: Any,
 
 
 # ============================================================================ model
-
-class ViTLayer(EncoderBlock):
-    """An encoder block whose static flags are fields, so it can be scanned and rematerialised."""
-    deterministic: bool = True
-    scanned: bool = False
-
-    @nn.compact
-    def __call__(self, x: Array):
-        y = self.forward(x, deterministic=self.deterministic)
-        return (y, None) if self.scanned else y
-
 
 class ViT(nn.Module):
     """Image classifier. ``apply(variables, images_nhwc)`` -> logits (B, K) fp32.
@@ -392,7 +378,8 @@ class ViT(nn.Module):
         patches = images.reshape(b, g, p, g, p, c).transpose(0, 1, 3, 2, 4, 5)
         patches = patches.reshape(b, g * g, p, p, c).astype(dtype)
         x = Dense(cfg.d_model, in_axes=3, kernel_axes=(None, None, None, "embed"), dtype=dtype,
-                  param_dtype=param_dtype, name="embedding")(patches)          # (B, N, D)
+                  param_dtype=param_dtype, cpu_tuning=cfg.cpu_tuning,
+                  name="embedding")(patches)                                   # (B, N, D)
 
         cls = self.param("cls", nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
                          (cfg.d_model,), param_dtype)
@@ -405,23 +392,15 @@ class ViT(nn.Module):
         x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
         x = nn.with_logical_constraint(x, ("act_batch", "act_length", "act_embed"))
 
-        layer_kwargs = dict(
+        fields = dict(
             num_heads=cfg.num_heads, mlp_dim=cfg.mlp_features, activation=cfg.activation,
             pre_norm=True, norm="layernorm", norm_eps=cfg.norm_eps, use_bias=True,
             dropout_rate=cfg.dropout_rate, attention_dropout_rate=cfg.attention_dropout_rate,
             attention_impl=cfg.attention_impl, dtype=dtype, param_dtype=param_dtype,
-            deterministic=deterministic)
-        layer_cls = ViTLayer
-        if cfg.remat:
-            layer_cls = nn.remat(layer_cls, prevent_cse=not cfg.scan_layers)
-        if cfg.scan_layers:
-            stack = nn.scan(layer_cls, variable_axes={"params": 0, "intermediates": 0},
-                            split_rngs={"params": True, "dropout": True},
-                            length=cfg.num_layers, metadata_params={nn.PARTITION_NAME: "layers"})
-            x, _ = stack(**layer_kwargs, scanned=True, name="encoderblock")(x)
-        else:
-            for i in range(cfg.num_layers):
-                x = layer_cls(**layer_kwargs, name=f"encoderblock_{i}")(x)
+            cpu_tuning=cfg.cpu_tuning)
+        x = layer_stack(EncoderBlock, fields, cfg.num_layers, x, name="encoderblock",
+                        static={"deterministic": deterministic}, scan=cfg.scan_layers,
+                        remat=cfg.remat, remat_policy=cfg.remat_policy)
 
         x = LayerNorm(eps=cfg.norm_eps, dtype=jnp.float32, param_dtype=param_dtype,
                       name="encoder_norm")(x)

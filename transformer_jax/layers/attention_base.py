@@ -1,0 +1,103 @@
+"""What every attention implementation shares: argument checks, head grouping, padding.
+
+Shape legend (used in every einsum of the library):
+  B batch, T query length, S key length, D model width, N query heads,
+  K key/value heads (grouped-query attention: N = K * G), G query heads per kv head,
+  H head dim.
+
+Masks follow the seeds' convention (1/True = may attend). Blocked logits are set to
+``NEG``, the most negative fp32 number, rather than -inf, so that a row whose keys are all
+blocked gives the mean of V instead of NaN (PyTorch gives NaN there).
+
+The implementations (``attention.py``, ``chunked_attention.py``, ``flash_attention.py``)
+import from here; nothing here imports them.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .masks import as_4d, causal_mask
+
+Array = jax.Array
+
+NEG = float(jnp.finfo(jnp.float32).min)
+
+
+def check_qkv(q: Array, k: Array, v: Array) -> tuple[int, int, int, int, int, int]:
+    """Validate (B, T, N, H), (B, S, K, H), (B, S, K, Hv); return (B, T, S, N, K, H)."""
+    for name, x in (("query", q), ("key", k), ("value", v)):
+        if x.ndim != 4:
+            raise ValueError(f"{name} must be 4-D (B, T|S, N|K, H); got shape {x.shape}")
+    b, t, n, h = q.shape
+    _, s, kh, hk = k.shape
+    if k.shape[0] != b or v.shape[0] != b:
+        raise ValueError(f"batch sizes differ: query {q.shape}, key {k.shape}, value {v.shape}")
+    if hk != h:
+        raise ValueError(f"query head dim {h} != key head dim {hk} (query {q.shape}, key {k.shape}); "
+                         "queries and keys must share the head dim")
+    if v.shape[1] != s or v.shape[2] != kh:
+        raise ValueError(f"key {k.shape} and value {v.shape} must agree on (B, S, K)")
+    if n % kh:
+        raise ValueError(f"query heads N={n} must be a multiple of key/value heads K={kh} "
+                         "(grouped-query attention)")
+    return b, t, s, n, kh, h
+
+
+def check_broadcast(x: Array | None, name: str, shape: tuple[int, int, int, int]) -> Array | None:
+    """Lift a 2/3/4-D mask or bias to 4-D and check it broadcasts to (B, N, T, S)."""
+    if x is None:
+        return None
+    x = as_4d(x, name)
+    if any(d not in (1, want) for d, want in zip(x.shape, shape)):
+        raise ValueError(f"{name} of shape {x.shape} does not broadcast to the attention "
+                         f"logits (B, N, T, S) = {shape}")
+    return x
+
+
+def group_heads(x: Array, k_heads: int, groups: int) -> Array:
+    """(b, n|1, T, S) -> (b, K|1, G|1, T, S) with head n = k * G + g (HF's repeat_kv order)."""
+    if x.shape[1] == 1:
+        return x[:, :, None]
+    return x.reshape(x.shape[0], k_heads, groups, *x.shape[2:])
+
+
+def block(x: Array | None, axis: int, start, size: int) -> Array | None:
+    """``size`` entries of ``axis`` from ``start``; None and broadcast (size-1) axes pass."""
+    if x is None or x.shape[axis] == 1:
+        return x
+    return jax.lax.dynamic_slice_in_dim(x, start, size, axis)
+
+
+def pad_axis(x: Array, axis: int, size: int, value=0, *, keep_broadcast: bool = True) -> Array:
+    """Pad ``axis`` at the end to ``size`` with ``value``; a size-1 (broadcast) axis is
+    left alone unless ``keep_broadcast=False``."""
+    extra = size - x.shape[axis]
+    if extra <= 0 or (keep_broadcast and x.shape[axis] == 1):
+        return x
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, extra)
+    return jnp.pad(x, pad, constant_values=value)
+
+
+def empty_rows(mask: Array, t: int, s: int) -> Array:
+    """(Bm, Nm, T) bool: rows in which ``mask`` and the causal mask leave no key at all."""
+    mask = jnp.broadcast_to(mask, mask.shape[:3] + (s,)).astype(bool)
+    if mask.shape[2] == 1:     # one key mask for every query: linear in T + S
+        first = jnp.argmax(mask[:, :, 0], axis=-1)[..., None]      # first allowed key
+        has_any = jnp.any(mask[:, :, 0], axis=-1)[..., None]
+        return ~(has_any & (first <= jnp.arange(t)))
+    return ~jnp.any(mask & causal_mask(t, s)[0, 0], axis=-1)
+
+
+def fill_empty_rows(out: Array, value: Array, mask: Array, t: int, s: int) -> Array:
+    """Give rows without any allowed key (causal + mask) the mean of V, as the reference does.
+
+    Block-skipping implementations never visit the key blocks past the causal diagonal,
+    so in such (degenerate) rows they would average over the visited keys only.
+    """
+    n, kh = out.shape[2], value.shape[2]
+    empty = empty_rows(mask, t, s).transpose(0, 2, 1)[..., None]            # (Bm, T, Nm, 1)
+    mean_v = jnp.mean(value.astype(jnp.float32), axis=1)                     # (B, K, Hv)
+    mean_v = jnp.repeat(mean_v, n // kh, axis=1)[:, None]                    # (B, 1, N, Hv)
+    return jnp.where(empty, mean_v.astype(out.dtype), out)

@@ -1,0 +1,294 @@
+"""Memory-efficient exact attention in plain XLA: ``implementation="chunked"``.
+
+Queries in blocks of ``q_chunk``, keys in blocks of ``kv_chunk`` with an online softmax;
+with ``causal`` the key blocks past the diagonal are skipped. A custom VJP saves only the
+output and the softmax statistics and recomputes the probabilities block by block in the
+backward pass (FlashAttention-2), so memory grows linearly with T and S. Supports
+dropout (an independent stream per block pair), not returned weights. It computes what
+the reference in ``attention.py`` computes, to fp32 rounding.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from .attention_base import NEG, block, check_qkv, fill_empty_rows, group_heads, pad_axis
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class _Chunking:
+    """Static settings of the chunked kernel (hashable: a custom_vjp non-diff argument)."""
+    scale: float
+    causal: bool
+    t: int
+    s: int
+    qc: int
+    kc: int
+    nq: int
+    nk: int
+    dropout_rate: float        # 0.0: no dropout
+    skip: bool                 # skip key blocks past the causal diagonal
+    precision: Any
+
+
+def _chunk_upper(c: _Chunking, qi):
+    """Key blocks visited by query block ``qi``: all, or up to the causal diagonal."""
+    if not (c.causal and c.skip):
+        return c.nk
+    return jnp.minimum(c.nk, (qi * c.qc + c.qc + c.kc - 1) // c.kc)
+
+
+def _chunk_lower(c: _Chunking, ki):
+    """First query block that sees key block ``ki``."""
+    return (ki * c.kc) // c.qc if (c.causal and c.skip) else 0
+
+
+def _chunk_scores(c: _Chunking, q_blk, k_blk, qi, ki, bias, mask):
+    """fp32 logits (B, K, G, qc, kc) of one block pair, disallowed entries at NEG.
+
+    Returns (logits, allowed, key_ok); ``key_ok`` (kc,) marks real (unpadded) keys, which
+    alone enter the softmax sum, also in rows whose real keys are all masked.
+    """
+    kh, g = k_blk.shape[2], q_blk.shape[3]
+    logits = jnp.einsum("BQKGH,BCKH->BKGQC", q_blk, k_blk, precision=c.precision,
+                        preferred_element_type=jnp.float32) * c.scale
+    if bias is not None:
+        blk = block(block(bias, 2, qi * c.qc, c.qc), 3, ki * c.kc, c.kc)
+        logits = logits + group_heads(blk, kh, g).astype(jnp.float32)
+    q_pos = qi * c.qc + jnp.arange(c.qc)
+    k_pos = ki * c.kc + jnp.arange(c.kc)
+    key_ok = k_pos < c.s
+    allowed = key_ok[None, :]
+    if c.causal:
+        allowed = allowed & (k_pos[None, :] <= q_pos[:, None])
+    allowed = allowed[None, None, None]
+    if mask is not None:
+        blk = block(block(mask, 2, qi * c.qc, c.qc), 3, ki * c.kc, c.kc)
+        allowed = allowed & group_heads(blk, kh, g)
+    return jnp.where(allowed, logits, NEG), allowed, key_ok
+
+
+def _chunk_keep(c: _Chunking, rng, qi, ki, shape):
+    """Dropout keep-mask of block pair (qi, ki): the same stream forward and backward."""
+    key = jax.random.fold_in(jax.random.fold_in(rng, qi), ki)
+    return jax.random.bernoulli(key, 1.0 - c.dropout_rate, shape)
+
+
+def _chunk_forward(c: _Chunking, q, k, v, bias, mask, rng):
+    """q (B, Tp, K, G, H), k (B, Sp, K, H), v (B, Sp, K, Hv) -> out (B, Tp, K, G, Hv) and
+    the softmax statistics m, l (nq, B, K, G, qc) per query block."""
+    b, _, kh, g, _ = q.shape
+    hv = v.shape[-1]
+
+    def query_block(qi):
+        q_blk = jax.lax.dynamic_slice_in_dim(q, qi * c.qc, c.qc, 1)
+
+        def key_step(ki, carry):
+            acc, m, l = carry                         # (B,K,G,qc,Hv), (B,K,G,qc), (B,K,G,qc)
+            k_blk = jax.lax.dynamic_slice_in_dim(k, ki * c.kc, c.kc, 1)
+            logits, _, key_ok = _chunk_scores(c, q_blk, k_blk, qi, ki, bias, mask)
+            m_new = jnp.maximum(m, logits.max(axis=-1))
+            p = jnp.where(key_ok, jnp.exp(logits - m_new[..., None]), 0.0)
+            correction = jnp.exp(m - m_new)
+            l = l * correction + p.sum(axis=-1)
+            if c.dropout_rate:
+                keep = _chunk_keep(c, rng, qi, ki, p.shape)
+                p = jnp.where(keep, p / (1.0 - c.dropout_rate), 0.0)
+            v_blk = jax.lax.dynamic_slice_in_dim(v, ki * c.kc, c.kc, 1)
+            pv = jnp.einsum("BKGQC,BCKH->BKGQH", p.astype(v.dtype), v_blk, precision=c.precision,
+                            preferred_element_type=jnp.float32)
+            return acc * correction[..., None] + pv, m_new, l
+
+        init = (jnp.zeros((b, kh, g, c.qc, hv), jnp.float32),
+                jnp.full((b, kh, g, c.qc), NEG, jnp.float32),
+                jnp.zeros((b, kh, g, c.qc), jnp.float32))
+        acc, m, l = jax.lax.fori_loop(0, _chunk_upper(c, qi), key_step, init)
+        return (acc / l[..., None]).astype(v.dtype), m, l
+
+    out, m, l = jax.lax.map(query_block, jnp.arange(c.nq))          # out (nq, B, K, G, qc, Hv)
+    out = out.transpose(1, 0, 4, 2, 3, 5).reshape(b, c.nq * c.qc, kh, g, hv)
+    return out, m, l
+
+
+@dataclasses.dataclass(frozen=True)
+class _Backward:
+    """The operands of one backward pass and the per-block-pair work the passes share."""
+    c: _Chunking
+    q: Array            # (B, Tp, K, G, H)
+    k: Array            # (B, Sp, K, H)
+    v: Array            # (B, Sp, K, Hv)
+    bias: Array | None
+    mask: Array | None
+    rng: Array | None
+    m: Array            # softmax statistics (nq, B, K, G, qc)
+    l: Array
+    delta: Array        # rowsum(dO * O) (nq, B, K, G, qc)
+    d_out: Array        # (B, Tp, K, G, Hv)
+
+    def q_slices(self, qi):
+        c = self.c
+        return (jax.lax.dynamic_slice_in_dim(self.q, qi * c.qc, c.qc, 1),
+                jax.lax.dynamic_slice_in_dim(self.d_out, qi * c.qc, c.qc, 1))
+
+    def kv_slices(self, ki):
+        c = self.c
+        return (jax.lax.dynamic_slice_in_dim(self.k, ki * c.kc, c.kc, 1),
+                jax.lax.dynamic_slice_in_dim(self.v, ki * c.kc, c.kc, 1))
+
+    def pair(self, qi, ki, q_blk, k_blk, v_blk, do_blk):
+        """(probabilities after dropout, dLogits) of block pair (qi, ki)."""
+        c = self.c
+        logits, allowed, key_ok = _chunk_scores(c, q_blk, k_blk, qi, ki, self.bias, self.mask)
+        p = jnp.exp(logits - self.m[qi][..., None]) / self.l[qi][..., None]
+        p = jnp.where(key_ok, p, 0.0)
+        dp = jnp.einsum("BQKGH,BCKH->BKGQC", do_blk, v_blk, precision=c.precision,
+                        preferred_element_type=jnp.float32)
+        p_used = p
+        if c.dropout_rate:
+            keep = _chunk_keep(c, self.rng, qi, ki, p.shape)
+            p_used = jnp.where(keep, p / (1.0 - c.dropout_rate), 0.0)
+            dp = jnp.where(keep, dp / (1.0 - c.dropout_rate), 0.0)
+        ds = jnp.where(allowed, p * (dp - self.delta[qi][..., None]), 0.0)
+        return p_used, ds
+
+
+def _grad_q(bw: _Backward) -> Array:
+    """dQ (B, Tp, K, G, H): one pass over query blocks, each looping over its key blocks."""
+    c, q, k = bw.c, bw.q, bw.k
+
+    def dq_block(qi):
+        q_blk, do_blk = bw.q_slices(qi)
+
+        def step(ki, dq):
+            k_blk, v_blk = bw.kv_slices(ki)
+            _, ds = bw.pair(qi, ki, q_blk, k_blk, v_blk, do_blk)
+            return dq + jnp.einsum("BKGQC,BCKH->BQKGH", ds.astype(k.dtype), k_blk,
+                                   precision=c.precision, preferred_element_type=jnp.float32)
+
+        dq = jax.lax.fori_loop(0, _chunk_upper(c, qi), step, jnp.zeros(q_blk.shape, jnp.float32))
+        return (dq * c.scale).astype(q.dtype)
+
+    dq = jax.lax.map(dq_block, jnp.arange(c.nq))                    # (nq, B, qc, K, G, H)
+    return dq.swapaxes(0, 1).reshape(q.shape)
+
+
+def _grad_kv(bw: _Backward) -> tuple[Array, Array]:
+    """dK, dV (B, Sp, K, H|Hv): one pass over key blocks, each looping over query blocks."""
+    c, q, k, v = bw.c, bw.q, bw.k, bw.v
+
+    def dkdv_block(ki):
+        k_blk, v_blk = bw.kv_slices(ki)
+
+        def step(qi, carry):
+            dk, dv = carry
+            q_blk, do_blk = bw.q_slices(qi)
+            p, ds = bw.pair(qi, ki, q_blk, k_blk, v_blk, do_blk)
+            dv = dv + jnp.einsum("BKGQC,BQKGH->BCKH", p.astype(do_blk.dtype), do_blk,
+                                 precision=c.precision, preferred_element_type=jnp.float32)
+            dk = dk + jnp.einsum("BKGQC,BQKGH->BCKH", ds.astype(q.dtype), q_blk,
+                                 precision=c.precision, preferred_element_type=jnp.float32)
+            return dk, dv
+
+        init = (jnp.zeros(k_blk.shape, jnp.float32), jnp.zeros(v_blk.shape, jnp.float32))
+        dk, dv = jax.lax.fori_loop(_chunk_lower(c, ki), c.nq, step, init)
+        return (dk * c.scale).astype(k.dtype), dv.astype(v.dtype)
+
+    dk, dv = jax.lax.map(dkdv_block, jnp.arange(c.nk))              # (nk, B, kc, K, H|Hv)
+    return dk.swapaxes(0, 1).reshape(k.shape), dv.swapaxes(0, 1).reshape(v.shape)
+
+
+def _grad_bias(bw: _Backward) -> Array:
+    """dBias in the bias's own (broadcast) shape: dLogits summed over its size-1 axes."""
+    c, bias = bw.c, bw.bias
+    b, _, kh, g, _ = bw.q.shape
+    sp = bw.k.shape[1]
+    bb, nb, tb, sb = bias.shape
+    summed = tuple(a for a, size in enumerate((bb, nb, tb, sb)) if size == 1)
+
+    def dbias_block(qi):
+        q_blk, do_blk = bw.q_slices(qi)
+
+        def step(ki, acc):
+            k_blk, v_blk = bw.kv_slices(ki)
+            _, ds = bw.pair(qi, ki, q_blk, k_blk, v_blk, do_blk)
+            ds = ds.reshape(b, kh * g, c.qc, c.kc)                   # head n = k * G + g
+            ds = jnp.sum(ds, axis=summed, keepdims=True)
+            if sb == 1:
+                return acc + ds
+            return jax.lax.dynamic_update_slice_in_dim(acc, ds, ki * c.kc, 3)
+
+        init = jnp.zeros((bb, nb, c.qc if tb > 1 else 1, sp if sb > 1 else 1), jnp.float32)
+        return jax.lax.fori_loop(0, _chunk_upper(c, qi), step, init)
+
+    d_bias = jax.lax.map(dbias_block, jnp.arange(c.nq))             # (nq, Bb, Nb, qc|1, Sp|1)
+    if tb > 1:
+        d_bias = d_bias.transpose(1, 2, 0, 3, 4).reshape(bb, nb, c.nq * c.qc, -1)
+    else:
+        d_bias = d_bias.sum(axis=0)
+    return d_bias.astype(bias.dtype)
+
+
+def _chunk_backward(c: _Chunking, q, k, v, bias, mask, rng, out, m, l, d_out):
+    """FlashAttention-2 style backward: probabilities recomputed from (m, l), one pass over
+    query blocks for dQ, one over key blocks for dK/dV, one more for dBias (only when a
+    bias is given; XLA removes it when that gradient is unused)."""
+    b, _, kh, g, _ = q.shape
+    delta = jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32), axis=-1)  # (B,Tp,K,G)
+    delta = delta.reshape(b, c.nq, c.qc, kh, g).transpose(1, 0, 3, 4, 2)           # (nq,B,K,G,qc)
+    bw = _Backward(c, q, k, v, bias, mask, rng, m, l, delta, d_out)
+    dk, dv = _grad_kv(bw)
+    return _grad_q(bw), dk, dv, None if bias is None else _grad_bias(bw)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _chunked_core(q, k, v, bias, mask, rng, c: _Chunking):
+    return _chunk_forward(c, q, k, v, bias, mask, rng)[0]
+
+
+def _chunked_core_fwd(q, k, v, bias, mask, rng, c):
+    out, m, l = _chunk_forward(c, q, k, v, bias, mask, rng)
+    return out, (q, k, v, bias, mask, rng, out, m, l)
+
+
+def _chunked_core_bwd(c, residuals, d_out):
+    q, k, v, bias, mask, rng, out, m, l = residuals
+    dq, dk, dv, d_bias = _chunk_backward(c, q, k, v, bias, mask, rng, out, m, l, d_out)
+    return dq, dk, dv, d_bias, None, None
+
+
+_chunked_core.defvjp(_chunked_core_fwd, _chunked_core_bwd)
+
+
+def chunked_attention(q, k, v, mask, bias, scale, causal, dropout_rate, dropout_rng,
+                      deterministic, precision, q_chunk, kv_chunk, skip_masked_blocks=True):
+    """Exact attention in (q_chunk, kv_chunk) blocks with an online softmax (module doc).
+
+    ``skip_masked_blocks=False`` visits every key block also under ``causal`` (the blocks
+    past the diagonal then contribute exact zeros): a reference for the skipping path.
+    """
+    b, t, s, n, kh, h = check_qkv(q, k, v)
+    g = n // kh
+    qc, kc = min(q_chunk, t), min(kv_chunk, s)
+    tp, sp = -(-t // qc) * qc, -(-s // kc) * kc
+    use_dropout = (not deterministic) and dropout_rate > 0.0
+    c = _Chunking(scale=float(scale), causal=causal, t=t, s=s, qc=qc, kc=kc, nq=tp // qc,
+                  nk=sp // kc, dropout_rate=float(dropout_rate) if use_dropout else 0.0,
+                  skip=skip_masked_blocks, precision=precision)
+    qg = pad_axis(q, 1, tp, 0).reshape(b, tp, kh, g, h)
+    kp, vp = pad_axis(k, 1, sp, 0), pad_axis(v, 1, sp, 0)
+    mask_p = None if mask is None else pad_axis(
+        pad_axis(mask.astype(bool), 3, sp, False), 2, tp, True)
+    if bias is not None:
+        bias = pad_axis(pad_axis(bias, 3, sp, 0), 2, tp, 0)
+    out = _chunked_core(qg, kp, vp, bias, mask_p, dropout_rng if use_dropout else None, c)
+    out = out.reshape(b, tp, n, v.shape[-1])[:, :t]
+    if causal and mask is not None:
+        out = fill_empty_rows(out, v, mask, t, s)
+    return out
+
