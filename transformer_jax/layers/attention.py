@@ -340,7 +340,7 @@ def _auto_attention(q, k, v, mask, bias, scale, causal, precision, q_chunk, kv_c
             return lambda q, k, v, mask, bias: chunked_attention(
                 q, k, v, mask, bias, scale, causal, 0.0, None, True, precision,
                 q_chunk or 512, kv_chunk or 512)
-        kernel = _kernel(name, platform, q_chunk, kv_chunk)
+        kernel = _kernel(name, platform, None, None)     # the kernels' own block sizes
         return lambda q, k, v, mask, bias: _run_kernel(kernel, q, k, v, mask, bias, scale,
                                                        causal)
 
@@ -387,7 +387,8 @@ def dot_product_attention(
       q_chunk, kv_chunk: query/key block sizes of ``"chunked"`` (default 512) and of
         ``"pallas"`` (powers of two; default per platform, ``flash_attention.BlockSizes``);
         ``q_chunk`` is also the query block of causal ``"xla"`` attention (default 64, or
-        T / 8 beyond T = 512; a value >= T computes the whole (T, S) square).
+        T / 8 beyond T = 512; a value >= T computes the whole (T, S) square). Under
+        ``"auto"`` they reach the reference and chunked paths; the kernels keep their own.
       cpu_tuning: the reference's XLA:CPU derivative layouts (``cpu_tuning.py``).
 
     Returns:

@@ -1,0 +1,41 @@
+"""Small helpers shared by test files: random arrays, tolerances, attention inputs."""
+import jax
+
+FP32_TOL = dict(rtol=1e-5, atol=1e-5)
+# bf16 has an 8-bit mantissa: inputs, weights and outputs are each rounded to ~3e-3 relative.
+# With fp32 softmax and fp32 accumulation, attention outputs of unit-scale inputs stay
+# within 2e-2 absolute of the fp32 result; this is the library's documented bf16 tolerance.
+BF16_ATOL = 2e-2
+
+
+def rand(key, shape, dtype=jax.numpy.float32):
+    return jax.random.normal(jax.random.PRNGKey(key), shape, dtype)
+
+
+def attention_inputs(n=8, kv=2, t=37, s=53, h=16):
+    """q (2, T, N, H), k and v (2, S, K, H), a random padding-and-more mask (2, 1, T, S)
+    and a bias (1, N, T, S)."""
+    q, k, v = rand(0, (2, t, n, h)), rand(1, (2, s, kv, h)), rand(2, (2, s, kv, h))
+    mask = jax.random.bernoulli(jax.random.PRNGKey(3), 0.8, (2, 1, t, s))
+    bias = rand(4, (1, n, t, s))
+    return q, k, v, mask, bias
+
+
+def lowered_text(fn, args, platform: str) -> str:
+    """StableHLO of ``jax.jit(fn)(*args)`` lowered for ``platform`` ("cpu", "cuda", "tpu")
+    from this host, after MLIR's canonicaliser has folded the ``lax.platform_dependent``
+    selectors (a case on a constant index), so what is left is what that platform runs."""
+    from jax._src.lib.mlir import ir, passmanager
+
+    lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,))
+    module = lowered.compiler_ir("stablehlo")
+    with module.context:
+        module = ir.Module.parse(str(module))
+        passmanager.PassManager.parse("builtin.module(canonicalize)").run(module.operation)
+    return str(module)
+
+
+def custom_calls(text: str) -> list[str]:
+    """Target names of the custom calls in a StableHLO text, in order."""
+    import re
+    return re.findall(r"custom_call @([\w$.\-]+)", text)
