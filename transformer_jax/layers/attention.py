@@ -175,7 +175,7 @@ def cudnn_available() -> bool:
     return True
 
 
-def cudnn_problems(q: Array, k: Array, v: Array, has_bias_or_mask: bool) -> list[str]:
+def cudnn_problems(q: Array, k: Array, v: Array) -> list[str]:
     """Why cuDNN flash attention (``jax.nn.dot_product_attention``) cannot run this call.
 
     Static checks (dtypes, head dims, lengths) always; the device's compute capability
@@ -201,9 +201,9 @@ def cudnn_problems(q: Array, k: Array, v: Array, has_bias_or_mask: bool) -> list
         problems.append(f"the head dim must be a multiple of 8 and <= 128; got {h}")
     if v.shape[-1] != h:
         problems.append(f"value head dim {v.shape[-1]} must equal the query/key head dim {h}")
-    if has_bias_or_mask and (q.shape[1] % 2 or k.shape[1] % 2):
-        problems.append(f"with a bias or mask the lengths must be even (T={q.shape[1]}, "
-                        f"S={k.shape[1]}) for its backward pass")
+    if q.shape[1] % 2 or k.shape[1] % 2:
+        problems.append(f"the lengths must be even for its backward pass (T={q.shape[1]}, "
+                        f"S={k.shape[1]})")
     return problems
 
 
@@ -230,7 +230,7 @@ CPU_REFERENCE_MAX_LOGITS = 4096 * 4096
 
 def resolve_implementation(implementation: str, platform: str, *, dtype: Any = jnp.float32,
                            head_dim: int = 64, q_len: int = 128, kv_len: int = 128,
-                           has_bias_or_mask: bool = False, dropout: bool = False,
+                           dropout: bool = False,
                            return_weights: bool = False) -> str:
     """What ``implementation`` runs on ``platform`` ("cpu", "gpu" or "tpu") for a call
     of this description: ``"xla"``, ``"chunked"``, ``"pallas"`` or ``"cudnn"``.
@@ -246,23 +246,22 @@ def resolve_implementation(implementation: str, platform: str, *, dtype: Any = j
         raise ValueError(f"unknown platform {platform!r}; choose one of {PLATFORMS}")
     if implementation == "jax":
         return "cudnn" if platform == "gpu" and not _static_cudnn_problems(
-            dtype, head_dim, q_len, kv_len, has_bias_or_mask) else "xla"
+            dtype, head_dim, q_len, kv_len) else "xla"
     if implementation != "auto":
         return implementation
     if dropout or return_weights or q_len == 1:
         return "xla"
     if platform == "cpu":
         return "xla" if q_len * kv_len <= CPU_REFERENCE_MAX_LOGITS else "chunked"
-    if platform == "gpu" and not _static_cudnn_problems(dtype, head_dim, q_len, kv_len,
-                                                        has_bias_or_mask):
+    if platform == "gpu" and not _static_cudnn_problems(dtype, head_dim, q_len, kv_len):
         return "cudnn"
     return "pallas"
 
 
-def _static_cudnn_problems(dtype, head_dim, q_len, kv_len, has_bias_or_mask) -> list[str]:
+def _static_cudnn_problems(dtype, head_dim, q_len, kv_len) -> list[str]:
     q = jax.ShapeDtypeStruct((1, q_len, 1, head_dim), jnp.dtype(dtype))
     k = jax.ShapeDtypeStruct((1, kv_len, 1, head_dim), jnp.dtype(dtype))
-    return cudnn_problems(q, k, k, has_bias_or_mask)
+    return cudnn_problems(q, k, k)
 
 
 def _kernel(name: str, platform: str, q_chunk, kv_chunk):
@@ -322,13 +321,14 @@ def _run_kernel(kernel, q, k, v, mask, bias, scale, causal):
         return kernel(q, k, v, mask, bias, scale, causal)
     *in_specs, out_spec = specs
     body = lambda q, k, v, mask, bias: kernel(q, k, v, mask, bias, scale, causal)  # noqa: E731
-    return jax.shard_map(body, in_specs=tuple(in_specs), out_specs=out_spec)(q, k, v, mask, bias)
+    # check_vma=False: pallas_call and cuDNN outputs carry no varying-axes annotation
+    return jax.shard_map(body, in_specs=tuple(in_specs), out_specs=out_spec,
+                         check_vma=False)(q, k, v, mask, bias)
 
 
 def _auto_attention(q, k, v, mask, bias, scale, causal, precision, q_chunk, kv_chunk, tuned):
     """``implementation="auto"``: one branch per platform, chosen at lowering time."""
-    describe = dict(dtype=q.dtype, head_dim=q.shape[-1], q_len=q.shape[1], kv_len=k.shape[1],
-                    has_bias_or_mask=mask is not None or bias is not None)
+    describe = dict(dtype=q.dtype, head_dim=q.shape[-1], q_len=q.shape[1], kv_len=k.shape[1])
 
     def branch(platform):
         name = resolve_implementation("auto", platform, **describe)
@@ -434,7 +434,7 @@ def dot_product_attention(
         return jax.lax.platform_dependent(query, key, value, mask, bias, cpu=branch("cpu"),
                                           cuda=branch("gpu"), rocm=branch("gpu"),
                                           tpu=branch("tpu"), default=branch("cpu"))
-    problems = cudnn_problems(query, key, value, mask is not None or bias is not None)
+    problems = cudnn_problems(query, key, value)
     if jax.default_backend() != "gpu":
         problems.insert(0, f"it needs a GPU (the backend is {jax.default_backend()!r})")
     if implementation == "cudnn" and problems:
