@@ -1,54 +1,25 @@
 """BERT parity with Hugging Face ``transformers`` (PyTorch), through ``interop.hf``.
 
-HF models are built from a small config with random weights (no hub access) and perturbed
-away from HF's init (zero biases, identity LayerNorms), so every mapping is exercised. The
-inputs carry right padding (``attention_mask``) and three token types.
+The HF models and tolerances come from ``conftest.py`` (random weights moved off HF's init,
+so that every mapping is exercised). The inputs carry right padding (``attention_mask``)
+and three token types.
 """
-import os
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+from transformer_jax.interop import from_hf, hf_config, to_hf
+from transformer_jax.interop.hf import from_hf_state_dict, to_hf_numpy
+from transformer_jax.interop.hf_bert import HF_CLASSES, hf_class
+from transformer_jax.models.bert import HEADS, Bert, BertConfig
 
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import textwrap  # noqa: E402
+from .conftest import (ATOL, BERT_TINY, RTOL, assert_gradients_match, bert_model,
+                       run_without_torch, state_dict, torch, transformers)
 
-import jax  # noqa: E402
-
-jax.config.update("jax_default_matmul_precision", "highest")
-
-import flax.linen as nn  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-import pytest  # noqa: E402
-
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
-from transformer_jax.interop import from_hf, hf_config, to_hf  # noqa: E402
-from transformer_jax.interop.hf import from_hf_state_dict, to_hf_numpy  # noqa: E402
-from transformer_jax.interop.hf_bert import HF_CLASSES, hf_class  # noqa: E402
-from transformer_jax.models.bert import HEADS, Bert, BertConfig  # noqa: E402
-
-# fp32 tolerances. Measured: outputs differ by <= 6e-7, gradients by <= 1e-7.
-RTOL, ATOL = 1e-5, 1e-5
-GRAD_RTOL, GRAD_ATOL = 1e-4, 1e-6
-
-HF_KWARGS = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                 intermediate_size=37, max_position_embeddings=40, type_vocab_size=3,
-                 num_labels=3)
 B, T = 3, 13
-
-
-def make_hf(head: str, seed: int = 0, **overrides):
-    """A random HF model of the class for ``head``, in eval mode, perturbed off HF's init."""
-    torch.manual_seed(seed)
-    model = hf_class(head)(transformers.BertConfig(**{**HF_KWARGS, **overrides}))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    return model.eval()
 
 
 @pytest.fixture(scope="module")
@@ -56,14 +27,14 @@ def models():
     """head -> (hf model, flax module, params)."""
     out = {}
     for head in HEADS:
-        hf = make_hf(head)
+        hf = bert_model(head)
         out[head] = (hf, *from_hf(hf))
     return out
 
 
 def inputs(seed: int = 0):
     rng = np.random.default_rng(seed)
-    ids = rng.integers(1, HF_KWARGS["vocab_size"], (B, T)).astype(np.int32)
+    ids = rng.integers(1, BERT_TINY["vocab_size"], (B, T)).astype(np.int32)
     types = rng.integers(0, 3, (B, T)).astype(np.int32)
     mask = (np.arange(T)[None, :] < np.array([T, 8, 3])[:, None]).astype(np.int32)
     ids[mask == 0] = 0                 # padding holds the pad id, as a tokenizer writes it
@@ -151,7 +122,7 @@ def test_gradient_parity(models, head):
     hf, module, params = models[head]
     ids, types, mask = inputs(4)
     rng = np.random.default_rng(5)
-    mlm_labels = rng.integers(0, HF_KWARGS["vocab_size"], (B, T))
+    mlm_labels = rng.integers(0, BERT_TINY["vocab_size"], (B, T))
     seq_labels = np.array([0, 1, 1]) if head != "classification" else np.array([2, 0, 1])
     w = mask.astype(np.float32)
 
@@ -183,16 +154,7 @@ def test_gradient_parity(models, head):
     # biases); its .grad holds every use, as ours does.
     _, mapped = from_hf_state_dict(hf.config, {n: p.grad for n, p in hf.named_parameters()})
     hf.zero_grad()
-    ours = jax.tree_util.tree_leaves_with_path(grads)
-    theirs = dict(jax.tree_util.tree_leaves_with_path(mapped))
-    assert len(ours) == len(theirs) == len(jax.tree_util.tree_leaves(params))
-    for path, g in ours:
-        name = jax.tree_util.keystr(path)
-        # A key bias shifts a softmax row uniformly: its exact gradient is 0 (rounding noise).
-        if "'key']['bias'" not in name:
-            assert float(jnp.abs(g).max()) > 1e-4, f"{name}: (near-)zero gradient, vacuous test"
-        np.testing.assert_allclose(np.asarray(g), np.asarray(theirs[path]), rtol=GRAD_RTOL,
-                                   atol=GRAD_ATOL, err_msg=name)
+    assert_gradients_match(grads, mapped, params)
     # torch's padding_idx: the pad row gets no gradient through the lookup. In the MLM
     # heads the tied read-out still reaches it; in the classifier nothing does.
     pad_row = np.asarray(grads["bert"]["word_embeddings"]["embedding"][0])
@@ -252,28 +214,16 @@ def test_scan_layers_conversion(models):
         np.testing.assert_array_equal(a[key], b[key], err_msg=key)
 
 
-_LOAD_WITHOUT_TORCH = textwrap.dedent("""
-    import sys
-    sys.modules["torch"] = None          # any `import torch` now raises ImportError
-    import jax
-    jax.config.update("jax_default_matmul_precision", "highest")
-    import numpy as np
-    from transformer_jax.interop import from_hf
-    module, params = from_hf(sys.argv[1])
-    assert module.config.head == "mlm", module.config.head
-    np.save(sys.argv[3], np.asarray(module.apply({"params": params}, *np.load(sys.argv[2]))))
-    assert "torch" not in [m.split(".")[0] for m in sys.modules if sys.modules[m] is not None]
-""")
-
-
 def test_save_pretrained_dir_without_torch(models, tmp_path):
     """``save_pretrained`` omits the tied decoder keys; the directory loads without torch."""
     hf = models["mlm"][0]
     hf.save_pretrained(tmp_path / "ckpt", safe_serialization=True)
     ids, types, mask = inputs(9)
     np.save(tmp_path / "inputs.npy", np.stack([ids, types, mask]))
-    subprocess.run([sys.executable, "-c", _LOAD_WITHOUT_TORCH, str(tmp_path / "ckpt"),
-                    str(tmp_path / "inputs.npy"), str(tmp_path / "out.npy")], check=True)
+    run_without_torch("""
+        assert module.config.head == "mlm", module.config.head
+        np.save(sys.argv[3], np.asarray(module.apply({"params": params}, *np.load(sys.argv[2]))))
+    """, tmp_path / "ckpt", tmp_path / "inputs.npy", tmp_path / "out.npy")
     np.testing.assert_allclose(np.load(tmp_path / "out.npy"),
                                hf_outputs(hf, "mlm", ids, types, mask)[0].numpy(), rtol=RTOL, atol=ATOL)
 
@@ -309,21 +259,17 @@ def test_parameter_counts_match_hf(preset):
 
 # ----------------------------------------------------------------------------- bad input
 
-def _sd(model):
-    return dict(model.state_dict())
-
-
 def test_unknown_missing_and_misshapen_keys_are_named(models):
     hf = models["pretraining"][0]
-    sd = _sd(hf)
+    sd = state_dict(hf)
     sd["bert.encoder.layer.0.attention.self.rotary.weight"] = torch.zeros(3)
     with pytest.raises(ValueError, match=r"bert\.encoder\.layer\.0\.attention\.self\.rotary\.weight"):
         from_hf_state_dict(hf.config, sd)
-    sd = _sd(hf)
+    sd = state_dict(hf)
     del sd["bert.encoder.layer.1.intermediate.dense.bias"]
     with pytest.raises(ValueError, match=r"bert\.encoder\.layer\.1\.intermediate\.dense\.bias"):
         from_hf_state_dict(hf.config, sd)
-    sd = _sd(hf)
+    sd = state_dict(hf)
     sd["bert.encoder.layer.0.attention.self.key.weight"] = torch.zeros(32, 31)
     with pytest.raises(ValueError, match=r"key\.weight.*\(32, 31\).*\(32, 32\)"):
         from_hf_state_dict(hf.config, sd)
@@ -331,17 +277,17 @@ def test_unknown_missing_and_misshapen_keys_are_named(models):
 
 def test_untied_decoder_raises(models):
     hf = models["mlm"][0]
-    sd = _sd(hf)
+    sd = state_dict(hf)
     sd["cls.predictions.decoder.weight"] = sd["cls.predictions.decoder.weight"].clone() + 1
     with pytest.raises(ValueError, match="cls.predictions.decoder.weight.*untied"):
         from_hf_state_dict(hf.config, sd)
     with pytest.raises(ValueError, match="tie_word_embeddings=False"):
-        from_hf_state_dict({**hf.config.to_dict(), "tie_word_embeddings": False}, _sd(hf))
+        from_hf_state_dict({**hf.config.to_dict(), "tie_word_embeddings": False}, state_dict(hf))
 
 
 def test_legacy_buffers_are_checked_and_dropped(models):
     hf, _, params = models["base"]
-    sd = _sd(hf)
+    sd = state_dict(hf)
     sd["embeddings.position_ids"] = torch.arange(40)[None]
     sd["embeddings.token_type_ids"] = torch.zeros(1, 40, dtype=torch.long)
     _, loaded = from_hf_state_dict(hf.config, sd)
@@ -356,12 +302,12 @@ def test_legacy_buffers_are_checked_and_dropped(models):
                                       "BertForNextSentencePrediction"])
 def test_unsupported_heads_raise(cls_name):
     torch.manual_seed(0)
-    model = getattr(transformers, cls_name)(transformers.BertConfig(**HF_KWARGS))
+    model = getattr(transformers, cls_name)(transformers.BertConfig(**BERT_TINY))
     config = {**model.config.to_dict(), "architectures": None}     # detection by keys alone
     with pytest.raises(ValueError, match="unsupported BERT head.*BertForMaskedLM"):
-        from_hf_state_dict(config, _sd(model))
+        from_hf_state_dict(config, state_dict(model))
     with pytest.raises(ValueError, match=f"unsupported BERT architecture '{cls_name}'"):
-        from_hf_state_dict({**config, "architectures": [cls_name]}, _sd(model))
+        from_hf_state_dict({**config, "architectures": [cls_name]}, state_dict(model))
 
 
 @pytest.mark.parametrize("option, value", [("is_decoder", True), ("add_cross_attention", True),
@@ -370,4 +316,4 @@ def test_unsupported_heads_raise(cls_name):
 def test_unsupported_config_option_raises(models, option, value):
     hf = models["pretraining"][0]
     with pytest.raises(ValueError, match=option):
-        from_hf_state_dict({**hf.config.to_dict(), option: value}, _sd(hf))
+        from_hf_state_dict({**hf.config.to_dict(), option: value}, state_dict(hf))

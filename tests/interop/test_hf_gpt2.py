@@ -1,52 +1,27 @@
 """GPT-2 parity with Hugging Face ``transformers`` (PyTorch), through ``interop.hf``.
 
-Every test builds HF models from a config with random weights (no hub access). The
-weights are perturbed away from HF's init (whose biases are zero and LayerNorms are the
-identity) so that every mapping in the conversion table is exercised.
+The HF models and tolerances come from ``conftest.py`` (random weights moved off HF's init,
+so that every mapping in the conversion table is exercised).
 """
 import copy
-import os
+import subprocess
+import sys
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
 
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import textwrap  # noqa: E402
+from transformer_jax.decode import generate
+from transformer_jax.errors import UserError
+from transformer_jax.interop import from_hf, hf_config, to_hf
+from transformer_jax.interop._common import ConversionError
+from transformer_jax.interop.hf import from_hf_state_dict, to_hf_numpy
+from transformer_jax.models.gpt import GPT, GPTConfig
 
-import jax  # noqa: E402
-
-jax.config.update("jax_default_matmul_precision", "highest")
-
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-import pytest  # noqa: E402
-
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
-from transformer_jax.decode import generate  # noqa: E402
-from transformer_jax.interop import from_hf, hf_config, to_hf  # noqa: E402
-from transformer_jax.interop.hf import from_hf_state_dict, to_hf_numpy  # noqa: E402
-from transformer_jax.models.gpt import GPT, GPTConfig  # noqa: E402
-
-# fp32 tolerances. Measured: logits (|logit| <= ~3) differ by <= 2e-6, gradients by <= 2e-7.
-LOGITS_RTOL, LOGITS_ATOL = 1e-5, 1e-5
-GRAD_RTOL, GRAD_ATOL = 1e-4, 1e-6
-
-HF_KWARGS = dict(n_embd=64, n_layer=2, n_head=4, vocab_size=101, n_positions=64,
-                 bos_token_id=None, eos_token_id=None)
-
-
-def make_hf(seed: int = 0, **overrides):
-    """A random ``GPT2LMHeadModel`` in eval mode, weights perturbed off HF's init."""
-    torch.manual_seed(seed)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**{**HF_KWARGS, **overrides}))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    return model.eval()
+from .conftest import (ATOL, GPT2_TINY, RTOL, assert_gradients_match, gpt2_model,
+                       run_without_torch, state_dict, torch, transformers)
 
 
 def hf_logits(model, ids, mask=None, positions=None) -> np.ndarray:
@@ -64,7 +39,7 @@ def our_logits(module, params, ids, mask=None, positions=None) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def hf_model():
-    return make_hf()
+    return gpt2_model()
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +47,7 @@ def converted(hf_model):
     return from_hf(hf_model)
 
 
-def random_ids(seed, shape, vocab=HF_KWARGS["vocab_size"]):
+def random_ids(seed, shape, vocab=GPT2_TINY["vocab_size"]):
     return np.random.default_rng(seed).integers(0, vocab, shape).astype(np.int32)
 
 
@@ -93,7 +68,7 @@ def test_config_mapping(hf_model, converted):
 def test_logits_parity(hf_model, converted):
     ids = random_ids(0, (3, 17))
     np.testing.assert_allclose(our_logits(*converted, ids), hf_logits(hf_model, ids),
-                               rtol=LOGITS_RTOL, atol=LOGITS_ATOL)
+                               rtol=RTOL, atol=ATOL)
 
 
 @pytest.mark.parametrize("side", ["right", "left"])
@@ -109,16 +84,16 @@ def test_logits_parity_with_padding(hf_model, converted, side):
     for positions in (None, gen_positions):
         ours = our_logits(*converted, ids, mask, positions)
         theirs = hf_logits(hf_model, ids, mask, positions)
-        np.testing.assert_allclose(ours[valid], theirs[valid], rtol=LOGITS_RTOL, atol=LOGITS_ATOL)
+        np.testing.assert_allclose(ours[valid], theirs[valid], rtol=RTOL, atol=ATOL)
 
 
 def test_untied_lm_head_parity():
-    model = make_hf(seed=3, tie_word_embeddings=False)
+    model = gpt2_model(seed=3, tie_word_embeddings=False)
     module, params = from_hf(model)
     assert not module.config.tie_embeddings and params["lm_head"]["kernel"].shape == (64, 101)
     ids = random_ids(2, (2, 9))
     np.testing.assert_allclose(our_logits(module, params, ids), hf_logits(model, ids),
-                               rtol=LOGITS_RTOL, atol=LOGITS_ATOL)
+                               rtol=RTOL, atol=ATOL)
     fresh = transformers.GPT2LMHeadModel(hf_config(module.config)).eval()
     fresh.load_state_dict(to_hf(module, params), strict=True)
     np.testing.assert_array_equal(hf_logits(fresh, ids), hf_logits(model, ids))
@@ -126,12 +101,12 @@ def test_untied_lm_head_parity():
 
 def test_gpt2_base_model_converts():
     """``GPT2Model`` has no ``transformer.`` prefix and no head; logits use the tied wte."""
-    lm = make_hf(seed=4)
+    lm = gpt2_model(seed=4)
     base = lm.transformer
     module, params = from_hf(base)
     ids = random_ids(3, (2, 8))
     np.testing.assert_allclose(our_logits(module, params, ids), hf_logits(lm, ids),
-                               rtol=LOGITS_RTOL, atol=LOGITS_ATOL)
+                               rtol=RTOL, atol=ATOL)
 
 
 # ----------------------------------------------------------------------------- gradients
@@ -151,23 +126,12 @@ def test_gradient_parity(hf_model, converted):
     loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
                                              torch.as_tensor(ids[:, 1:], dtype=torch.long).reshape(-1))
     loss.backward()
-    np.testing.assert_allclose(float(jax_loss), loss.item(), rtol=LOGITS_RTOL)
+    np.testing.assert_allclose(float(jax_loss), loss.item(), rtol=RTOL)
     # named_parameters lists the tied wte/lm_head once; its .grad holds both uses.
     torch_grads = {name: p.grad for name, p in hf_model.named_parameters()}
     _, mapped = from_hf_state_dict(hf_model.config, torch_grads)
     hf_model.zero_grad()
-
-    flat_jax = jax.tree_util.tree_leaves_with_path(jax_grads)
-    flat_torch = dict(jax.tree_util.tree_leaves_with_path(mapped))
-    assert len(flat_jax) == len(flat_torch) == len(jax.tree_util.tree_leaves(params))
-    for path, g in flat_jax:
-        name = jax.tree_util.keystr(path)
-        # The key bias shifts every logit of a softmax row equally: its exact gradient is 0
-        # and both sides hold rounding noise (~1e-9). Every other gradient must be real.
-        if "'key']['bias'" not in name:
-            assert float(jnp.abs(g).max()) > 1e-4, f"{name}: (near-)zero gradient, vacuous test"
-        np.testing.assert_allclose(np.asarray(g), np.asarray(flat_torch[path]), rtol=GRAD_RTOL,
-                                   atol=GRAD_ATOL, err_msg=name)
+    assert_gradients_match(jax_grads, mapped, params)
 
 
 # ----------------------------------------------------------------------------- round trips
@@ -191,37 +155,29 @@ def test_scan_layers_conversion(hf_model, converted):
     assert sparams["h"]["self_attn"]["query"]["kernel"].shape == (2, 64, 4, 16)
     ids = random_ids(7, (2, 10))
     np.testing.assert_allclose(our_logits(smod, sparams, ids), hf_logits(hf_model, ids),
-                               rtol=LOGITS_RTOL, atol=LOGITS_ATOL)
+                               rtol=RTOL, atol=ATOL)
     np.testing.assert_allclose(our_logits(smod, sparams, ids), our_logits(module, params, ids),
-                               rtol=LOGITS_RTOL, atol=LOGITS_ATOL)
+                               rtol=RTOL, atol=ATOL)
     a, b = to_hf_numpy(smod, sparams), to_hf_numpy(module, params)
     assert set(a) == set(b)
     for key in a:
         np.testing.assert_array_equal(a[key], b[key], err_msg=key)
-
-
-_LOAD_WITHOUT_TORCH = textwrap.dedent("""
-    import sys
-    sys.modules["torch"] = None          # any `import torch` now raises ImportError
-    import jax
-    jax.config.update("jax_default_matmul_precision", "highest")
-    import numpy as np
-    from transformer_jax.interop import from_hf
-    module, params = from_hf(sys.argv[1])
-    ids = np.load(sys.argv[2])
-    np.save(sys.argv[3], np.asarray(module.apply({"params": params}, ids)))
-    assert "torch" not in [m.split(".")[0] for m in sys.modules if sys.modules[m] is not None]
-""")
+    # to_hf takes either layout, whatever the config says
+    c = to_hf_numpy(module, sparams)
+    for key in a:
+        np.testing.assert_array_equal(c[key], a[key], err_msg=key)
 
 
 def test_load_save_pretrained_dir_without_torch(hf_model, tmp_path):
     hf_model.save_pretrained(tmp_path / "ckpt", safe_serialization=True)
     ids = random_ids(8, (2, 13))
     np.save(tmp_path / "ids.npy", ids)
-    subprocess.run([sys.executable, "-c", _LOAD_WITHOUT_TORCH, str(tmp_path / "ckpt"),
-                    str(tmp_path / "ids.npy"), str(tmp_path / "out.npy")], check=True)
+    run_without_torch("""
+        ids = np.load(sys.argv[2])
+        np.save(sys.argv[3], np.asarray(module.apply({"params": params}, ids)))
+    """, tmp_path / "ckpt", tmp_path / "ids.npy", tmp_path / "out.npy")
     np.testing.assert_allclose(np.load(tmp_path / "out.npy"), hf_logits(hf_model, ids),
-                               rtol=LOGITS_RTOL, atol=LOGITS_ATOL)
+                               rtol=RTOL, atol=ATOL)
 
 
 def test_load_sharded_and_bf16_dirs(hf_model, converted, tmp_path):
@@ -321,26 +277,22 @@ def test_parameter_counts_match_hf(name):
 
 # ----------------------------------------------------------------------------- bad input
 
-def _state_dict(model):
-    return dict(model.state_dict())
-
-
 def test_unknown_key_raises(hf_model):
-    sd = _state_dict(hf_model)
+    sd = state_dict(hf_model)
     sd["transformer.h.0.attn.rotary_inv_freq"] = torch.zeros(8)
     with pytest.raises(ValueError, match=r"transformer\.h\.0\.attn\.rotary_inv_freq"):
         from_hf_state_dict(hf_model.config, sd)
 
 
 def test_missing_key_raises(hf_model):
-    sd = _state_dict(hf_model)
+    sd = state_dict(hf_model)
     del sd["transformer.h.1.mlp.c_fc.bias"]
     with pytest.raises(ValueError, match=r"transformer\.h\.1\.mlp\.c_fc\.bias"):
         from_hf_state_dict(hf_model.config, sd)
 
 
 def test_wrong_shape_raises(hf_model):
-    sd = _state_dict(hf_model)
+    sd = state_dict(hf_model)
     sd["transformer.h.0.attn.c_attn.weight"] = torch.zeros(64, 190)
     with pytest.raises(ValueError, match=r"transformer\.h\.0\.attn\.c_attn\.weight") as err:
         from_hf_state_dict(hf_model.config, sd)
@@ -348,7 +300,7 @@ def test_wrong_shape_raises(hf_model):
 
 
 def test_legacy_mask_buffers_are_accepted_and_checked(hf_model, converted):
-    sd = _state_dict(hf_model)
+    sd = state_dict(hf_model)
     for i in range(2):
         sd[f"transformer.h.{i}.attn.bias"] = torch.tril(torch.ones(64, 64, dtype=torch.bool))[None, None]
         sd[f"transformer.h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
@@ -364,7 +316,7 @@ def test_legacy_mask_buffers_are_accepted_and_checked(hf_model, converted):
 
 
 def test_untied_head_in_tied_config_raises(hf_model):
-    sd = _state_dict(hf_model)
+    sd = state_dict(hf_model)
     sd["lm_head.weight"] = sd["lm_head.weight"].clone() + 1
     with pytest.raises(ValueError, match="lm_head.weight"):
         from_hf_state_dict(hf_model.config, sd)
@@ -380,13 +332,23 @@ def test_untied_head_in_tied_config_raises(hf_model):
 def test_unsupported_config_option_raises(hf_model, option, value):
     config = {**hf_model.config.to_dict(), option: value}
     with pytest.raises(ValueError, match=option):
-        from_hf_state_dict(config, _state_dict(hf_model))
+        from_hf_state_dict(config, state_dict(hf_model))
 
 
 def test_unsupported_model_type_lists_supported(hf_model):
     config = {**hf_model.config.to_dict(), "model_type": "bloom"}
     with pytest.raises(ValueError, match=r"'bloom'.*gpt2"):
-        from_hf_state_dict(config, _state_dict(hf_model))
+        from_hf_state_dict(config, state_dict(hf_model))
+
+
+def test_conversion_errors_are_user_errors(hf_model):
+    """Bad checkpoints and configs raise the project's UserError (a ValueError), naming the problem."""
+    assert issubclass(ConversionError, UserError) and issubclass(UserError, ValueError)
+    sd = dict(state_dict(hf_model), **{"transformer.h.0.extra": torch.zeros(2)})
+    with pytest.raises(ConversionError, match=r"transformer\.h\.0\.extra"):
+        from_hf_state_dict(hf_model.config, sd)
+    with pytest.raises(UserError, match="bloom"):
+        from_hf_state_dict({**hf_model.config.to_dict(), "model_type": "bloom"}, state_dict(hf_model))
 
 
 def test_to_hf_rejects_non_gpt2_options(converted):

@@ -1,76 +1,37 @@
 """T5 parity with Hugging Face ``T5ForConditionalGeneration`` (PyTorch), through ``interop.hf_t5``.
 
-Models are built from configs with random weights (no hub access) and perturbed off HF's
-init (norm scales of exactly 1 would hide a swapped norm). Two architectures: v1.0 (ReLU FF,
+The HF models and tolerances come from ``conftest.py`` (random weights moved off HF's init:
+norm scales of exactly 1 would hide a swapped norm). Two architectures: v1.0 (ReLU FF,
 lm_head tied to ``shared``, D^-1/2 output scaling) and v1.1 (gated tanh-GELU FF, separate
 lm_head, no scaling), both with 1 encoder and 2 decoder layers (the stacks differ, and
 the decoder's bias table serves several layers) and a padded encoder batch.
 """
 import functools
 import json
-import os
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
 
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import textwrap  # noqa: E402
+from transformer_jax.beam_search import beam_search, greedy_search
+from transformer_jax.interop import from_hf, hf_config, to_hf
+from transformer_jax.interop._common import ConversionError
+from transformer_jax.interop.hf import from_hf_state_dict
+from transformer_jax.interop.hf_t5 import to_hf_model
+from transformer_jax.layers.relative import relative_position_bucket
+from transformer_jax.models.t5 import T5, T5Config
 
-import jax  # noqa: E402
+from .conftest import (T5_ATOL, T5_GRAD_ATOL, T5_GRAD_RTOL, T5_RTOL, assert_gradients_match,
+                       run_without_torch, t5_model, torch, transformers, untie_lm_head)
 
-jax.config.update("jax_default_matmul_precision", "highest")
-
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-import pytest  # noqa: E402
-
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
-from transformer_jax.beam_search import beam_search, greedy_search  # noqa: E402
-from transformer_jax.interop import from_hf, hf_config, to_hf  # noqa: E402
-from transformer_jax.interop._common import ConversionError  # noqa: E402
-from transformer_jax.interop.hf import from_hf_state_dict  # noqa: E402
-from transformer_jax.interop.hf_t5 import to_hf_model  # noqa: E402
-from transformer_jax.layers.relative import relative_position_bucket  # noqa: E402
-from transformer_jax.models.t5 import T5, T5Config  # noqa: E402
-
-# fp32 tolerances. Measured: logits (|logit| <= ~20) differ by <= 1.4e-5; gradients by
-# <= 3e-6 absolute, i.e. <= 1e-5 of the largest entry of their tensor.
-LOGITS_RTOL, LOGITS_ATOL = 2e-5, 5e-5
-GRAD_RTOL, GRAD_ATOL = 1e-4, 5e-5      # GRAD_ATOL: relative to the tensor's largest entry
-
-HF_KWARGS = dict(vocab_size=50, d_model=32, d_kv=8, d_ff=48, num_layers=1, num_decoder_layers=2,
-                 num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=20,
-                 dropout_rate=0.0, decoder_start_token_id=0)
 GATED = dict(feed_forward_proj="gated-gelu", tie_word_embeddings=False)
-
-
-def untie_lm_head(model):
-    """What HF does when it loads a v1.1 checkpoint (lm_head != shared): a separate head."""
-    model.lm_head.weight = torch.nn.Parameter(model.shared.weight.detach().clone())
-    model.all_tied_weights_keys.pop("lm_head.weight", None)
-    return model
-
-
-def make_hf(seed=0, amplitude=0.1, **overrides):
-    """A random T5ForConditionalGeneration in eval mode, weights perturbed off HF's init."""
-    torch.manual_seed(seed)
-    kwargs = {**HF_KWARGS, **overrides}
-    model = transformers.T5ForConditionalGeneration(transformers.T5Config(**kwargs))
-    if kwargs.get("tie_word_embeddings", True) is False:
-        untie_lm_head(model)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(amplitude * torch.randn_like(p))
-    return model.eval()
 
 
 @pytest.fixture(scope="module", params=["relu_tied", "gated_untied"])
 def pair(request):
-    hf = make_hf(**(GATED if request.param == "gated_untied" else {}))
+    hf = t5_model(**(GATED if request.param == "gated_untied" else {}))
     return request.param, hf, from_hf(hf)
 
 
@@ -135,7 +96,7 @@ def test_logits_parity_with_encoder_padding(pair):
     _, hf, (module, params) = pair
     ids, mask, dec = inputs()
     ours = np.asarray(forward(module)(params, ids, dec, mask))
-    np.testing.assert_allclose(ours, hf_logits(hf, ids, mask, dec), rtol=LOGITS_RTOL, atol=LOGITS_ATOL)
+    np.testing.assert_allclose(ours, hf_logits(hf, ids, mask, dec), rtol=T5_RTOL, atol=T5_ATOL)
     # padding matters: without the mask the padded rows change
     unmasked = np.asarray(forward(module)(params, ids, dec, np.ones_like(mask)))
     assert np.abs(unmasked[2] - ours[2]).max() > 1e-2
@@ -144,14 +105,14 @@ def test_logits_parity_with_encoder_padding(pair):
 
 def test_hf5_tied_v11_model_converts():
     """HF >= 5 builds a v1.1 config as tied but unscaled: that combination converts too."""
-    hf = make_hf(seed=3, feed_forward_proj="gated-gelu")
+    hf = t5_model(seed=3, feed_forward_proj="gated-gelu")
     hf.config.scale_decoder_outputs = False
     module, params = from_hf(hf)
     assert module.config.tie_embeddings and not module.config.scales_output
     assert "lm_head" not in params
     ids, mask, dec = inputs(3)
     np.testing.assert_allclose(np.asarray(forward(module)(params, ids, dec, mask)),
-                               hf_logits(hf, ids, mask, dec), rtol=LOGITS_RTOL, atol=LOGITS_ATOL)
+                               hf_logits(hf, ids, mask, dec), rtol=T5_RTOL, atol=T5_ATOL)
 
 
 def test_gradient_parity(pair):
@@ -182,15 +143,9 @@ def test_gradient_parity(pair):
     torch_grads = {name: p.grad for name, p in hf.named_parameters()}
     _, mapped = from_hf_state_dict(hf.config, torch_grads, tie_embeddings=module.config.tie_embeddings)
     hf.zero_grad()
-    flat_jax = jax.tree_util.tree_leaves_with_path(jax_grads)
-    flat_torch = dict(jax.tree_util.tree_leaves_with_path(mapped))
-    assert len(flat_jax) == len(flat_torch) == len(jax.tree_util.tree_leaves(params))
-    for path, g in flat_jax:
-        name = jax.tree_util.keystr(path)
-        assert float(jnp.abs(g).max()) > 1e-4, f"{name}: (near-)zero gradient, vacuous test"
-        ref = np.asarray(flat_torch[path])
-        np.testing.assert_allclose(np.asarray(g), ref, rtol=GRAD_RTOL,
-                                   atol=GRAD_ATOL * np.abs(ref).max(), err_msg=name)
+    # T5 has no biases: the key-bias exemption of assert_gradients_match never applies
+    assert_gradients_match(jax_grads, mapped, params, rtol=T5_GRAD_RTOL, atol=T5_GRAD_ATOL,
+                           atol_relative=True)
 
 
 # ----------------------------------------------------------------------------- round trips
@@ -216,20 +171,6 @@ def test_round_trip_strict_load(pair):
         np.testing.assert_array_equal(np.asarray(leaf), np.asarray(ref))
 
 
-_LOAD_WITHOUT_TORCH = textwrap.dedent("""
-    import sys
-    sys.modules["torch"] = None          # any `import torch` now raises ImportError
-    import jax
-    jax.config.update("jax_default_matmul_precision", "highest")
-    import numpy as np
-    from transformer_jax.interop import from_hf
-    module, params = from_hf(sys.argv[1])
-    ids, mask, dec = (np.load(f"{sys.argv[2]}/{n}.npy") for n in ("ids", "mask", "dec"))
-    np.save(sys.argv[3], np.asarray(module.apply({"params": params}, ids, dec, mask)))
-    assert "torch" not in [m.split(".")[0] for m in sys.modules if sys.modules[m] is not None]
-""")
-
-
 def test_save_pretrained_dir_loads_without_torch(pair, tmp_path):
     name, hf, (module, params) = pair
     hf.save_pretrained(tmp_path / "ckpt", safe_serialization=True)
@@ -247,10 +188,12 @@ def test_save_pretrained_dir_loads_without_torch(pair, tmp_path):
         return
     for n, a in (("ids", ids), ("mask", mask), ("dec", dec)):
         np.save(tmp_path / f"{n}.npy", a)
-    subprocess.run([sys.executable, "-c", _LOAD_WITHOUT_TORCH, str(tmp_path / "ckpt"),
-                    str(tmp_path), str(tmp_path / "out.npy")], check=True)
+    run_without_torch("""
+        ids, mask, dec = (np.load(f"{sys.argv[2]}/{n}.npy") for n in ("ids", "mask", "dec"))
+        np.save(sys.argv[3], np.asarray(module.apply({"params": params}, ids, dec, mask)))
+    """, tmp_path / "ckpt", tmp_path, tmp_path / "out.npy")
     np.testing.assert_allclose(np.load(tmp_path / "out.npy"), hf_logits(hf, ids, mask, dec),
-                               rtol=LOGITS_RTOL, atol=LOGITS_ATOL)
+                               rtol=T5_RTOL, atol=T5_ATOL)
     # an HF 4.x config.json: tie_word_embeddings=False and no scale_decoder_outputs
     cfg_path = tmp_path / "ckpt" / "config.json"
     cfg = json.loads(cfg_path.read_text())
@@ -267,7 +210,7 @@ def test_save_pretrained_dir_loads_without_torch(pair, tmp_path):
 
 @pytest.fixture(scope="module")
 def relu_hf():
-    return make_hf(seed=7)
+    return t5_model(seed=7)
 
 
 def test_alias_keys_must_agree(relu_hf):
@@ -358,7 +301,7 @@ def small_vocab(arch):
     """Vocabulary 6 (eos 1 likely), so hypotheses end at many different lengths. (HF's
     generate needs num_decoder_layers == num_layers: its cache is sized by num_layers.)"""
     if arch not in _SMALL:
-        hf = make_hf(seed=0, amplitude=0.3, vocab_size=6, num_layers=2, num_decoder_layers=2,
+        hf = t5_model(seed=0, amplitude=0.3, vocab_size=6, num_layers=2, num_decoder_layers=2,
                      **(GATED if arch == "gated_untied" else {}))
         rng = np.random.default_rng(0)
         ids = rng.integers(2, 6, (6, 9)).astype(np.int32)

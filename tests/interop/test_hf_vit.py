@@ -1,55 +1,26 @@
 """ViT parity with Hugging Face ``ViTForImageClassification`` (PyTorch), through ``interop``.
 
-HF models are built from configs with random weights (no hub access), perturbed off HF's
-init (zero biases, identity LayerNorms) so that every mapping is exercised. HF takes NCHW
-``pixel_values``; our ViT takes NHWC, so images are transposed with (0, 2, 3, 1).
+The HF models and tolerances come from ``conftest.py`` (random weights moved off HF's init,
+so that every mapping is exercised). HF takes NCHW ``pixel_values``; our ViT takes NHWC,
+so images are transposed with (0, 2, 3, 1).
 """
 import functools
 import json
-import os
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
 
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import textwrap  # noqa: E402
+from transformer_jax.interop import from_hf, hf_config, to_hf
+from transformer_jax.interop.hf import from_hf_state_dict, to_hf_numpy
+from transformer_jax.interop.hf_vit import vit_to_state_dict
+from transformer_jax.models.vit import ViT, ViTConfig, resize_pos_embedding
 
-import jax  # noqa: E402
-
-jax.config.update("jax_default_matmul_precision", "highest")
-
-import flax.linen as nn  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-import pytest  # noqa: E402
-
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
-from transformer_jax.interop import from_hf, hf_config, to_hf  # noqa: E402
-from transformer_jax.interop.hf import from_hf_state_dict, to_hf_numpy  # noqa: E402
-from transformer_jax.interop.hf_vit import vit_to_state_dict  # noqa: E402
-from transformer_jax.models.vit import ViT, ViTConfig, resize_pos_embedding  # noqa: E402
-
-# fp32 tolerances. Measured: logits (|logit| ~1) differ by <= 4e-7, gradients by <= 1e-7.
-LOGITS_RTOL, LOGITS_ATOL = 1e-5, 1e-5
-GRAD_RTOL, GRAD_ATOL = 1e-4, 1e-6
-
-HF_KWARGS = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-                 image_size=16, patch_size=4, num_channels=3, num_labels=5)
-
-
-def make_hf(seed: int = 0, cls=None, **overrides):
-    """A random HF ViT in eval mode, weights perturbed off HF's init."""
-    torch.manual_seed(seed)
-    cls = cls or transformers.ViTForImageClassification
-    model = cls(transformers.ViTConfig(**{**HF_KWARGS, **overrides}))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    return model.eval()
+from .conftest import (ATOL, GRAD_ATOL, GRAD_RTOL, RTOL, assert_gradients_match,
+                       run_without_torch, state_dict, torch, transformers, vit_model)
 
 
 def random_images(seed, batch=3, size=16, channels=3) -> np.ndarray:
@@ -77,7 +48,7 @@ def our_logits(module, params, pixels) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def hf_model():
-    return make_hf()
+    return vit_model()
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +76,7 @@ def test_logits_parity(hf_model, converted):
     pixels = random_images(0)
     ours, theirs = our_logits(*converted, pixels), hf_logits(hf_model, pixels)
     assert np.abs(theirs).max() > 0.3
-    np.testing.assert_allclose(ours, theirs, rtol=LOGITS_RTOL, atol=LOGITS_ATOL)
+    np.testing.assert_allclose(ours, theirs, rtol=RTOL, atol=ATOL)
 
 
 def test_scan_layers_conversion(hf_model, converted):
@@ -113,7 +84,7 @@ def test_scan_layers_conversion(hf_model, converted):
     assert "encoderblock" in sparams and "encoderblock_0" not in sparams
     pixels = random_images(1)
     np.testing.assert_allclose(our_logits(smod, sparams, pixels), hf_logits(hf_model, pixels),
-                               rtol=LOGITS_RTOL, atol=LOGITS_ATOL)
+                               rtol=RTOL, atol=ATOL)
     a, b = to_hf_numpy(smod, sparams), to_hf_numpy(*converted)
     assert set(a) == set(b)
     for key in a:
@@ -121,13 +92,13 @@ def test_scan_layers_conversion(hf_model, converted):
 
 
 def test_vit_model_without_head_gives_the_cls_representation():
-    base = make_hf(seed=1, cls=lambda c: transformers.ViTModel(c, add_pooling_layer=False))
+    base = vit_model(seed=1, cls=lambda c: transformers.ViTModel(c, add_pooling_layer=False))
     module, params = from_hf(base)
     assert module.config.num_classes == 0 and "head" not in params
     pixels = random_images(2)
     with torch.no_grad():
         cls = base(torch.from_numpy(pixels)).last_hidden_state[:, 0].numpy()
-    np.testing.assert_allclose(our_logits(module, params, pixels), cls, rtol=LOGITS_RTOL, atol=LOGITS_ATOL)
+    np.testing.assert_allclose(our_logits(module, params, pixels), cls, rtol=RTOL, atol=ATOL)
     # back to HF: a ViTForImageClassification with num_labels=0 (identity classifier)
     headless = transformers.ViTForImageClassification(hf_config(module.config)).eval()
     headless.load_state_dict(to_hf(module, params), strict=True)
@@ -135,7 +106,7 @@ def test_vit_model_without_head_gives_the_cls_representation():
 
 
 def test_pooler_is_rejected_unless_dropped():
-    base = make_hf(seed=2, cls=transformers.ViTModel)          # add_pooling_layer=True
+    base = vit_model(seed=2, cls=transformers.ViTModel)          # add_pooling_layer=True
     with pytest.raises(ValueError, match=r"pooler.*drop_pooler=True"):
         from_hf(base)
     module, params = from_hf(base, drop_pooler=True)
@@ -160,21 +131,11 @@ def test_gradient_parity_params_and_image(hf_model, converted):
     x = torch.from_numpy(pixels).requires_grad_(True)
     loss = torch.nn.functional.cross_entropy(hf_model(x).logits, torch.as_tensor(labels))
     loss.backward()
-    np.testing.assert_allclose(float(jax_loss), loss.item(), rtol=LOGITS_RTOL)
+    np.testing.assert_allclose(float(jax_loss), loss.item(), rtol=RTOL)
     torch_grads = {name: p.grad for name, p in hf_model.named_parameters()}
     _, mapped = from_hf_state_dict(hf_model.config, torch_grads)
     hf_model.zero_grad()
-
-    flat_jax = jax.tree_util.tree_leaves_with_path(jax_grads)
-    flat_torch = dict(jax.tree_util.tree_leaves_with_path(mapped))
-    assert len(flat_jax) == len(flat_torch) == len(jax.tree_util.tree_leaves(params)) == 40
-    for path, g in flat_jax:
-        name = jax.tree_util.keystr(path)
-        # the key bias shifts a whole softmax row: its exact gradient is 0 (rounding noise)
-        if "'key']['bias'" not in name:
-            assert float(jnp.abs(g).max()) > 1e-4, f"{name}: (near-)zero gradient, vacuous test"
-        np.testing.assert_allclose(np.asarray(g), np.asarray(flat_torch[path]), rtol=GRAD_RTOL,
-                                   atol=GRAD_ATOL, err_msg=name)
+    assert assert_gradients_match(jax_grads, mapped, params) == 40
     image_grad = nhwc(x.grad.numpy())
     assert np.abs(image_grad).max() > 1e-4
     np.testing.assert_allclose(np.asarray(jax_image_grad), image_grad, rtol=GRAD_RTOL, atol=GRAD_ATOL)
@@ -213,28 +174,16 @@ def test_legacy_layout_round_trip_and_hf_loads_it(hf_model, converted, tmp_path)
     np.testing.assert_array_equal(hf_logits(loaded, pixels), hf_logits(hf_model, pixels))
 
 
-_LOAD_WITHOUT_TORCH = textwrap.dedent("""
-    import sys
-    sys.modules["torch"] = None          # any `import torch` now raises ImportError
-    import jax
-    jax.config.update("jax_default_matmul_precision", "highest")
-    import numpy as np
-    from transformer_jax.interop import from_hf
-    module, params = from_hf(sys.argv[1])
-    images = np.load(sys.argv[2])
-    np.save(sys.argv[3], np.asarray(module.apply({"params": params}, images)))
-    assert "torch" not in [m.split(".")[0] for m in sys.modules if sys.modules[m] is not None]
-""")
-
-
 def test_load_save_pretrained_dir_without_torch(hf_model, tmp_path):
     hf_model.save_pretrained(tmp_path / "ckpt", safe_serialization=True)
     pixels = random_images(6)
     np.save(tmp_path / "images.npy", nhwc(pixels))
-    subprocess.run([sys.executable, "-c", _LOAD_WITHOUT_TORCH, str(tmp_path / "ckpt"),
-                    str(tmp_path / "images.npy"), str(tmp_path / "out.npy")], check=True)
+    run_without_torch("""
+        images = np.load(sys.argv[2])
+        np.save(sys.argv[3], np.asarray(module.apply({"params": params}, images)))
+    """, tmp_path / "ckpt", tmp_path / "images.npy", tmp_path / "out.npy")
     np.testing.assert_allclose(np.load(tmp_path / "out.npy"), hf_logits(hf_model, pixels),
-                               rtol=LOGITS_RTOL, atol=LOGITS_ATOL)
+                               rtol=RTOL, atol=ATOL)
 
 
 # ----------------------------------------------------------------------------- position resizing
@@ -247,7 +196,7 @@ def test_resize_on_load_matches_hf_interpolate_pos_encoding(hf_model, size):
     pixels = random_images(7, size=size)
     np.testing.assert_allclose(our_logits(module, params, pixels),
                                hf_logits(hf_model, pixels, interpolate_pos_encoding=True),
-                               rtol=LOGITS_RTOL, atol=LOGITS_ATOL)
+                               rtol=RTOL, atol=ATOL)
 
 
 def test_resize_pos_embedding_equals_hf_function(hf_model):
@@ -272,7 +221,7 @@ def test_task_starts_from_a_pretrained_hf_dir(tmp_path):
     from transformer_jax.tasks import make_task
     from transformer_jax.train.config import ExperimentConfig, apply_overrides
 
-    gray = make_hf(seed=4, num_channels=1)                   # 5 classes, 16 px, like digits' 1 channel
+    gray = vit_model(seed=4, num_channels=1)                   # 5 classes, 16 px, like digits' 1 channel
     gray.save_pretrained(tmp_path / "hf", safe_serialization=True)
     cfg = apply_overrides(ExperimentConfig(model_overrides={}), [
         "task=image_classification", "model=vit", "model_preset=tiny", "dataset=digits",
@@ -314,20 +263,16 @@ def test_parameter_counts_match_hf(name):
 
 # ----------------------------------------------------------------------------- bad input
 
-def _state_dict(model):
-    return dict(model.state_dict())
-
-
 def test_unknown_missing_and_misshapen_keys_raise(hf_model):
-    sd = _state_dict(hf_model)
+    sd = state_dict(hf_model)
     sd["vit.embeddings.mask_token"] = torch.zeros(1, 1, 32)
     with pytest.raises(ValueError, match=r"vit\.embeddings\.mask_token"):
         from_hf_state_dict(hf_model.config, sd)
-    sd = _state_dict(hf_model)
+    sd = state_dict(hf_model)
     del sd["vit.layers.1.mlp.fc1.bias"]
     with pytest.raises(ValueError, match=r"vit\.layers\.1\.mlp\.fc1\.bias"):
         from_hf_state_dict(hf_model.config, sd)
-    sd = _state_dict(hf_model)
+    sd = state_dict(hf_model)
     sd["vit.embeddings.patch_embeddings.projection.weight"] = torch.zeros(32, 3, 8, 8)
     with pytest.raises(ValueError, match=r"projection\.weight.*\(32, 3, 8, 8\).*\(32, 3, 4, 4\)"):
         from_hf_state_dict(hf_model.config, sd)
@@ -338,7 +283,7 @@ def test_unknown_missing_and_misshapen_keys_raise(hf_model):
 def test_unsupported_config_option_raises(hf_model, option, value):
     config = {**hf_model.config.to_dict(), option: value}
     with pytest.raises(ValueError, match=option if option != "model_type" else "deit"):
-        from_hf_state_dict(config, _state_dict(hf_model))
+        from_hf_state_dict(config, state_dict(hf_model))
 
 
 def test_patch_size_cannot_change_on_load(hf_model):

@@ -20,22 +20,18 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
 
-jax.config.update("jax_default_matmul_precision", "highest")
+from transformer_jax.interop._common import ConversionError, StateDictReader
+from transformer_jax.interop.torch import from_torch, to_torch_state_dict
+from transformer_jax.layers import MultiHeadAttention, dot_product_attention
 
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
+# RTOL/ATOL: the fp32 parity tolerance of forward outputs, input and parameter gradients.
+from .conftest import ATOL, RTOL, torch
 
-torch = pytest.importorskip("torch")
 tnn = torch.nn
-
-from transformer_jax.interop._common import ConversionError, StateDictReader  # noqa: E402
-from transformer_jax.interop.torch import from_torch, to_torch_state_dict  # noqa: E402
-from transformer_jax.layers import MultiHeadAttention, dot_product_attention  # noqa: E402
-
-RTOL = 1e-5   # fp32 parity tolerance: forward outputs, input gradients, parameter gradients
-ATOL = 1e-5
 B, T, S, D, N, F = 2, 7, 5, 32, 4, 64
 
 

@@ -6,7 +6,8 @@ transformer_jax.interop`` costs nothing and imports neither torch nor transforme
   * ``from_torch``, ``to_torch_state_dict`` (:mod:`transformer_jax.interop.torch`): the
     tutorial modules and ``torch.nn``'s Transformer modules, both ways;
   * ``from_hf``, ``to_hf``, ``to_hf_numpy``, ``hf_config`` (:mod:`transformer_jax.interop.hf`):
-    Hugging Face models (GPT-2, dispatching on the HF ``model_type``).
+    Hugging Face GPT-2, BERT, T5 and ViT, dispatching on the HF ``model_type`` (one file per
+    family, ``hf_gpt2`` ... ``hf_vit``, over the shared ``registry`` and ``_common``).
 """
 from __future__ import annotations
 

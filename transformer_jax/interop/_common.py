@@ -1,4 +1,4 @@
-"""Torch-free machinery shared by the checkpoint converters (``interop.torch``, ``interop.hf``).
+"""Torch-free machinery shared by the checkpoint converters (``interop.torch``, ``interop.hf_*``).
 
 A converter describes a checkpoint as a list of :class:`TensorMap` entries: one source
 tensor (state-dict key and shape) <-> one or more Flax leaves (path and shape). The same
@@ -9,8 +9,8 @@ list drives both directions, so the two can never drift apart::
 
 Both directions assert every key and every shape: a missing key, a key taken twice, a
 shape that differs from the expected one, or a key left over at the end raises
-:class:`ConversionError` (a ``ValueError``) naming the key, and for shapes the expected and
-actual shapes. Everything here works on numpy arrays; :func:`as_numpy` converts tensors
+:class:`ConversionError` (a :class:`~transformer_jax.errors.UserError`) naming the key, and
+for shapes the expected and actual shapes. Everything here works on numpy arrays; :func:`as_numpy` converts tensors
 (anything with ``.detach()``, e.g. ``torch.Tensor``) at the edge without importing torch.
 
 Shapes in PyTorch's ``nn.Linear`` convention: weight (out, in), bias (out,). Flax
@@ -24,12 +24,14 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from ..errors import UserError
+
 Path = tuple[str, ...]
 Shape = tuple[int, ...]
 
 
-class ConversionError(ValueError):
-    """A checkpoint does not match the structure a converter expects."""
+class ConversionError(UserError):
+    """A checkpoint does not match the structure a converter expects (the message names the key)."""
 
 
 def as_numpy(x: Any) -> np.ndarray:
@@ -115,10 +117,13 @@ class TensorMap:
       key: the state-dict key, e.g. ``"self_attn.in_proj_weight"``.
       shape: its exact shape.
       targets: ``((path, shape), ...)``: the Flax leaves it becomes. With several targets the
-        tensor is split into equal chunks along axis 0 (PyTorch's packed ``in_proj_weight``
-        (3D, D) -> query/key/value kernels).
-      transpose: each chunk is a ``nn.Linear`` weight (out, in): transpose it to (in, out)
-        before reshaping to the Flax kernel shape.
+        tensor is split into equal chunks along ``split_axis`` (PyTorch's packed
+        ``in_proj_weight`` (3D, D) -> query/key/value kernels along axis 0; GPT-2's
+        ``c_attn`` (D, 3D) along axis 1).
+      transpose: ``True`` for an ``nn.Linear`` weight (out, in): each chunk is transposed to
+        (in, out) before it is reshaped to the Flax shape; a tuple of axes permutes each
+        chunk instead (a ``Conv2d`` weight OIHW -> HWIO is ``(2, 3, 1, 0)``).
+      split_axis: the axis the chunks are cut along (and joined along on the way back).
       constant: for a buffer the Flax side recomputes (no targets): a function returning the
         expected value. Loading checks the stored buffer against it (``within``); dumping
         writes it.
@@ -128,7 +133,8 @@ class TensorMap:
     key: str
     shape: Shape
     targets: tuple[tuple[Path, Shape], ...] = ()
-    transpose: bool = False
+    transpose: bool | tuple[int, ...] = False
+    split_axis: int = 0
     constant: Callable[[], np.ndarray] | None = None
     within: Any = 0.0
     description: str = ""
@@ -138,8 +144,9 @@ class TensorMap:
             raise ValueError(f"TensorMap {self.key!r}: give targets or a constant")
         if self.targets:
             n = len(self.targets)
-            if self.shape[0] % n:
-                raise ValueError(f"TensorMap {self.key!r}: shape {self.shape} does not split into {n}")
+            if self.shape[self.split_axis] % n:
+                raise ValueError(f"TensorMap {self.key!r}: shape {self.shape} does not split into "
+                                 f"{n} along axis {self.split_axis}")
             size = int(np.prod(self._chunk_shape()))
             for path, shape in self.targets:
                 if int(np.prod(shape)) != size:
@@ -147,7 +154,15 @@ class TensorMap:
                                      f"become {'/'.join(path)} of shape {shape}")
 
     def _chunk_shape(self) -> Shape:
-        return (self.shape[0] // len(self.targets),) + tuple(self.shape[1:])
+        shape = list(self.shape)
+        shape[self.split_axis] //= len(self.targets)
+        return tuple(shape)
+
+    def _axes(self) -> tuple[int, ...] | None:
+        """The permutation applied to each chunk on the way to Flax (None: none)."""
+        if self.transpose is True:
+            return tuple(reversed(range(len(self.shape))))
+        return tuple(self.transpose) if self.transpose else None
 
     def to_flax(self, array: np.ndarray) -> tuple[np.ndarray, ...]:
         """Source tensor (``shape``) -> the target leaves (their shapes), in ``targets`` order."""
@@ -162,11 +177,12 @@ class TensorMap:
                     f"by up to {err.max():.3g} (first at index {where}: stored {array[where]:.8g}, "
                     f"expected {expected[where]:.8g}); this layout/formula is not supported")
             return ()
-        chunks = np.split(array, len(self.targets), axis=0)
+        axes = self._axes()
         out = []
-        for chunk, (_, shape) in zip(chunks, self.targets):
-            if self.transpose:
-                chunk = chunk.T
+        for chunk, (_, shape) in zip(np.split(array, len(self.targets), axis=self.split_axis),
+                                     self.targets):
+            if axes is not None:
+                chunk = np.transpose(chunk, axes)
             out.append(np.ascontiguousarray(chunk).reshape(shape))
         return tuple(out)
 
@@ -174,14 +190,16 @@ class TensorMap:
         """The target leaves -> the source tensor: the exact inverse of :meth:`to_flax`."""
         if self.constant is not None:
             return np.asarray(self.constant(), dtype=np.float32).reshape(self.shape)
-        chunk = self._chunk_shape()
+        chunk, axes = self._chunk_shape(), self._axes()
         parts = []
         for a in arrays:
             a = np.asarray(a)
-            if self.transpose:
-                a = a.reshape(chunk[1], chunk[0]).T
-            parts.append(a.reshape(chunk))
-        return np.ascontiguousarray(np.concatenate(parts, axis=0))
+            if axes is None:
+                parts.append(a.reshape(chunk))
+            else:
+                permuted = a.reshape(tuple(chunk[i] for i in axes))
+                parts.append(np.transpose(permuted, np.argsort(axes)))
+        return np.ascontiguousarray(np.concatenate(parts, axis=self.split_axis))
 
 
 # ----------------------------------------------------------------------------- factories

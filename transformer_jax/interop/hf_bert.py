@@ -1,4 +1,4 @@
-"""Hugging Face BERT <-> ``models.bert.Bert``, registered with :mod:`transformer_jax.interop.hf`.
+"""Hugging Face BERT <-> ``models.bert.Bert``, reached through :mod:`transformer_jax.interop.hf`.
 
 Use the generic entry points, which dispatch here on ``model_type == "bert"`` (``from_hf``)
 or on a ``BertConfig`` (``to_hf``, ``hf_config``)::
@@ -32,6 +32,7 @@ Y token types, D width, N heads, H = D / N, F MLP width, C classes.
     {p}encoder.layer.{i}.intermediate.dense.{weight,bias} (F, D)  layer_{i}/mlp/wi/{kernel (D, F),bias}
     {p}encoder.layer.{i}.output.dense.{weight,bias}      (D, F)   layer_{i}/mlp/wo/{kernel (F, D),bias}
     {p}encoder.layer.{i}.output.LayerNorm.*              (D,)     layer_{i}/norm2/{scale,bias}
+    (scan_layers=True: the layer_{i} subtrees are one bert/layer with a leading (L,) axis)
     {p}pooler.dense.{weight,bias}                        (D, D)   pooler/{kernel,bias}
     cls.predictions.transform.dense.{weight,bias}        (D, D)   mlm/transform/{kernel,bias} (top level)
     cls.predictions.transform.LayerNorm.{weight,bias}    (D,)     mlm/transform_norm/{scale,bias}
@@ -58,16 +59,15 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-import flax.linen as nn
-import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..models.base import stack_layers, unstack_layers
+from ..errors import UserError
 from ..models.bert import Bert, BertConfig
-from ._common import (ConversionError, StateDictReader, TensorMap, dump_state_dict,
-                      flatten_params, layer_norm, linear, load_params)
-from .hf import GPT2_ACTIVATIONS, HFFamily, register_hf_family
+from ._common import (ConversionError, StateDictReader, TensorMap, dump_state_dict, layer_norm,
+                      linear, load_params)
+from .registry import (HFFamily, Stack, activation_from_hf, activation_to_hf, cast_params,
+                       check_table, plain_params, to_layout, without_scan)
 
 #: HF config attribute <-> BertConfig field, one table for both directions.
 BERT_CONFIG_FIELDS: tuple[tuple[str, str], ...] = (
@@ -107,7 +107,7 @@ def hf_class(head: str):
     import transformers
 
     if head not in HF_CLASSES:
-        raise ValueError(f"unknown BERT head {head!r}; choose one of {sorted(HF_CLASSES)}")
+        raise UserError(f"unknown BERT head {head!r}; choose one of {sorted(HF_CLASSES)}")
     return getattr(transformers, HF_CLASSES[head])
 
 
@@ -122,21 +122,19 @@ def _num_labels(config: Mapping[str, Any]) -> int:
 def bert_config_from_hf(config: Mapping[str, Any], head: str, **overrides: Any) -> BertConfig:
     """HF BERT config (a dict) -> ``BertConfig`` with ``head``; unsupported options raise."""
     if config.get("model_type") != "bert":
-        raise ValueError(f"expected a BERT config (model_type 'bert'), got model_type "
-                         f"{config.get('model_type')!r}")
+        raise UserError(f"expected a BERT config (model_type 'bert'), got model_type "
+                        f"{config.get('model_type')!r}")
     for option, supported in BERT_FIXED_OPTIONS.items():
         if option in config and config[option] != supported:
-            raise ValueError(f"unsupported BERT config option {option}={config[option]!r}: "
-                             f"transformer_jax's BERT implements only {option}={supported!r}")
-    act = config.get("hidden_act", "gelu")
-    if act not in GPT2_ACTIVATIONS:
-        raise ValueError(f"unsupported BERT config option hidden_act={act!r}; supported: "
-                         f"{sorted(GPT2_ACTIVATIONS)}")
+            raise UserError(f"unsupported BERT config option {option}={config[option]!r}: "
+                            f"transformer_jax's BERT implements only {option}={supported!r}")
+    activation = activation_from_hf(config.get("hidden_act", "gelu"), family="BERT",
+                                    option="hidden_act")
     if head in ("pretraining", "mlm") and config.get("tie_word_embeddings", True) is False:
-        raise ValueError("unsupported BERT config option tie_word_embeddings=False: "
-                         "transformer_jax's BERT always ties the MLM decoder to the word embeddings")
+        raise UserError("unsupported BERT config option tie_word_embeddings=False: "
+                        "transformer_jax's BERT always ties the MLM decoder to the word embeddings")
     values = {ours: config[hf] for hf, ours in BERT_CONFIG_FIELDS if hf in config}
-    values.update(activation=GPT2_ACTIVATIONS[act], head=head)
+    values.update(activation=activation, head=head)
     if head == "classification":
         values["num_classes"] = _num_labels(config)
     values.update(overrides)
@@ -150,13 +148,9 @@ def bert_hf_config(config: BertConfig, **extra: Any):
     """
     from transformers import BertConfig as HFBertConfig
 
-    reverse_act: dict[str, str] = {}
-    for hf_name, ours in GPT2_ACTIVATIONS.items():
-        reverse_act.setdefault(ours, hf_name)
-    if config.activation not in reverse_act:
-        raise ValueError(f"BertConfig activation={config.activation!r} has no HF hidden_act")
     values = {hf: getattr(config, ours) for hf, ours in BERT_CONFIG_FIELDS}
-    values.update(intermediate_size=config.mlp_features, hidden_act=reverse_act[config.activation],
+    values.update(intermediate_size=config.mlp_features,
+                  hidden_act=activation_to_hf(config.activation, what="BertConfig.activation"),
                   is_decoder=False, add_cross_attention=False, tie_word_embeddings=True)
     if config.head == "classification":
         values["num_labels"] = config.num_classes
@@ -205,26 +199,9 @@ def bert_tensor_maps(cfg: BertConfig, prefix: str) -> list[TensorMap]:
     return maps
 
 
-def _expected_flax_shapes(cfg: BertConfig) -> dict[str, tuple[int, ...]]:
-    """'/'-joined path -> shape of the unscanned params of ``Bert(cfg)``, without allocating."""
-    module = Bert(cfg.replace(scan_layers=False, remat=False))
-    ids = jnp.zeros((1, 1), jnp.int32)
-    tree = jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0), ids))["params"]
-    return {"/".join(path): tuple(x.shape)
-            for path, x in flatten_params(nn.meta.unbox(tree)).items()}
-
-
-def _check_table(cfg: BertConfig, flat: Mapping[str, Any]) -> None:
-    """The table must produce exactly the module's leaves (a bug here, not in the input)."""
-    expected = _expected_flax_shapes(cfg)
-    if set(flat) != set(expected):
-        raise AssertionError(f"BERT tensor table out of sync with Bert: missing "
-                             f"{sorted(set(expected) - set(flat))}, extra "
-                             f"{sorted(set(flat) - set(expected))}")
-    for path, shape in expected.items():
-        if tuple(np.shape(flat[path])) != shape:
-            raise AssertionError(f"BERT tensor table: {path} has shape {np.shape(flat[path])}, "
-                                 f"Bert expects {shape}")
+def bert_stacks(cfg: BertConfig) -> tuple[Stack, ...]:
+    """BERT's one layer stack: ``bert/layer_{i}``, scanned ``bert/layer``."""
+    return ((("bert",), "layer", cfg.num_layers),)
 
 
 # ============================================================================ HF -> flax
@@ -232,8 +209,8 @@ def _check_table(cfg: BertConfig, flat: Mapping[str, Any]) -> None:
 def _detect_head(config: Mapping[str, Any], keys: set[str]) -> tuple[str, str]:
     """(head, key prefix) from the state-dict keys (see the module docstring)."""
     if config.get("is_decoder"):
-        raise ValueError("unsupported BERT config option is_decoder=True (BertLMHeadModel, a "
-                         "causal decoder); transformer_jax's BERT is a bidirectional encoder")
+        raise UserError("unsupported BERT config option is_decoder=True (BertLMHeadModel, a "
+                        "causal decoder); transformer_jax's BERT is a bidirectional encoder")
     supported = sorted(HF_CLASSES.values())
     unsupported = [a for a in config.get("architectures") or () if a not in supported]
     if unsupported:
@@ -276,9 +253,11 @@ def _bert_from_state_dict(config: Mapping[str, Any], state_dict: Mapping[str, An
     head, prefix = _detect_head(config, set(reader.remaining()))
     cfg = bert_config_from_hf(config, head, **overrides)
     if cfg.head != head:
-        raise ValueError(f"this checkpoint holds the {head!r} head ({HF_CLASSES[head]}); "
-                         f"head={cfg.head!r} cannot be loaded from it")
-    params = load_params(bert_tensor_maps(cfg, prefix), reader, finish=False)
+        raise UserError(f"this checkpoint holds the {head!r} head ({HF_CLASSES[head]}); "
+                        f"head={cfg.head!r} cannot be loaded from it")
+    maps = bert_tensor_maps(cfg, prefix)
+    check_table(maps, Bert(without_scan(cfg)), jnp.zeros((1, 1), jnp.int32), what="BERT")
+    params = load_params(maps, reader, finish=False)
 
     if cfg.head in ("pretraining", "mlm"):
         words = params["bert"]["word_embeddings"]["embedding"]
@@ -291,33 +270,21 @@ def _bert_from_state_dict(config: Mapping[str, Any], state_dict: Mapping[str, An
                  f"arange({p})")
     _take_buffer(reader, prefix + "embeddings.token_type_ids", (1, p), np.zeros((1, p)), "zeros")
     reader.finish()
-
-    _check_table(cfg, {"/".join(k): v for k, v in flatten_params(params).items()})
-    dtype = jnp.dtype(cfg.param_dtype)
-    params = jax.tree_util.tree_map(lambda x: np.asarray(x, dtype=dtype), params)
-    if cfg.scan_layers:
-        params["bert"] = stack_layers(params["bert"], cfg.num_layers, prefix="layer_", name="layer")
-    return Bert(cfg), jax.tree_util.tree_map(jnp.asarray, params)
+    params = to_layout(cast_params(params, cfg.param_dtype), bert_stacks(cfg),
+                       scanned=cfg.scan_layers, what="BERT params")
+    return Bert(cfg), params
 
 
 # ============================================================================ flax -> HF
 
-def _bert_to_state_dict(module: Bert, params: Any) -> dict[str, np.ndarray]:
+def bert_to_state_dict(module: Bert, params: Any) -> dict[str, np.ndarray]:
     """``(Bert, params)`` -> the state dict of ``hf_class(module.config.head)``, numpy arrays.
 
     ``params`` may be the params tree or the ``{'params': ...}`` variables, boxed or not,
-    scanned when ``module.config.scan_layers``.
+    in either layout (``bert/layer_{i}`` or a scanned ``bert/layer``).
     """
     cfg = module.config
-    params = nn.meta.unbox(params)
-    if set(params) == {"params"}:
-        params = params["params"]
-    params = jax.tree_util.tree_map(np.asarray, dict(params))
-    if cfg.scan_layers:
-        if "layer" not in params.get("bert", {}):
-            raise ConversionError("config says scan_layers=True but the params have no stacked "
-                                  "'bert/layer'")
-        params = {**params, "bert": unstack_layers(params["bert"], prefix="layer_", name="layer")}
+    params = to_layout(plain_params(params), bert_stacks(cfg), scanned=False, what="BERT params")
     prefix = "" if cfg.head == "base" else "bert."
     out = dump_state_dict(bert_tensor_maps(cfg, prefix), params, what="BERT params")
     if cfg.head in ("pretraining", "mlm"):
@@ -326,9 +293,7 @@ def _bert_to_state_dict(module: Bert, params: Any) -> dict[str, np.ndarray]:
     return out
 
 
-BERT_FAMILY = HFFamily(
+FAMILY = HFFamily(
     name="bert", model_types=("bert",), config_type=BertConfig,
-    from_state_dict=_bert_from_state_dict, to_state_dict=_bert_to_state_dict,
+    from_state_dict=_bert_from_state_dict, to_state_dict=bert_to_state_dict,
     make_hf_config=bert_hf_config)
-
-register_hf_family(BERT_FAMILY)

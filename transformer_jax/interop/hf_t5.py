@@ -1,7 +1,6 @@
 """Hugging Face ``T5ForConditionalGeneration`` <-> :class:`~transformer_jax.models.t5.T5`.
 
-Registered with :mod:`transformer_jax.interop.hf` (``model_type="t5"``), so the generic
-entry points work::
+Reached through :mod:`transformer_jax.interop.hf` (``model_type="t5"``, ``T5Config``)::
 
     module, params = from_hf(hf_t5_model)            # or a local save_pretrained directory
     state_dict = to_hf(module, params)               # strict-loadable torch tensors
@@ -29,7 +28,8 @@ are transposed into (in, out...) kernels)::
     {s}.final_layer_norm.weight                                (D,)      {s}/final_norm/scale
     lm_head.weight (untied only)                               (V, D)    lm_head/kernel (D, V)
 
-with ``f`` = 1 in the encoder and 2 in the decoder.
+with ``f`` = 1 in the encoder and 2 in the decoder. With ``scan_layers=True`` the
+``layers_{i}`` subtrees of each stack are one ``{s}/layers`` with a leading (L,) axis.
 
 Aliases, handled explicitly:
   * ``shared.weight``, ``encoder.embed_tokens.weight`` and ``decoder.embed_tokens.weight``
@@ -60,13 +60,15 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..errors import UserError
 from ..models.t5 import T5, T5Config
 from ._common import (ConversionError, StateDictReader, TensorMap, as_numpy, dump_state_dict,
-                      flatten_params, linear, load_params)
+                      linear, load_params)
+from .registry import (HF_ACTIVATIONS, HFFamily, Stack, activation_to_hf, cast_params,
+                       check_table, plain_params, to_layout, torch_tensors, without_scan)
 
 #: HF config attribute <-> T5Config field (both directions).
 T5_CONFIG_FIELDS: tuple[tuple[str, str], ...] = (
@@ -87,19 +89,6 @@ T5_CONFIG_FIELDS: tuple[tuple[str, str], ...] = (
     ("decoder_start_token_id", "decoder_start_token_id"),
 )
 
-#: HF activation name (the part after ``gated-``) -> ours.
-T5_ACTIVATIONS: dict[str, str] = {
-    "relu": "relu",
-    "gelu_new": "gelu_tanh",
-    "gelu_pytorch_tanh": "gelu_tanh",
-    "gelu_python_tanh": "gelu_tanh",
-    "gelu": "gelu",
-    "gelu_python": "gelu",
-    "silu": "silu",
-    "swish": "silu",
-    "tanh": "tanh",
-}
-
 _EMBEDDING_ALIASES = ("shared.weight", "encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
 _UNUSED_CROSS_BIAS = "decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight"
 
@@ -109,28 +98,28 @@ _UNUSED_CROSS_BIAS = "decoder.block.0.layer.1.EncDecAttention.relative_attention
 def t5_config_from_hf(config: Mapping[str, Any], **overrides: Any) -> T5Config:
     """HF T5 config (dict) -> ``T5Config``; unsupported options raise, naming them."""
     if config.get("model_type") != "t5":
-        raise ValueError(f"expected a T5 config (model_type 't5'), got {config.get('model_type')!r}")
+        raise UserError(f"expected a T5 config (model_type 't5'), got {config.get('model_type')!r}")
     if config.get("is_encoder_decoder", True) is not True:
-        raise ValueError("unsupported T5 config option is_encoder_decoder=False: transformer_jax's "
-                         "T5 is the encoder-decoder model")
+        raise UserError("unsupported T5 config option is_encoder_decoder=False: transformer_jax's "
+                        "T5 is the encoder-decoder model")
     proj = config.get("feed_forward_proj", "relu")
     parts = proj.split("-")
     if len(parts) > 2 or (len(parts) == 2 and parts[0] != "gated"):
-        raise ValueError(f"unsupported T5 config option feed_forward_proj={proj!r}; expected "
-                         "'ACT' or 'gated-ACT'")
+        raise UserError(f"unsupported T5 config option feed_forward_proj={proj!r}; expected "
+                        "'ACT' or 'gated-ACT'")
     act = "gelu_new" if proj == "gated-gelu" else parts[-1]     # HF's own special case
-    if act not in T5_ACTIVATIONS:
-        raise ValueError(f"unsupported T5 config option feed_forward_proj={proj!r}: activation "
-                         f"{act!r} is not one of {sorted(T5_ACTIVATIONS)}")
+    if act not in HF_ACTIVATIONS:
+        raise UserError(f"unsupported T5 config option feed_forward_proj={proj!r}: activation "
+                        f"{act!r} is not one of {sorted(HF_ACTIVATIONS)}")
     values = {ours: config[hf] for hf, ours in T5_CONFIG_FIELDS
               if hf in config and config[hf] is not None}
     eos = values.get("eos_token_id")
     if isinstance(eos, (list, tuple)):
         if len(eos) != 1:
-            raise ValueError(f"unsupported T5 config option eos_token_id={eos!r}: one eos id only")
+            raise UserError(f"unsupported T5 config option eos_token_id={eos!r}: one eos id only")
         values["eos_token_id"] = eos[0]
     values.setdefault("decoder_start_token_id", values.get("pad_token_id", 0))
-    values["activation"] = T5_ACTIVATIONS[act]
+    values["activation"] = HF_ACTIVATIONS[act]
     values["gated_mlp"] = len(parts) == 2
     tie = bool(config.get("tie_word_embeddings", True))
     scale = bool(config["scale_decoder_outputs"]) if "scale_decoder_outputs" in config else tie
@@ -143,14 +132,19 @@ def t5_config_from_hf(config: Mapping[str, Any], **overrides: Any) -> T5Config:
     return T5Config.from_dict(values)
 
 
-def _hf_activation_name(config: T5Config) -> str:
-    if config.gated_mlp and config.activation == "gelu_tanh":
+def _feed_forward_proj(config: T5Config) -> str:
+    """HF's ``feed_forward_proj`` for ``config``: ``ACT`` or ``gated-ACT``.
+
+    HF reads ``gated-gelu`` as the tanh GELU, so that is the name written for it, and the
+    exact GELU, gated, is written ``gated-gelu_python``.
+    """
+    if not config.gated_mlp:
+        return activation_to_hf(config.activation, what="T5Config.activation")
+    if config.activation == "gelu_tanh":
         return "gated-gelu"
-    names = {"relu": "relu", "gelu_tanh": "gelu_new", "gelu": "gelu_python", "silu": "silu",
-             "tanh": "tanh"}
-    if config.activation not in names:
-        raise ValueError(f"T5Config activation={config.activation!r} has no HF T5 equivalent")
-    return ("gated-" if config.gated_mlp else "") + names[config.activation]
+    if config.activation == "gelu":
+        return "gated-gelu_python"
+    return "gated-" + activation_to_hf(config.activation, what="T5Config.activation")
 
 
 def t5_hf_config(config: T5Config, **extra: Any):
@@ -163,7 +157,7 @@ def t5_hf_config(config: T5Config, **extra: Any):
 
     values = {hf: getattr(config, ours) for hf, ours in T5_CONFIG_FIELDS}
     values["num_decoder_layers"] = config.decoder_layers
-    values.update(feed_forward_proj=_hf_activation_name(config),
+    values.update(feed_forward_proj=_feed_forward_proj(config),
                   tie_word_embeddings=config.scales_output, is_encoder_decoder=True)
     values.update(extra)
     return HFT5Config(**values)
@@ -214,22 +208,9 @@ def t5_tensor_maps(cfg: T5Config, *, embedding_key: str = "shared.weight") -> li
     return maps
 
 
-def _expected_flax_shapes(cfg: T5Config) -> dict[str, tuple[int, ...]]:
-    import flax.linen as nn
-
-    ids = jnp.zeros((1, 2), jnp.int32)
-    tree = jax.eval_shape(lambda: T5(cfg).init(jax.random.PRNGKey(0), ids, ids))["params"]
-    return {"/".join(p): tuple(x.shape) for p, x in flatten_params(nn.meta.unbox(tree)).items()}
-
-
-def _check_against_module(cfg: T5Config, params: Mapping[str, Any]) -> None:
-    """The tensor-map table must produce exactly the module's param tree (a bug otherwise)."""
-    got = {"/".join(p): tuple(np.shape(x)) for p, x in flatten_params(params).items()}
-    want = _expected_flax_shapes(cfg)
-    if got != want:
-        raise AssertionError(f"T5 tensor maps out of sync with T5: missing {sorted(set(want) - set(got))}, "
-                             f"extra {sorted(set(got) - set(want))}, shapes differ at "
-                             f"{sorted(k for k in set(got) & set(want) if got[k] != want[k])}")
+def t5_stacks(cfg: T5Config) -> tuple[Stack, ...]:
+    """T5's two layer stacks: ``{encoder,decoder}/layers_{i}``, scanned ``{encoder,decoder}/layers``."""
+    return ((("encoder",), "layers", cfg.num_layers), (("decoder",), "layers", cfg.decoder_layers))
 
 
 # ----------------------------------------------------------------------------- HF -> flax
@@ -268,29 +249,27 @@ def _t5_from_state_dict(config: Mapping[str, Any], state_dict: Mapping[str, Any]
         reader.take("lm_head.weight", shape)            # equal to the embedding (checked above)
     if _UNUSED_CROSS_BIAS in reader:
         reader.take(_UNUSED_CROSS_BIAS, (cfg.relative_attention_num_buckets, cfg.num_heads))
-    params = load_params(t5_tensor_maps(cfg, embedding_key=present[0]), reader)
-    _check_against_module(cfg, params)
-    dtype = jnp.dtype(cfg.param_dtype)
-    return T5(cfg), jax.tree_util.tree_map(lambda x: jnp.asarray(x, dtype), params)
+    maps = t5_tensor_maps(cfg, embedding_key=present[0])
+    ids = jnp.zeros((1, 2), jnp.int32)
+    check_table(maps, T5(without_scan(cfg)), ids, ids, what="T5")
+    params = load_params(maps, reader)
+    params = to_layout(cast_params(params, cfg.param_dtype), t5_stacks(cfg),
+                       scanned=getattr(cfg, "scan_layers", False), what="T5 params")
+    return T5(cfg), params
 
 
 # ----------------------------------------------------------------------------- flax -> HF
 
-def _t5_to_state_dict(module: T5, params: Any) -> dict[str, np.ndarray]:
+def t5_to_state_dict(module: T5, params: Any) -> dict[str, np.ndarray]:
     """``(T5, params)`` -> ``T5ForConditionalGeneration`` state dict of numpy arrays.
 
+    ``params`` may be the params tree or ``{'params': ...}``, boxed or not, in either layout.
     The three embedding aliases (and ``lm_head.weight`` when tied) are the same array.
     """
-    import flax.linen as nn
-
     cfg = module.config
-    _hf_activation_name(cfg)                     # raises for activations HF cannot express
-    params = nn.meta.unbox(params)
-    if set(params) == {"params"}:
-        params = params["params"]
-    params = jax.tree_util.tree_map(lambda x: np.asarray(x), dict(params))
-    maps = t5_tensor_maps(cfg)
-    flat = dump_state_dict(maps, params, what="T5 params")
+    _feed_forward_proj(cfg)                      # raises for activations HF cannot express
+    params = to_layout(plain_params(params), t5_stacks(cfg), scanned=False, what="T5 params")
+    flat = dump_state_dict(t5_tensor_maps(cfg), params, what="T5 params")
     out: dict[str, np.ndarray] = {}
     shared = flat.pop("shared.weight")
     out["shared.weight"] = shared
@@ -312,8 +291,6 @@ def to_hf_model(module: T5, params: Any | None = None):
     import torch
     from transformers import T5ForConditionalGeneration
 
-    from .hf import to_hf
-
     cfg = module.config
     model = T5ForConditionalGeneration(t5_hf_config(cfg))
     if not cfg.tie_embeddings and model.lm_head.weight is model.shared.weight:
@@ -322,17 +299,11 @@ def to_hf_model(module: T5, params: Any | None = None):
         if isinstance(tied, dict):
             tied.pop("lm_head.weight", None)
     if params is not None:
-        model.load_state_dict(to_hf(module, params), strict=True)
+        model.load_state_dict(torch_tensors(t5_to_state_dict(module, params)), strict=True)
     return model.eval()
 
 
-def _register() -> None:
-    from .hf import HFFamily, register_hf_family
-
-    register_hf_family(HFFamily(
-        name="t5", model_types=("t5",), config_type=T5Config,
-        from_state_dict=_t5_from_state_dict, to_state_dict=_t5_to_state_dict,
-        make_hf_config=t5_hf_config))
-
-
-_register()
+FAMILY = HFFamily(
+    name="t5", model_types=("t5",), config_type=T5Config,
+    from_state_dict=_t5_from_state_dict, to_state_dict=t5_to_state_dict,
+    make_hf_config=t5_hf_config)

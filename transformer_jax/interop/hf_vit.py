@@ -1,15 +1,11 @@
 """Hugging Face ViT (``ViTForImageClassification``, ``ViTModel``) <-> transformer_jax ``ViT``.
 
-Entry points (also reachable through :mod:`transformer_jax.interop.hf`, which dispatches
-on ``model_type="vit"`` and on ``ViTConfig``)::
+Reached through :mod:`transformer_jax.interop.hf` (``model_type="vit"``, ``ViTConfig``)::
 
     module, params = from_hf(hf_model)                 # a live ViTForImageClassification
     module, params = from_hf("/path/to/save_pretrained_dir", image_size=384)
     state_dict = to_hf(module, params)                 # torch tensors, strict-loadable
-    hf_cfg = vit_hf_config(module.config)              # transformers.ViTConfig
-
-Loading a ``save_pretrained`` directory reads ``config.json`` and the safetensors file(s)
-with :mod:`transformer_jax.interop.hf`'s directory reader, without importing torch.
+    hf_cfg = hf_config(module.config)                  # transformers.ViTConfig
 
 Images. HF takes ``pixel_values`` NCHW; our ``ViT`` takes NHWC: ``x.transpose(0, 2, 3, 1)``.
 
@@ -40,6 +36,9 @@ F MLP width, C channels, P patch, T tokens, K classes. Prefix ``vit.`` in a
     layernorm.{weight,bias}                           (D,)           encoder_norm/{scale,bias}
     classifier.{weight,bias} (no prefix)              (K, D), (K,)   head/kernel (D, K), bias (K,)
 
+With ``scan_layers=True`` the ``encoderblock_{i}`` subtrees are one ``encoderblock`` with a
+leading (L,) axis.
+
 A model without ``classifier.*`` keys (a ``ViTModel``, or ``num_labels=0``) converts to
 ``num_classes=0`` (apply returns the CLS representation). A ``ViTModel``'s pooler
 (``pooler.dense``, a dense + tanh that ``ViTForImageClassification`` does not have) is
@@ -53,18 +52,17 @@ HF's ``interpolate_pos_encoding``; ``pos_interpolation="bilinear"`` for the othe
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Mapping
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..models.base import stack_layers, unstack_layers
+from ..errors import UserError
 from ..models.vit import ViT, ViTConfig, resize_params
-from ._common import (ConversionError, StateDictReader, TensorMap, dump_state_dict, flatten_params,
-                      layer_norm, linear, load_params)
-from .hf import HFFamily, register_hf_family
+from ._common import (ConversionError, StateDictReader, TensorMap, dump_state_dict, layer_norm,
+                      linear, load_params)
+from .registry import (HFFamily, Stack, activation_from_hf, activation_to_hf, cast_params,
+                       check_table, plain_params, to_layout, without_scan)
 
 LAYOUTS = ("current", "legacy")
 
@@ -81,27 +79,13 @@ VIT_CONFIG_FIELDS: tuple[tuple[str, str], ...] = (
     ("initializer_range", "initializer_range"),
 )
 
-#: HF ``hidden_act`` -> our activation; the first HF name per activation is the one written.
-VIT_ACTIVATIONS: dict[str, str] = {
-    "gelu": "gelu",
-    "gelu_python": "gelu",
-    "gelu_new": "gelu_tanh",
-    "gelu_pytorch_tanh": "gelu_tanh",
-    "relu": "relu",
-    "silu": "silu",
-    "swish": "silu",
-}
-
-_SCAN = dict(prefix="encoderblock_", name="encoderblock")
-
-
 # ============================================================================ config
 
 def _square(value: Any, name: str) -> int:
     if isinstance(value, (list, tuple)):
         if len(value) != 2 or value[0] != value[1]:
-            raise ValueError(f"unsupported ViT config {name}={value!r}: transformer_jax's ViT "
-                             "takes square images and patches")
+            raise UserError(f"unsupported ViT config {name}={value!r}: transformer_jax's ViT "
+                            "takes square images and patches")
         value = value[0]
     return int(value)
 
@@ -109,24 +93,22 @@ def _square(value: Any, name: str) -> int:
 def vit_config_from_hf(config: Mapping[str, Any], **overrides: Any) -> ViTConfig:
     """HF ViT config (a dict) -> ``ViTConfig``; unsupported options raise, naming them."""
     if config.get("model_type") != "vit":
-        raise ValueError(f"expected a ViT config (model_type 'vit'), got model_type "
-                         f"{config.get('model_type')!r}")
+        raise UserError(f"expected a ViT config (model_type 'vit'), got model_type "
+                        f"{config.get('model_type')!r}")
     if not config.get("qkv_bias", True):
-        raise ValueError("unsupported ViT config option qkv_bias=False: transformer_jax's ViT "
-                         "has biases on every attention projection")
-    act = config.get("hidden_act", "gelu")
-    if act not in VIT_ACTIVATIONS:
-        raise ValueError(f"unsupported ViT config option hidden_act={act!r}; supported: "
-                         f"{sorted(VIT_ACTIVATIONS)}")
+        raise UserError("unsupported ViT config option qkv_bias=False: transformer_jax's ViT "
+                        "has biases on every attention projection")
+    activation = activation_from_hf(config.get("hidden_act", "gelu"), family="ViT",
+                                    option="hidden_act")
     heads, width = config.get("num_attention_heads", 12), config.get("hidden_size", 768)
     head_dim = config.get("head_dim")
     if head_dim is not None and head_dim * heads != width:
-        raise ValueError(f"unsupported ViT config option head_dim={head_dim}: transformer_jax's "
-                         f"ViT uses hidden_size / num_attention_heads = {width // heads}")
+        raise UserError(f"unsupported ViT config option head_dim={head_dim}: transformer_jax's "
+                        f"ViT uses hidden_size / num_attention_heads = {width // heads}")
     values = {ours: config[hf] for hf, ours in VIT_CONFIG_FIELDS if hf in config}
     values["image_size"] = _square(config.get("image_size", 224), "image_size")
     values["patch_size"] = _square(config.get("patch_size", 16), "patch_size")
-    values["activation"] = VIT_ACTIVATIONS[act]
+    values["activation"] = activation
     labels = config.get("id2label")
     values["num_classes"] = len(labels) if labels is not None else config.get("num_labels", 2)
     values.update(overrides)
@@ -137,33 +119,17 @@ def vit_hf_config(config: ViTConfig, **extra: Any):
     """``ViTConfig`` -> ``transformers.ViTConfig`` (lazy import)."""
     from transformers import ViTConfig as HFViTConfig
 
-    reverse = {}
-    for hf_name, ours in VIT_ACTIVATIONS.items():
-        reverse.setdefault(ours, hf_name)
-    if config.activation not in reverse:
-        raise ValueError(f"ViTConfig activation={config.activation!r} has no HF ViT hidden_act; "
-                         f"use one of {sorted(reverse)}")
     values = {hf: getattr(config, ours) for hf, ours in VIT_CONFIG_FIELDS}
     values["intermediate_size"] = config.mlp_features
     values.update(image_size=config.image_size, patch_size=config.patch_size,
-                  hidden_act=reverse[config.activation], qkv_bias=True,
+                  hidden_act=activation_to_hf(config.activation, what="ViTConfig.activation"),
+                  qkv_bias=True,
                   num_labels=config.num_classes)
     values.update(extra)
     return HFViTConfig(**values)
 
 
 # ============================================================================ tensor maps
-
-@dataclasses.dataclass(frozen=True)
-class _ConvKernelMap(TensorMap):
-    """PyTorch ``Conv2d`` weight OIHW (D, C, P, P) <-> flax HWIO kernel (P, P, C, D)."""
-
-    def to_flax(self, array):
-        return (np.ascontiguousarray(np.transpose(array, (2, 3, 1, 0))),)
-
-    def to_torch(self, arrays):
-        return np.ascontiguousarray(np.transpose(np.asarray(arrays[0]), (3, 2, 0, 1)))
-
 
 def _layer_keys(layout: str, i: int) -> dict[str, str]:
     """HF key prefixes (no model prefix) of layer ``i``'s sublayers in ``layout``."""
@@ -183,15 +149,15 @@ def _layer_keys(layout: str, i: int) -> dict[str, str]:
 def vit_tensor_maps(cfg: ViTConfig, *, prefix: str = "vit.", layout: str = "current") -> list[TensorMap]:
     """Every HF tensor <-> flax leaf of ``cfg`` (unscanned), in HF state-dict order."""
     if layout not in LAYOUTS:
-        raise ValueError(f"unknown HF ViT layout {layout!r}; choose one of {LAYOUTS}")
+        raise UserError(f"unknown HF ViT layout {layout!r}; choose one of {LAYOUTS}")
     d, n, h, f = cfg.d_model, cfg.num_heads, cfg.head_dim, cfg.mlp_features
     p, c, t = cfg.patch_size, cfg.num_channels, cfg.seq_len
     e = prefix + "embeddings."
     maps = [
         TensorMap(e + "cls_token", (1, 1, d), ((("cls",), (d,)),)),
         TensorMap(e + "position_embeddings", (1, t, d), ((("pos_embedding",), (t, d)),)),
-        _ConvKernelMap(e + "patch_embeddings.projection.weight", (d, c, p, p),
-                       ((("embedding", "kernel"), (p, p, c, d)),)),
+        TensorMap(e + "patch_embeddings.projection.weight", (d, c, p, p),    # OIHW -> HWIO
+                  ((("embedding", "kernel"), (p, p, c, d)),), transpose=(2, 3, 1, 0)),
         TensorMap(e + "patch_embeddings.projection.bias", (d,), ((("embedding", "bias"), (d,)),)),
     ]
     for i in range(cfg.num_layers):
@@ -211,25 +177,9 @@ def vit_tensor_maps(cfg: ViTConfig, *, prefix: str = "vit.", layout: str = "curr
     return maps
 
 
-def _expected_flax_shapes(cfg: ViTConfig) -> dict[str, tuple[int, ...]]:
-    """'/'-joined path -> shape of the unscanned params of ``ViT(cfg)``, without allocating."""
-    import flax.linen as nn
-
-    module = ViT(cfg.replace(scan_layers=False))
-    images = jnp.zeros((1, cfg.image_size, cfg.image_size, cfg.num_channels), jnp.float32)
-    tree = jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0), images))["params"]
-    return {"/".join(path): tuple(x.shape) for path, x in flatten_params(nn.meta.unbox(tree)).items()}
-
-
-def _check_maps(maps: list[TensorMap], cfg: ViTConfig) -> None:
-    """The map table covers ``ViT(cfg)``'s params exactly (a library bug otherwise)."""
-    produced = {"/".join(path): shape for m in maps for path, shape in m.targets}
-    expected = _expected_flax_shapes(cfg)
-    if produced != expected:
-        raise AssertionError(f"ViT tensor maps out of sync with ViT: missing "
-                             f"{sorted(set(expected) - set(produced))}, extra "
-                             f"{sorted(set(produced) - set(expected))}, shapes differ at "
-                             f"{sorted(k for k in produced if k in expected and produced[k] != expected[k])}")
+def vit_stacks(cfg: ViTConfig) -> tuple[Stack, ...]:
+    """ViT's one layer stack: ``encoderblock_{i}``, scanned ``encoderblock``, at the top level."""
+    return (((), "encoderblock", cfg.num_layers),)
 
 
 # ============================================================================ HF -> flax
@@ -247,8 +197,8 @@ def _vit_from_state_dict(config: Mapping[str, Any], state_dict: Mapping[str, Any
     target_size = overrides.pop("image_size", None)
     stored_patch = _square(config.get("patch_size", 16), "patch_size")
     if overrides.get("patch_size", stored_patch) != stored_patch:
-        raise ValueError("from_hf cannot change patch_size: the patch embedding is fixed by the "
-                         "checkpoint (image_size can change; the position table is resized)")
+        raise UserError("from_hf cannot change patch_size: the patch embedding is fixed by the "
+                        "checkpoint (image_size can change; the position table is resized)")
     reader = StateDictReader(state_dict, what="ViT state dict")
     keys = list(reader.remaining())
     prefix = "vit." if any(k.startswith("vit.") for k in keys) else ""
@@ -276,16 +226,13 @@ def _vit_from_state_dict(config: Mapping[str, Any], state_dict: Mapping[str, Any
                 "drop_pooler=True to drop it")
         reader.skip(key)
 
-    flat_cfg = cfg.replace(scan_layers=False)
-    maps = vit_tensor_maps(flat_cfg, prefix=prefix, layout=layout)
-    _check_maps(maps, flat_cfg)
-    params = load_params(maps, reader)
-    param_dtype = jnp.dtype(cfg.param_dtype)
-    params = jax.tree_util.tree_map(lambda a: jnp.asarray(a, dtype=param_dtype), params)
+    maps = vit_tensor_maps(cfg, prefix=prefix, layout=layout)
+    images = jnp.zeros((1, cfg.image_size, cfg.image_size, cfg.num_channels), jnp.float32)
+    check_table(maps, ViT(without_scan(cfg)), images, what="ViT")
+    params = cast_params(load_params(maps, reader), cfg.param_dtype)
     if target_size is not None and target_size != cfg.image_size:
         cfg, params = resize_params(params, cfg, target_size, method=method)
-    if cfg.scan_layers:
-        params = stack_layers(params, cfg.num_layers, **_SCAN)
+    params = to_layout(params, vit_stacks(cfg), scanned=cfg.scan_layers, what="ViT params")
     return ViT(cfg), params
 
 
@@ -296,54 +243,15 @@ def vit_to_state_dict(module: ViT, params: Any, *, layout: str = "current") -> d
 
     ``layout="current"`` matches the installed transformers (>= 5) and loads with
     ``strict=True``; ``"legacy"`` writes transformers 4.x key names. ``params`` may be the
-    params tree or ``{'params': ...}``, boxed or not, scanned when the config says so.
+    params tree or ``{'params': ...}``, boxed or not, in either layout.
     """
-    import flax.linen as nn
-
     cfg = module.config
-    if cfg.activation not in VIT_ACTIVATIONS.values():
-        raise ValueError(f"ViTConfig activation={cfg.activation!r} has no HF ViT hidden_act")
-    params = nn.meta.unbox(params)
-    if set(params) == {"params"}:
-        params = params["params"]
-    params = dict(params)
-    if cfg.scan_layers:
-        if "encoderblock" not in params:
-            raise ConversionError(f"config says scan_layers=True but the params have no stacked "
-                                  f"'encoderblock' (top-level keys: {sorted(params)})")
-        params = unstack_layers(params, **_SCAN)
-    params = jax.tree_util.tree_map(np.asarray, params)
+    activation_to_hf(cfg.activation, what="ViTConfig.activation")   # raises if HF has none
+    params = to_layout(plain_params(params), vit_stacks(cfg), scanned=False, what="ViT params")
     return dump_state_dict(vit_tensor_maps(cfg, layout=layout), params, what="ViT params")
 
 
-# ============================================================================ public
-
-def from_hf(model_or_local_dir: Any, **overrides: Any) -> tuple[ViT, dict[str, Any]]:
-    """A live HF ViT model or a ``save_pretrained`` directory -> ``(ViT, params)``.
-
-    ``overrides``: ViTConfig fields (``image_size`` resizes the position table;
-    ``scan_layers``, ``dtype``, ``param_dtype``, dropout rates ...), ``drop_pooler``,
-    ``pos_interpolation``. See :func:`transformer_jax.interop.hf.from_hf`.
-    """
-    from .hf import from_hf as generic_from_hf
-
-    module, params = generic_from_hf(model_or_local_dir, **overrides)
-    if not isinstance(module, ViT):
-        raise ValueError(f"expected a Hugging Face ViT model, got a {type(module).__name__} "
-                         "checkpoint; use transformer_jax.interop.from_hf for other families")
-    return module, params
-
-
-def to_hf(module: ViT, params: Any) -> dict[str, Any]:
-    """``(ViT, params)`` -> torch state dict that ``ViTForImageClassification`` loads strictly."""
-    from .hf import to_hf as generic_to_hf
-
-    if not isinstance(module, ViT):
-        raise TypeError(f"to_hf here takes a ViT, got {type(module).__name__}")
-    return generic_to_hf(module, params)
-
-
-register_hf_family(HFFamily(
+FAMILY = HFFamily(
     name="vit", model_types=("vit",), config_type=ViTConfig,
     from_state_dict=_vit_from_state_dict, to_state_dict=vit_to_state_dict,
-    make_hf_config=vit_hf_config))
+    make_hf_config=vit_hf_config)
