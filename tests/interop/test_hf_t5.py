@@ -103,6 +103,25 @@ def test_logits_parity_with_encoder_padding(pair):
     np.testing.assert_allclose(unmasked[0], ours[0], rtol=1e-6, atol=1e-6)
 
 
+def test_scan_layers_conversion(pair):
+    """``from_hf(..., scan_layers=True)`` stacks each stack's layers into one ``layers``
+    module; the scanned model gives HF's logits, and ``to_hf`` writes the same tensors from
+    either layout."""
+    _, hf, (module, params) = pair
+    smod, sparams = from_hf(hf, scan_layers=True)
+    assert smod.config.scan_layers
+    for stack, layers in (("encoder", 1), ("decoder", 2)):
+        assert "layers" in sparams[stack] and "layers_0" not in sparams[stack]
+        assert sparams[stack]["layers"]["self_attn"]["query"]["kernel"].shape == (layers, 32, 4, 8)
+    ids, mask, dec = inputs()
+    np.testing.assert_allclose(np.asarray(forward(smod)(sparams, ids, dec, mask)),
+                               hf_logits(hf, ids, mask, dec), rtol=T5_RTOL, atol=T5_ATOL)
+    a, b = to_hf(smod, sparams), to_hf(module, params)
+    assert set(a) == set(b)
+    for key in a:
+        np.testing.assert_array_equal(np.asarray(a[key]), np.asarray(b[key]), err_msg=key)
+
+
 def test_hf5_tied_v11_model_converts():
     """HF >= 5 builds a v1.1 config as tied but unscaled: that combination converts too."""
     hf = t5_model(seed=3, feed_forward_proj="gated-gelu")
@@ -338,6 +357,10 @@ def test_greedy_matches_hf():
     assert len(cut(got[0], eos)) <= 4
     for row in got:
         assert all(t == 0 for t in row[len(cut(row, eos)):])
+    # the scanned layers keep their KV caches (self and cross) stacked: the same tokens
+    smod, sparams = from_hf(hf, scan_layers=True)
+    got_scanned = np.asarray(greedy_search(smod, sparams, ids, mask, max_new_tokens=10, eos_id=eos))
+    np.testing.assert_array_equal(got_scanned, got)
 
 
 # Settings where HF's generate is well defined and deterministic: do_sample=False, one eos,

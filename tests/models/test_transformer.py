@@ -9,6 +9,7 @@ import functools
 import math
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -162,6 +163,45 @@ def test_kv_cache_decode_equals_full_pass(tiny):
         outs.append(np.asarray(logits))
     np.testing.assert_allclose(np.concatenate(outs, 1), full, rtol=1e-5, atol=1e-5)
     assert int(cache["decoder"]["position_index"]) == 5
+
+
+def _matmul_lhs_rows(jaxpr) -> list[int]:
+    """Rows (leading dimension) of the left operand of every 2-D matmul in a jaxpr, nested
+    jaxprs included (the Dense layers flatten (B, L, D) inputs to (B * L, D))."""
+    rows = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general" and eqn.invars[0].aval.ndim == 2:
+            rows.append(eqn.invars[0].aval.shape[0])
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            rows += _matmul_lhs_rows(sub)
+    return rows
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_decode_step_reads_the_cross_attention_cache(tiny, scan):
+    """The decoder's cross-attention keys and values are computed from the encoder output
+    once, when the cache is created: a decode step multiplies only its B = 3 new rows (no
+    B * S = 27 row projection of the encoder output), and its logits are unchanged."""
+    model, params = tiny
+    if scan:
+        from transformer_jax.layers.stack import convert_layout
+        model = Transformer(model.config.replace(scan_layers=True))
+        params = convert_layout(params, ((("encoder",), "layers", 1), (("decoder",), "layers", 2)),
+                                scanned=True)
+    src, src_mask, tgt = batch(2, t=5)
+    encoded = model.apply({"params": params}, src, src_mask, method="encode")
+    cache = init_decoder_cache(model, params, encoded, src_mask, 5)
+    cross = cache["decoder"]["layers" if scan else "layers_1"]["cross_attn"]
+    assert cross["cached_key"].shape[-3:] == (9, 4, 8)                 # (.., S, N, H)
+
+    def step(p, c, t):
+        return model.apply({"params": p, "cache": c}, t, encoded, src_mask, decode=True,
+                           method="decode", mutable=["cache"])
+    rows = _matmul_lhs_rows(jax.make_jaxpr(step)(params, cache, tgt[:, :1]).jaxpr)
+    assert rows and set(rows) == {3}, rows
+    logits, _ = step(params, cache, tgt[:, :1])
+    full = np.asarray(forward(model)(params, src, tgt[:, :1], src_mask))
+    np.testing.assert_allclose(np.asarray(logits), full, rtol=1e-5, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- errors

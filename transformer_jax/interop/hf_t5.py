@@ -156,7 +156,7 @@ def t5_hf_config(config: T5Config, **extra: Any):
     from transformers import T5Config as HFT5Config
 
     values = {hf: getattr(config, ours) for hf, ours in T5_CONFIG_FIELDS}
-    values["num_decoder_layers"] = config.decoder_layers
+    values.update(num_decoder_layers=config.decoder_layers, d_ff=config.mlp_features)
     values.update(feed_forward_proj=_feed_forward_proj(config),
                   tie_word_embeddings=config.scales_output, is_encoder_decoder=True)
     values.update(extra)
@@ -180,7 +180,7 @@ def _attention(prefix: str, path: tuple[str, ...], cfg: T5Config) -> list[Tensor
 
 def t5_tensor_maps(cfg: T5Config, *, embedding_key: str = "shared.weight") -> list[TensorMap]:
     """Every HF tensor <-> flax leaf pair of ``T5(cfg)``, in HF state-dict order (aliases excluded)."""
-    d, f, v = cfg.d_model, cfg.mlp_dim, cfg.vocab_size
+    d, f, v = cfg.d_model, cfg.mlp_features, cfg.vocab_size
     maps = [TensorMap(embedding_key, (v, d), ((("shared", "embedding"), (v, d)),))]
     for stack, layers in (("encoder", cfg.num_layers), ("decoder", cfg.decoder_layers)):
         decoder = stack == "decoder"
