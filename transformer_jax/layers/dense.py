@@ -107,11 +107,24 @@ class Embed(nn.Module):
             "embedding", nn.with_logical_partitioning(self.embedding_init, self.embedding_axes),
             (self.num_embeddings, self.features), self.param_dtype)
 
+    def _gathered(self) -> Array:
+        """The table with its ``embed`` axis whole: under FSDP the lookup reads every
+        feature of a row, so the shards are gathered first (as for any FSDP weight), and
+        the batch axes stay free for the looked-up rows."""
+        return nn.with_logical_constraint(self.embedding, (self.embedding_axes[0], None))
+
     def __call__(self, ids: Array) -> Array:
         """(B, T) int -> (B, T, D) in the compute dtype."""
         if not jnp.issubdtype(ids.dtype, jnp.integer):
             raise ValueError(f"{self.name}: expected integer ids, got dtype {ids.dtype}")
-        return jnp.take(self.embedding, ids, axis=0).astype(canonical_dtype(self.dtype))
+        return jnp.take(self._gathered(), ids, axis=0).astype(canonical_dtype(self.dtype))
+
+    def rows(self, start, length: int) -> Array:
+        """``length`` consecutive rows from ``start`` (L, D), in the compute dtype: a slice,
+        whose gradient is a pad, where a lookup of the same positions in every batch row
+        would be a gather and a scatter (which XLA cannot shard against the table's split)."""
+        table = jax.lax.dynamic_slice_in_dim(self._gathered(), start, length, axis=0)
+        return table.astype(canonical_dtype(self.dtype))
 
     def attend(self, x: Array) -> Array:
         """Tied read-out (B, T, D) -> (B, T, V) logits, accumulated and returned in fp32."""

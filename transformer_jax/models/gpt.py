@@ -132,61 +132,26 @@ class GPT(nn.Module):
         """
         cfg = self.config
         dtype, param_dtype = canonical_dtype(cfg.dtype), canonical_dtype(cfg.param_dtype)
-        if input_ids.ndim != 2:
-            raise ValueError(f"input_ids must be (B, T); got shape {input_ids.shape}")
-        b, t = input_ids.shape
-        if not decode and t > cfg.max_len:
-            raise ValueError(f"sequence length {t} exceeds the model's max_len={cfg.max_len}; "
-                             "shorten the input or use a config with a larger max_len")
+        b, t = self._check_inputs(input_ids, attention_mask, decode)
         init = nn.initializers.normal(cfg.initializer_range)
-        # GPT-2: residual projections scaled by 1/sqrt(2L) at init.
-        out_init = nn.initializers.normal(cfg.initializer_range / math.sqrt(2 * cfg.num_layers))
-
-        if position_ids is None:
-            if decode:
-                index = self.variable("cache", "position_index", lambda: jnp.array(0, jnp.int32))
-                position_ids = index.value + jnp.arange(t)[None, :]
-                if self.is_initializing():
-                    position_ids = jnp.arange(t)[None, :]
-                else:
-                    index.value = index.value + t
-            else:
-                position_ids = jnp.arange(t)[None, :]
-        position_ids = jnp.broadcast_to(position_ids, (b, t))
-
         wte = Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=param_dtype,
                     embedding_init=init, cpu_tuning=cfg.cpu_tuning, name="wte")
         x = wte(input_ids)
+        if position_ids is None:
+            start = self._first_position(t, decode)
+            position_ids = start + jnp.arange(t)[None, :]
+            rows = True           # one run of positions for every row: a slice of the table
+        else:
+            position_ids, rows = jnp.broadcast_to(position_ids, (b, t)), False
         if cfg.position == "learned":
             wpe = Embed(cfg.max_len, cfg.d_model, embedding_axes=(None, "embed"), dtype=dtype,
                         param_dtype=param_dtype, embedding_init=init, name="wpe")
-            x = x + wpe(position_ids)
+            x = x + (wpe.rows(start, t)[None] if rows else wpe(position_ids))
         x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
         x = nn.with_logical_constraint(x, ("act_batch", "act_length", "act_embed"))
-
-        if attention_mask is not None:
-            attention_mask = jnp.asarray(attention_mask)
-            if attention_mask.ndim != 2 or attention_mask.shape[0] != b:
-                raise ValueError(f"attention_mask must be (B, S) = ({b}, S); got {attention_mask.shape}")
-            if not decode and attention_mask.shape[1] != t:
-                raise ValueError(f"attention_mask length {attention_mask.shape[1]} != input length {t}")
-        pad = None if attention_mask is None else key_padding_mask(attention_mask)
-        mask = pad        # the causal part: causal=True in the layers (block-skipping kernels)
-        rope_positions = position_ids if cfg.position == "rope" else None
-
-        fields = dict(
-            num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, mlp_dim=cfg.mlp_features,
-            activation=cfg.activation, gated_mlp=cfg.gated_mlp, pre_norm=True, norm=cfg.norm,
-            norm_eps=cfg.norm_eps, use_bias=cfg.use_bias, dropout_rate=cfg.dropout_rate,
-            attention_dropout_rate=cfg.attention_dropout_rate, attention_impl=cfg.attention_impl,
-            rope_base=cfg.rope_base if cfg.position == "rope" else None, dtype=dtype,
-            param_dtype=param_dtype, kernel_init=init, out_kernel_init=out_init,
-            cpu_tuning=cfg.cpu_tuning, cross_attention=False)
-        x = layer_stack(DecoderBlock, fields, cfg.num_layers, x, name="h",
-                        operands={"self_mask": mask, "positions": rope_positions},
-                        static={"causal": True, "deterministic": deterministic, "decode": decode},
-                        scan=cfg.scan_layers, remat=cfg.remat, remat_policy=cfg.remat_policy)
-
+        mask = None if attention_mask is None else key_padding_mask(attention_mask)
+        x = self._layers(x, mask, position_ids if cfg.position == "rope" else None,
+                         deterministic, decode)
         x = make_norm(cfg.norm, cfg.norm_eps, dtype, param_dtype, name="ln_f")(x)
         if cfg.tie_embeddings:
             return wte.attend(x)
@@ -194,6 +159,53 @@ class GPT(nn.Module):
                      param_dtype=param_dtype, kernel_init=init, cpu_tuning=cfg.cpu_tuning,
                      name="lm_head")
         return head(x).astype(jnp.float32)
+
+    def _check_inputs(self, input_ids, attention_mask, decode: bool) -> tuple[int, int]:
+        cfg = self.config
+        if input_ids.ndim != 2:
+            raise ValueError(f"input_ids must be (B, T); got shape {input_ids.shape}")
+        b, t = input_ids.shape
+        if not decode and t > cfg.max_len:
+            raise ValueError(f"sequence length {t} exceeds the model's max_len={cfg.max_len}; "
+                             "shorten the input or use a config with a larger max_len")
+        if attention_mask is not None:
+            shape = jnp.shape(attention_mask)
+            if len(shape) != 2 or shape[0] != b:
+                raise ValueError(f"attention_mask must be (B, S) = ({b}, S); got {shape}")
+            if not decode and shape[1] != t:
+                raise ValueError(f"attention_mask length {shape[1]} != input length {t}")
+        return b, t
+
+    def _first_position(self, t: int, decode: bool):
+        """Position of the first of these ``t`` tokens: 0, or the running cache position."""
+        if not decode:
+            return 0
+        index = self.variable("cache", "position_index", lambda: jnp.array(0, jnp.int32))
+        if self.is_initializing():
+            return 0
+        start = index.value
+        index.value = start + t
+        return start
+
+    def _layers(self, x, mask, rope_positions, deterministic: bool, decode: bool) -> Array:
+        """The pre-norm decoder blocks (no cross-attention), causal; the mask holds padding."""
+        cfg = self.config
+        # GPT-2: residual projections scaled by 1/sqrt(2L) at init.
+        out_init = nn.initializers.normal(cfg.initializer_range / math.sqrt(2 * cfg.num_layers))
+        fields = dict(
+            num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, mlp_dim=cfg.mlp_features,
+            activation=cfg.activation, gated_mlp=cfg.gated_mlp, pre_norm=True, norm=cfg.norm,
+            norm_eps=cfg.norm_eps, use_bias=cfg.use_bias, dropout_rate=cfg.dropout_rate,
+            attention_dropout_rate=cfg.attention_dropout_rate, attention_impl=cfg.attention_impl,
+            rope_base=cfg.rope_base if cfg.position == "rope" else None,
+            dtype=canonical_dtype(cfg.dtype), param_dtype=canonical_dtype(cfg.param_dtype),
+            kernel_init=nn.initializers.normal(cfg.initializer_range), out_kernel_init=out_init,
+            cpu_tuning=cfg.cpu_tuning, cross_attention=False)
+        return layer_stack(DecoderBlock, fields, cfg.num_layers, x, name="h",
+                           operands={"self_mask": mask, "positions": rope_positions},
+                           static={"causal": True, "deterministic": deterministic,
+                                   "decode": decode},
+                           scan=cfg.scan_layers, remat=cfg.remat, remat_policy=cfg.remat_policy)
 
 
 def init_params(model: GPT, rng: Array, batch_size: int = 1, seq_len: int | None = None):
