@@ -209,7 +209,7 @@ def test_kv_cache_decode_equals_full_pass(tiny):
     encoded = jax.jit(lambda p: model.apply({"params": p}, ids, mask, method="encode"))(params)
     cache = jax.jit(lambda p: init_decoder_cache(model, p, encoded, mask, 6))(params)
     cross = cache["decoder"]["layers_0"]["cross_attn"]
-    assert cross["cached_key"].shape == (3, 9, 4, 8)                # cached once
+    assert cross["cached_key"].shape == (3, 4, 9, 8)                # cached once (B, N, S, H)
     steps, pos = [], 0
     for width in (3, 1, 1, 1):                        # a 3-token prefill, then single steps
         logits, state = decode_step(model)(params, cache, dec[:, pos:pos + width], encoded, mask)

@@ -192,7 +192,7 @@ def test_decode_step_reads_the_cross_attention_cache(tiny, scan):
     encoded = model.apply({"params": params}, src, src_mask, method="encode")
     cache = init_decoder_cache(model, params, encoded, src_mask, 5)
     cross = cache["decoder"]["layers" if scan else "layers_1"]["cross_attn"]
-    assert cross["cached_key"].shape[-3:] == (9, 4, 8)                 # (.., S, N, H)
+    assert cross["cached_key"].shape[-3:] == (4, 9, 8)                 # (.., N, S, H)
 
     def step(p, c, t):
         return model.apply({"params": p, "cache": c}, t, encoded, src_mask, decode=True,

@@ -29,6 +29,7 @@ each device attends over its own rows and heads and nothing is gathered.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -459,12 +460,15 @@ class MultiHeadAttention(nn.Module):
     logits (T5's relative position bias).
 
     KV cache (``decode=True``), in a ``cache`` collection. Self-attention keeps
-    ``cached_key``/``cached_value`` (B, S_max, K, H) and ``cache_index``: initialise it by
+    ``cached_key``/``cached_value`` (B, K, S_max, H) and ``cache_index``: initialise it by
     calling ``init`` with ``decode=True`` on inputs of the full length S_max; each later
     call appends its T new positions and attends over the filled cache (with ``causal``,
     query i at absolute position index + i sees cached keys <= its position).
     Cross-attention keeps the keys and values of ``inputs_kv`` (the encoder output),
-    computed once when the cache is created and reused at every step.
+    computed once when the cache is created and reused at every step. Heads before
+    positions: a decode step then reads each head's keys as one contiguous (S, H) block and
+    writes its new row in place (with (B, S, K, H), XLA:CPU copied the whole cache into
+    that order at every step; measurements in docs/performance.md).
     """
     num_heads: int
     num_kv_heads: int | None = None
@@ -508,12 +512,14 @@ class MultiHeadAttention(nn.Module):
         return k, v
 
     def _cross_cache(self, inputs_kv, inputs_v, kh: int, h: int):
-        """Keys and values of the encoder output: computed when the cache is created, then read."""
+        """Keys and values of the encoder output: computed when the cache is created, then
+        read (stored (B, K, S, H), as the self-attention cache)."""
         if self.has_variable("cache", "cached_key"):
-            return self.get_variable("cache", "cached_key"), self.get_variable("cache", "cached_value")
+            k, v = self.get_variable("cache", "cached_key"), self.get_variable("cache", "cached_value")
+            return jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
         k, v = self._key_value(inputs_kv, inputs_v, kh, h)
-        self.put_variable("cache", "cached_key", k)
-        self.put_variable("cache", "cached_value", v)
+        self.put_variable("cache", "cached_key", jnp.swapaxes(k, 1, 2))
+        self.put_variable("cache", "cached_value", jnp.swapaxes(v, 1, 2))
         return k, v
 
     def _rope(self, x: Array, positions: Array) -> Array:
@@ -523,8 +529,10 @@ class MultiHeadAttention(nn.Module):
         """Append k, v (B, T, K, H) at ``cache_index``; return q, the whole cache, the mask
         over it and causal=False (the mask now holds causality)."""
         cached = self.has_variable("cache", "cached_key")
-        cached_key = self.variable("cache", "cached_key", jnp.zeros, k.shape, k.dtype)
-        cached_value = self.variable("cache", "cached_value", jnp.zeros, v.shape, v.dtype)
+        heads_first = functools.partial(jnp.swapaxes, axis1=1, axis2=2)    # (B, K, S, H)
+        cached_key = self.variable("cache", "cached_key", jnp.zeros, heads_first(k).shape, k.dtype)
+        cached_value = self.variable("cache", "cached_value", jnp.zeros, heads_first(v).shape,
+                                     v.dtype)
         cache_index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
         if not cached:                       # creating the cache: attend as without one
             return q, k, v, mask, causal, rope
@@ -532,11 +540,12 @@ class MultiHeadAttention(nn.Module):
         if rope:                             # cached keys are stored rotated
             pos = idx + jnp.arange(t) if positions is None else positions
             q, k = self._rope(q, pos), self._rope(k, pos)
-        k = jax.lax.dynamic_update_slice(cached_key.value, k.astype(cached_key.value.dtype),
-                                         (0, idx, 0, 0))
-        v = jax.lax.dynamic_update_slice(cached_value.value, v.astype(cached_value.value.dtype),
-                                         (0, idx, 0, 0))
-        cached_key.value, cached_value.value, cache_index.value = k, v, idx + t
+        ck = jax.lax.dynamic_update_slice(
+            cached_key.value, heads_first(k).astype(cached_key.value.dtype), (0, 0, idx, 0))
+        cv = jax.lax.dynamic_update_slice(
+            cached_value.value, heads_first(v).astype(cached_value.value.dtype), (0, 0, idx, 0))
+        cached_key.value, cached_value.value, cache_index.value = ck, cv, idx + t
+        k, v = heads_first(ck), heads_first(cv)       # (B, S, K, H) views of the cache
         s_max = k.shape[1]
         filled = (causal_mask(t, s_max, offset=idx) if causal
                   else (jnp.arange(s_max) < idx + t)[None, None, None, :])

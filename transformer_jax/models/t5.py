@@ -188,7 +188,7 @@ class T5Stack(nn.Module):
         """L of the decoder's self-attention cache (static: read from the cache's shape)."""
         cache = self.variables["cache"]
         layer = cache["layers"] if self.config.scan_layers else cache["layers_0"]
-        return layer["self_attn"]["cached_key"].shape[-3]               # (..., L, N, H)
+        return layer["self_attn"]["cached_key"].shape[-2]               # (..., N, L, H)
 
     def _position_bias(self, t: int, decode: bool) -> Array:
         """The relative position bias (1, N, T, S), computed once and shared by every layer."""

@@ -1,0 +1,139 @@
+"""The package's shape: no import cycle, layers below models, short functions.
+
+Read from the source with ``ast`` (nothing is imported): every import between
+transformer_jax modules, at module level or inside a function (a late import is still a
+dependency), except those under ``if TYPE_CHECKING:``.
+"""
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "transformer_jax"
+MAX_FUNCTION_LINES = 80           # body lines, the docstring not counted
+LONG_REASON = "# Long because"    # a function that must be longer says why, in a comment
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def _type_checking_nodes(tree: ast.AST) -> set[int]:
+    skip = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skip |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    return skip
+
+
+def _imports(name: str, path: Path) -> set[str]:
+    """The transformer_jax modules ``name`` imports (``from .x import y`` where y is a
+    module counts as importing y)."""
+    tree = ast.parse(path.read_text())
+    skip = _type_checking_nodes(tree)
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            subs = [f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in MODULES]
+            found |= set(subs) if len(subs) == len(node.names) else {target, *subs}
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+    return {m for m in found if m in MODULES and m != name}
+
+
+GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_import_graph_is_read_from_the_source():
+    assert len(MODULES) > 40
+    assert "transformer_jax.layers.attention_base" in GRAPH["transformer_jax.layers.attention"]
+    assert "transformer_jax.models.t5" in GRAPH["transformer_jax.interop.hf_t5"]
+
+
+def test_no_import_cycle():
+    assert _cycles(GRAPH) == []
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycles(graph) == [["a", "b", "c"]]
+
+
+def _under(prefix: str) -> list[str]:
+    return [m for m in MODULES if m == prefix or m.startswith(prefix + ".")]
+
+
+def test_layers_and_models_depend_downward_only():
+    """layers imports nothing of the package but layers (and errors); models only layers."""
+    above_layers = ("models", "interop", "train", "tasks", "data", "cli", "decode",
+                    "beam_search", "sharding")
+    for module in _under("transformer_jax.layers"):
+        for dep in GRAPH[module]:
+            assert not any(dep.startswith(f"transformer_jax.{a}") for a in above_layers), \
+                (module, dep)
+    for module in _under("transformer_jax.models"):
+        for dep in GRAPH[module]:
+            assert dep.startswith(("transformer_jax.layers", "transformer_jax.models",
+                                   "transformer_jax.errors")), (module, dep)
+
+
+def _long_functions() -> list[str]:
+    out = []
+    for name, path in MODULES.items():
+        source = path.read_text().splitlines()
+        for node in ast.walk(ast.parse("\n".join(source))):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(
+                    getattr(body[0], "value", None), ast.Constant) and len(body) > 1:
+                body = body[1:]                                      # the docstring
+            lines = source[body[0].lineno - 1: node.end_lineno]
+            if len(lines) > MAX_FUNCTION_LINES and not any(LONG_REASON in ln for ln in lines):
+                out.append(f"{name}.{node.name} ({len(lines)} lines)")
+    return out
+
+
+def test_functions_are_short_or_say_why():
+    assert _long_functions() == []
