@@ -26,7 +26,8 @@ Two modes share one iterator API (:class:`LMIterator`):
 
 * ``"memory"``: the whole split is tokenized once into an int32 token stream,
   cached as ``.npy`` under ``<data_dir>/transformer_jax_cache/`` (keyed by
-  dataset, version, split, its size, and the tokenizer) and memory-mapped.
+  dataset, version, split, its size, and the tokenizer) and memory-mapped (read
+  whole when ``data_dir`` is a bucket, ``gs://...``).
   Windows are shuffled per epoch by a permutation that is a pure function of
   ``(seed, epoch)``.  ``batch_size`` is the *global* batch; process ``p`` of
   ``P`` yields rows ``[p*B/P, (p+1)*B/P)`` of every global batch, so the
@@ -64,6 +65,7 @@ import abc
 import collections
 import dataclasses
 import hashlib
+import io
 import os
 import re
 from collections.abc import Iterable, Iterator, Sequence
@@ -71,6 +73,7 @@ from typing import Any
 
 import numpy as np
 
+from transformer_jax import storage
 from transformer_jax.data.tokenizers import Tokenizer, get_tokenizer
 
 __all__ = [
@@ -413,9 +416,15 @@ def _load_or_build_stream(source, name, split, tokenizer, text_key, data_dir, ca
     if not cache:
         return _token_stream(_iter_texts(source, text_key), tokenizer)
     path = _cache_path(source, name, split, tokenizer, text_key, data_dir)
-    if os.path.exists(path):
-        return np.load(path, mmap_mode="r")
+    remote = storage.is_remote(path)   # a bucket cannot be memory-mapped: read it whole
+    if storage.exists(path):
+        return np.load(io.BytesIO(storage.read_bytes(path))) if remote else np.load(path, mmap_mode="r")
     stream = _token_stream(_iter_texts(source, text_key), tokenizer)
+    if remote:
+        npy = io.BytesIO()
+        np.save(npy, stream)
+        storage.write_bytes(path, npy.getvalue())
+        return stream
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp_path = f"{path[:-4]}.tmp{os.getpid()}.npy"
     np.save(tmp_path, stream)

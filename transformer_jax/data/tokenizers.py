@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from transformer_jax import storage
+
 __all__ = [
     "Tokenizer",
     "ByteTokenizer",
@@ -130,7 +132,8 @@ class SentencePieceTokenizer(Tokenizer):
     """A SentencePiece model behind the common tokenizer interface.
 
     Args:
-      model: path of a ``.model`` file, or the serialized model as ``bytes``.
+      model: path of a ``.model`` file (local or ``gs://``), or the serialized model as
+        ``bytes``.
 
     The model must use pad id 0 and eos id 1 (as :func:`train_sentencepiece`
     sets); otherwise a ``ValueError`` is raised.  ``decode`` drops pad and eos
@@ -146,12 +149,11 @@ class SentencePieceTokenizer(Tokenizer):
             self.model_path: str | None = None
         else:
             self.model_path = os.fspath(model)
-            if not os.path.isfile(self.model_path):
+            if not storage.is_file(self.model_path):
                 raise FileNotFoundError(
                     f"SentencePiece model file {self.model_path!r} does not exist."
                 )
-            with open(self.model_path, "rb") as f:
-                proto = f.read()
+            proto = storage.read_bytes(self.model_path)
         self._processor = spm.SentencePieceProcessor(model_proto=proto)
         self._cache_key = "spm-" + hashlib.sha256(proto).hexdigest()[:16]
         self.unk_id = self._processor.unk_id()
@@ -237,8 +239,8 @@ def train_sentencepiece(
     Args:
       texts: the training documents.
       vocab_size: the requested number of pieces.
-      model_path: where to write the model (e.g. ``".../spm.model"``); parent
-        directories are created.
+      model_path: where to write the model (e.g. ``".../spm.model"``, local or
+        ``gs://``); parent directories are created.
       model_type: ``"unigram"`` or ``"bpe"``.
       max_chunk_chars: documents are cut at line ends into training sentences of
         about this many characters.
@@ -287,11 +289,7 @@ def train_sentencepiece(
         minloglevel=2,
     )
     model_path = os.fspath(model_path)
-    os.makedirs(os.path.dirname(os.path.abspath(model_path)), exist_ok=True)
-    tmp_path = f"{model_path}.tmp{os.getpid()}"
-    with open(tmp_path, "wb") as f:
-        f.write(model.getvalue())
-    os.replace(tmp_path, model_path)
+    storage.write_bytes(model_path, model.getvalue())   # replaced at once, never seen half written
     return SentencePieceTokenizer(model_path)
 
 
@@ -312,7 +310,7 @@ def get_tokenizer(spec: str | Tokenizer | None = "byte") -> Tokenizer:
     for prefix in ("sentencepiece:", "spm:"):
         if spec.startswith(prefix):
             return SentencePieceTokenizer(spec[len(prefix) :])
-    if spec.endswith(".model") and os.path.isfile(spec):
+    if spec.endswith(".model") and storage.is_file(spec):
         return SentencePieceTokenizer(spec)
     raise ValueError(
         f"unknown tokenizer {spec!r}: use 'byte', 'sentencepiece:PATH' or the "

@@ -14,6 +14,7 @@ import difflib
 from pathlib import Path
 from typing import Any, ClassVar, Iterable
 
+from .. import storage
 from ..train.step import LossFn
 
 
@@ -24,7 +25,7 @@ class Task(abc.ABC):
 
     def __init__(self, cfg, workdir: str | Path, *, spec: dict | None = None):
         self.cfg = cfg
-        self.workdir = Path(workdir)
+        self.workdir = storage.path(workdir)   # local or gs://: files go through the storage layer
         unknown = sorted(set(cfg.task_options) - set(self.OPTIONS))
         if unknown:
             hints = {u: difflib.get_close_matches(u, self.OPTIONS, n=1) for u in unknown}

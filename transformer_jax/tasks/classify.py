@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import data as data_lib
+from .. import storage
 from ..data.pipeline import EpochIterator, _document_text, _read, open_source, permutation
 from ..train.step import token_loss
 from .base import Task, register_task
@@ -149,7 +150,7 @@ def classify_loss(apply_fn, params, batch, rngs, deterministic: bool, smoothing:
 # ----------------------------------------------------------------------------- task
 
 def _read_pretrained_config(path: str | Path) -> dict:
-    config = Path(path) / "config.json"
+    config = storage.path(path) / "config.json"
     if not config.is_file():
         raise ValueError(f"task option pretrained={str(path)!r}: no config.json there; give the "
                          "workdir of a finished `transformer-jax train` MLM run")

@@ -27,12 +27,12 @@ Options (``--set task.NAME=value``):
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import storage
 from ..data import images as image_data
 from ..models import FAMILIES, build_model
 from ..train.step import token_loss
@@ -134,7 +134,7 @@ class ImageClassificationTask(Task):
             return params
         from ..models.vit import adapt_pretrained
 
-        path = Path(path)
+        path = storage.path(path)
         config_json = path / "config.json"
         if config_json.is_file() and "model_type" in json.loads(config_json.read_text()):
             from ..interop.hf import from_hf

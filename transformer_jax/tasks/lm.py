@@ -1,8 +1,6 @@
 """Language modelling: packed next-token prediction on a TFDS text dataset."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 
@@ -32,9 +30,8 @@ class LMTask(Task):
             if not path.exists():
                 texts = data_lib.load_texts(cfg.dataset, "train", data_dir=cfg.data_dir,
                                             max_documents=200_000)
-                path.parent.mkdir(parents=True, exist_ok=True)
                 data_lib.train_sentencepiece(texts, cfg.sentencepiece_vocab_size, str(path))
-            spec_str = f"sentencepiece:{Path(path).resolve()}"
+            spec_str = f"sentencepiece:{path}"   # absolute, or gs://
         else:
             spec_str = cfg.tokenizer
         return data_lib.get_tokenizer(spec_str), spec_str

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import data as data_lib
+from .. import storage
 from ..data.pipeline import _splitmix64, _splitmix64_array
 from ..train.step import token_loss
 from .base import Task, register_task
@@ -108,13 +109,12 @@ def build_tokenizer(cfg, workdir: str | Path, spec: Mapping[str, Any] | None):
     if spec is not None:
         return data_lib.get_tokenizer(spec["tokenizer"]), spec["tokenizer"]
     if cfg.tokenizer == "sentencepiece":
-        path = Path(workdir) / "spm.model"
+        path = storage.path(workdir) / "spm.model"
         if not path.exists():
             texts = data_lib.load_texts(cfg.dataset, "train", data_dir=cfg.data_dir,
                                         max_documents=200_000)
-            path.parent.mkdir(parents=True, exist_ok=True)
             data_lib.train_sentencepiece(texts, cfg.sentencepiece_vocab_size, str(path))
-        spec_str = f"sentencepiece:{path.resolve()}"
+        spec_str = f"sentencepiece:{path}"   # absolute, or gs://
     else:
         spec_str = cfg.tokenizer
     return data_lib.get_tokenizer(spec_str), spec_str

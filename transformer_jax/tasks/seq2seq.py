@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import importlib
 import re
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -313,10 +312,9 @@ class Seq2SeqTask(Task):
             if not path.exists():
                 pairs = self._raw_pairs("train", train=True)
                 rows = pairs.get(range(min(len(pairs), 200_000)))
-                path.parent.mkdir(parents=True, exist_ok=True)
                 data_lib.train_sentencepiece([t for pair in rows for t in pair],
                                              cfg.sentencepiece_vocab_size, str(path))
-            spec_str = f"sentencepiece:{Path(path).resolve()}"
+            spec_str = f"sentencepiece:{path}"   # absolute, or gs://
         else:
             spec_str = cfg.tokenizer
         return data_lib.get_tokenizer(spec_str), spec_str

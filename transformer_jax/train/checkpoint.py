@@ -1,5 +1,8 @@
 """Checkpointing: one wrapper around ``orbax.checkpoint.CheckpointManager``.
 
+The directory may be local or in a bucket (``gs://...``); paths come from
+:mod:`transformer_jax.storage`, which also points orbax's tensorstore at a GCS emulator.
+
 A checkpoint *step* is a single orbax composite checkpoint with three items:
 
 ``state``
@@ -51,6 +54,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import checkpoint_managers as ocp_policies
 
+from .. import storage
+
 __all__ = ["CheckpointManager", "read_config"]
 
 logger = logging.getLogger(__name__)
@@ -87,11 +92,8 @@ def _to_json(obj: Any, what: str) -> dict:
 
 
 def _as_path(directory: os.PathLike | str) -> epath.Path:
-    """``epath.Path`` for ``directory``; local paths are made absolute."""
-    text = os.fspath(directory)
-    if "://" in text:  # gs://, s3://, ...: leave remote URLs untouched
-        return epath.Path(text)
-    return epath.Path(os.path.abspath(os.path.expanduser(text)))
+    """``epath.Path`` for ``directory`` from the storage layer (local made absolute, gs:// kept)."""
+    return storage.path(directory)
 
 
 class CheckpointManager:
