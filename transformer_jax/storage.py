@@ -13,10 +13,11 @@ request to a local GCS JSON API server (such as the ``gcp-storage-emulator`` pac
 of Google. gcsfs (behind epath) reads it itself; :func:`configure_emulator` maps it to
 tensorstore's ``TENSORSTORE_GCS_HTTP_URL`` (orbax writes arrays with tensorstore), gives
 tensorstore a fixed token (``GOOGLE_AUTH_TOKEN_FOR_TESTING``) and gcsfs anonymous access, so
-neither looks for credentials, and turns off gcsfs's gRPC bucket-type probe
-(``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false``), which an emulator does not answer. It runs
-when this module is imported and again whenever a path is made, so setting the variable
-before a run starts is enough.
+neither looks for credentials, turns off gcsfs's gRPC bucket-type probe
+(``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false``), which an emulator does not answer, and keeps
+epath on gcsfs where TensorFlow is installed (``EPATH_USE_TF=false``; TensorFlow's own GCS
+client would bypass the emulator). It runs when this module is imported and again whenever
+a path is made, so setting the variable before a run starts is enough.
 """
 from __future__ import annotations
 
@@ -64,7 +65,8 @@ def configure_emulator() -> str | None:
         if os.environ.get(name) == _set_by_us.pop(name):
             os.environ.pop(name, None)
     if url is not None:
-        wanted = {"TENSORSTORE_GCS_HTTP_URL": url, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+        wanted = {"TENSORSTORE_GCS_HTTP_URL": url, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+                  "EPATH_USE_TF": "false"}
         if "GOOGLE_AUTH_TOKEN_FOR_TESTING" not in os.environ:
             wanted["GOOGLE_AUTH_TOKEN_FOR_TESTING"] = "emulator"
         for name, value in wanted.items():
@@ -97,11 +99,12 @@ def _point_gcsfs(anonymous: bool) -> None:
             fsspec.register_implementation(proto, cls, clobber=True)
         GCSFileSystem.clear_instance_cache()
         gcsfs.GCSFileSystem.clear_instance_cache()
-    from etils.epath import backend   # epath keeps one file system per scheme
+    from etils.epath import backend, gpath   # epath keeps one file system per scheme
 
     cached = getattr(getattr(backend, "_FileSystemSpecBackend", None), "_get_filesystem", None)
-    if hasattr(cached, "cache_clear"):
-        cached.cache_clear()
+    for memo in (cached, getattr(gpath, "_is_tf_installed", None)):   # and whether to use TF
+        if hasattr(memo, "cache_clear"):
+            memo.cache_clear()
 
 
 # ----------------------------------------------------------------------------- paths

@@ -137,6 +137,7 @@ def test_emulator_switch_sets_and_undoes_the_client_settings(monkeypatch):
         assert os.environ["TENSORSTORE_GCS_HTTP_URL"] == "http://127.0.0.1:1"
         assert os.environ["GOOGLE_AUTH_TOKEN_FOR_TESTING"] == "emulator"
         assert os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] == "false"
+        assert os.environ["EPATH_USE_TF"] == "false"
         import fsspec
 
         assert fsspec.config.conf["gcs"]["token"] == "anon"
@@ -145,6 +146,7 @@ def test_emulator_switch_sets_and_undoes_the_client_settings(monkeypatch):
         assert storage.configure_emulator() is None
     assert "TENSORSTORE_GCS_HTTP_URL" not in os.environ
     assert "GOOGLE_AUTH_TOKEN_FOR_TESTING" not in os.environ
+    assert "EPATH_USE_TF" not in os.environ
     assert "token" not in fsspec.config.conf.get("gcs", {})
 
 
