@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from transformer_jax import storage
+from transformer_jax.errors import UserError
 
 __all__ = [
     "Tokenizer",
@@ -150,15 +151,16 @@ class SentencePieceTokenizer(Tokenizer):
         else:
             self.model_path = os.fspath(model)
             if not storage.is_file(self.model_path):
-                raise FileNotFoundError(
-                    f"SentencePiece model file {self.model_path!r} does not exist."
+                raise UserError(
+                    f"SentencePiece model file {self.model_path!r} does not exist; give "
+                    "the path of a .model file (e.g. the spm.model a run trained into its workdir)."
                 )
             proto = storage.read_bytes(self.model_path)
         self._processor = spm.SentencePieceProcessor(model_proto=proto)
         self._cache_key = "spm-" + hashlib.sha256(proto).hexdigest()[:16]
         self.unk_id = self._processor.unk_id()
         if self._processor.pad_id() != 0 or self._processor.eos_id() != 1:
-            raise ValueError(
+            raise UserError(
                 "SentencePiece model must have pad_id=0 and eos_id=1, got "
                 f"pad_id={self._processor.pad_id()} eos_id={self._processor.eos_id()}; "
                 "train it with transformer_jax.data.train_sentencepiece."
@@ -252,13 +254,13 @@ def train_sentencepiece(
     import sentencepiece as spm  # Imported here: optional dependency.
 
     if vocab_size < 300:
-        raise ValueError(
+        raise UserError(
             f"vocab_size must be at least 300 (256 byte pieces + specials), got {vocab_size}."
         )
     sentences = _training_sentences(texts, max_chunk_chars)
     first = next(sentences, None)
     if first is None:
-        raise ValueError("train_sentencepiece got no non-empty text to train on.")
+        raise UserError("train_sentencepiece got no non-empty text to train on.")
 
     def all_sentences():
         yield first
@@ -312,7 +314,7 @@ def get_tokenizer(spec: str | Tokenizer | None = "byte") -> Tokenizer:
             return SentencePieceTokenizer(spec[len(prefix) :])
     if spec.endswith(".model") and storage.is_file(spec):
         return SentencePieceTokenizer(spec)
-    raise ValueError(
+    raise UserError(
         f"unknown tokenizer {spec!r}: use 'byte', 'sentencepiece:PATH' or the "
         "path of a SentencePiece .model file."
     )

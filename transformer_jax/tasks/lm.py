@@ -6,7 +6,8 @@ import jax.numpy as jnp
 
 from .. import data as data_lib
 from ..decode import generate
-from ..train.step import lm_loss
+from ..errors import UserError
+from ..losses import lm_loss
 from .base import Task, register_task
 
 
@@ -64,7 +65,7 @@ class LMTask(Task):
         ids = tok.encode(prompt) or [tok.eos_id]
         room = model.config.max_len - len(ids)
         if room < 1:
-            raise ValueError(f"the prompt is {len(ids)} tokens; the model's max_len is {model.config.max_len}")
+            raise UserError(f"the prompt is {len(ids)} tokens; the model's max_len is {model.config.max_len}")
         out = generate(model, params, [ids], max_new_tokens=min(max_new_tokens, room),
                        temperature=temperature, top_k=top_k or None, top_p=top_p,
                        rng=jax.random.PRNGKey(seed), eos_id=tok.eos_id)
