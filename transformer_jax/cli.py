@@ -8,8 +8,9 @@
   transformer-jax experiments
 
 This module only parses flags; the work happens in ``transformer_jax.train.loop``.
-Expected problems (a bad flag, config or workdir, an empty dataset, a non-finite loss) are
-printed as one ``error:`` line with exit status 2 (3 for a non-finite loss), not a traceback.
+User mistakes (:class:`~transformer_jax.errors.UserError`: a bad flag, config or workdir,
+an empty dataset) are printed as one ``error:`` line with exit status 2, a non-finite loss
+with exit status 3; anything else is a bug and shows its traceback.
 """
 from __future__ import annotations
 
@@ -124,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     from .host_memory import tune_malloc_if_cpu
     tune_malloc_if_cpu()   # before JAX starts its threads; TRANSFORMER_JAX_TUNE_MALLOC=0 turns it off
+    from .errors import UserError
     from .train.loop import NonFiniteLossError
 
     handlers = {"train": _train, "eval": _eval, "generate": _generate, "experiments": _experiments}
@@ -132,8 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteLossError as e:
         print(f"error: {e}", file=sys.stderr)
         return 3
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except UserError as e:
+        print("error: " + " ".join(str(e).split()), file=sys.stderr)   # one line
         return 2
 
 

@@ -18,6 +18,7 @@ import tensorflow_datasets as tfds
 from transformer_jax import data
 from transformer_jax.data import stdlib_corpus
 from transformer_jax.data.tokenizers import ByteTokenizer
+from transformer_jax.errors import UserError
 
 # -------------------------------------------------------------------------
 # Helpers and fixtures.
@@ -102,7 +103,7 @@ def test_get_tokenizer():
     assert data.get_tokenizer(tok) is tok
     with pytest.raises(ValueError, match="unknown tokenizer"):
         data.get_tokenizer("wordpiece")
-    with pytest.raises(FileNotFoundError, match="does not exist"):
+    with pytest.raises(UserError, match="does not exist"):
         data.get_tokenizer("sentencepiece:/nonexistent/spm.model")
 
 
@@ -258,7 +259,7 @@ def test_stdlib_missing_file_is_named(tmp_path):
         data_dir=str(tmp_path / "tfds"), stdlib_dir=str(partial)
     )
     config = tfds.download.DownloadConfig(try_download_gcs=False)
-    with pytest.raises(FileNotFoundError, match="'_collections_abc.py'"):
+    with pytest.raises(UserError, match="'_collections_abc.py'"):
         builder.download_and_prepare(download_config=config)
 
 

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from transformer_jax.errors import UserError
 from transformer_jax.train.checkpoint import CheckpointManager, read_config
 
 CONFIG = {
@@ -157,10 +158,10 @@ def test_read_config(tmp_path):
         ckpt.maybe_save(2, _make_state(), config={"v": 2, "name": "gpt"}, data_state={})
     assert read_config(tmp_path) == {"v": 2, "name": "gpt"}
     assert read_config(str(tmp_path), step=1) == {"v": 1}
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(UserError, match="No checkpoint found"):
         read_config(tmp_path / "missing")
     assert not (tmp_path / "missing").exists()  # read-only: nothing created
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(UserError, match=r"available steps: \[1, 2\]"):
         read_config(tmp_path, step=3)
 
 
@@ -178,11 +179,11 @@ def test_save_every_force_and_step_order(tmp_path):
         assert ckpt.maybe_save(7, state, config={}, data_state={"s": 7}, force=True)
         # Same step again (final forced save right after a periodic one): no-op.
         assert not ckpt.maybe_save(7, state, config={}, data_state={}, force=True)
-        with pytest.raises(ValueError, match="newer step 7"):
+        with pytest.raises(UserError, match="newer step 7"):
             ckpt.maybe_save(6, state, config={}, data_state={}, force=True)
         assert ckpt.all_steps() == [3, 6, 7]
         assert ckpt.restore(6)[2] == {"s": 6}
-        with pytest.raises(FileNotFoundError):
+        with pytest.raises(UserError, match="No checkpoint for step 4"):
             ckpt.restore(4)
         with pytest.raises(TypeError, match="config"):
             ckpt.maybe_save(9, state, config={"bad": object()}, data_state={})

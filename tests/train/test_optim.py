@@ -1,4 +1,4 @@
-"""Tests for transformer_jax.train.optim: schedules, decay mask, AdamW, loss."""
+"""Tests for transformer_jax.train.optim: schedules, decay mask, AdamW."""
 
 import inspect
 import math
@@ -302,80 +302,3 @@ def test_mu_dtype_is_used():
     tx = optim.make_optimizer(schedule=1e-3, mu_dtype=jnp.bfloat16)
     state = tx.init({"kernel": jnp.ones((2, 2))})
     assert _first_moment(state)["kernel"].dtype == jnp.bfloat16
-
-
-# ---------------------------------------------------------------------------
-# Label-smoothed cross-entropy
-# ---------------------------------------------------------------------------
-
-
-def test_label_smoothing_hand_computed():
-    # One token, V = 3, logits log([1, 2, 1]) -> p = [0.25, 0.5, 0.25].
-    logits = jnp.log(jnp.array([[[1.0, 2.0, 1.0]]]))
-    targets = jnp.array([[1]])
-    eps = 0.1
-    # loss = (1-eps) * -log 0.5 + eps * mean(-log p)
-    #      = 0.9 * ln 2 + 0.1 * (ln 4 + ln 2 + ln 4) / 3 = (0.9 + 0.1 * 5 / 3) ln 2
-    want = (0.9 + 0.5 / 3) * math.log(2.0)
-    loss_sum, weight_sum = optim.label_smoothed_cross_entropy(logits, targets, smoothing=eps)
-    assert float(loss_sum) == pytest.approx(want, rel=1e-6)
-    assert float(weight_sum) == 1.0
-    plain, _ = optim.label_smoothed_cross_entropy(logits, targets)
-    assert float(plain) == pytest.approx(math.log(2.0), rel=1e-6)
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_label_smoothing_matches_torch(dtype):
-    rng = np.random.default_rng(1)
-    b, t, v = 3, 5, 11
-    logits = (rng.normal(size=(b, t, v)) * 3).astype(np.float32)
-    targets = rng.integers(0, v, size=(b, t))
-    targets[0, 3:] = -100  # padding, ignored by torch via ignore_index
-    targets[2, 1] = -100
-    weights = targets != -100
-
-    logits_j = jnp.asarray(logits, dtype)
-    # torch sees exactly the values the JAX loss sees (after the fp32 upcast).
-    logits_t = torch.tensor(np.asarray(logits_j.astype(jnp.float32)))
-    want = torch.nn.functional.cross_entropy(
-        logits_t.reshape(-1, v), torch.tensor(targets).reshape(-1),
-        ignore_index=-100, label_smoothing=0.1,
-    ).item()
-    loss_sum, weight_sum = optim.label_smoothed_cross_entropy(
-        logits_j, jnp.asarray(targets), jnp.asarray(weights), smoothing=0.1
-    )
-    assert loss_sum.dtype == jnp.float32
-    assert float(weight_sum) == weights.sum()
-    assert float(optim.mean_loss(loss_sum, weight_sum)) == pytest.approx(want, abs=1e-6)
-
-
-def test_loss_sums_combine_exactly_over_microbatches():
-    rng = np.random.default_rng(2)
-    logits = jnp.asarray(rng.normal(size=(4, 6, 7)), jnp.float32)
-    targets = jnp.asarray(rng.integers(0, 7, size=(4, 6)))
-    weights = jnp.asarray(rng.integers(0, 2, size=(4, 6)))
-    full = optim.label_smoothed_cross_entropy(logits, targets, weights, 0.2)
-    parts = [
-        optim.label_smoothed_cross_entropy(logits[i:i + 1], targets[i:i + 1],
-                                           weights[i:i + 1], 0.2)
-        for i in range(4)
-    ]
-    loss = sum(p[0] for p in parts)
-    count = sum(p[1] for p in parts)
-    assert float(optim.mean_loss(loss, count)) == pytest.approx(
-        float(optim.mean_loss(*full)), rel=1e-6
-    )
-    assert float(optim.mean_loss(jnp.float32(0.0), jnp.float32(0.0))) == 0.0
-
-
-def test_loss_gradient_is_finite_with_masked_infinities():
-    logits = jnp.array([[[0.0, 1.0], [-jnp.inf, 0.0]]])
-    targets = jnp.array([[1, 0]])
-    weights = jnp.array([[1.0, 0.0]])
-
-    def f(x):
-        return optim.mean_loss(*optim.label_smoothed_cross_entropy(x, targets, weights, 0.1))
-
-    value, grad = jax.value_and_grad(f)(logits)
-    assert np.isfinite(float(value))
-    assert np.all(np.isfinite(np.asarray(grad[0, 0])))

@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from transformer_jax.data.pipeline import _read, default_data_dir, open_source, permutation
+from transformer_jax.errors import UserError
 
 __all__ = ["DatasetInfo", "ImageIterator", "dataset_info", "digits_split", "load_digits_arrays",
            "make_image_iterator", "open_image_source", "preprocess_image"]
@@ -93,10 +94,10 @@ class ArraySource:
 def digits_split(split: str, *, test_fraction: float = 0.2, split_seed: int = 0) -> ArraySource:
     """The ``"train"`` or ``"test"`` part of the digits (a fixed, seeded partition)."""
     if split not in DIGITS_SPLITS:
-        raise ValueError(f"the 'digits' dataset has splits {DIGITS_SPLITS}, not {split!r} "
-                         "(set eval_split='test')")
+        raise UserError(f"the 'digits' dataset has splits {DIGITS_SPLITS}, not {split!r} "
+                        "(set eval_split='test')")
     if not 0.0 < test_fraction < 1.0:
-        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
+        raise UserError(f"test_fraction must be in (0, 1), got {test_fraction}")
     images, labels = load_digits_arrays()
     order = permutation(len(labels), split_seed, 0)
     n_test = int(round(test_fraction * len(labels)))
@@ -124,12 +125,12 @@ def dataset_info(dataset: str, *, data_dir: str | None = None) -> DatasetInfo:
     try:
         features = tfds.builder(dataset, data_dir=data_dir or default_data_dir()).info.features
     except tfds.core.registered.DatasetNotFoundError as e:
-        raise ValueError(f"unknown image dataset {dataset!r}: use 'digits' or a TFDS name such as "
-                         "'cifar10' or 'imagenet2012'") from e
+        raise UserError(f"unknown image dataset {dataset!r}: use 'digits' or a TFDS name such as "
+                        "'cifar10' or 'imagenet2012'") from e
     if "image" not in features or "label" not in features:
-        raise ValueError(f"dataset {dataset!r} is not an image-classification dataset: it needs "
-                         f"'image' and 'label' features (it has {sorted(features)}); try "
-                         "'digits', 'cifar10' or 'imagenet2012'")
+        raise UserError(f"dataset {dataset!r} is not an image-classification dataset: it needs "
+                        f"'image' and 'label' features (it has {sorted(features)}); try "
+                        "'digits', 'cifar10' or 'imagenet2012'")
     label, image = features["label"], features["image"]
     names = tuple(getattr(label, "names", None) or (str(i) for i in range(label.num_classes)))
     channels = image.shape[-1] or 3
@@ -195,10 +196,10 @@ class ImageIterator:
                  augment: bool = False, flip: bool = False, process_index: int = 0,
                  process_count: int = 1):
         if image_size < 1:
-            raise ValueError(f"image_size must be >= 1, got {image_size}")
+            raise UserError(f"image_size must be >= 1, got {image_size}")
         if batch_size < 1 or batch_size % process_count:
-            raise ValueError(f"batch_size {batch_size} must be >= 1 and divisible by "
-                             f"process_count {process_count}")
+            raise UserError(f"batch_size {batch_size} must be >= 1 and divisible by "
+                            f"process_count {process_count}")
         self._source = source
         self.name, self.split = name, split
         self.image_size, self.num_channels, self.max_value = image_size, num_channels, max_value
@@ -209,13 +210,13 @@ class ImageIterator:
         self.process_index, self.process_count = process_index, process_count
         self.num_examples = len(source)
         if self.num_examples == 0:
-            raise ValueError(f"dataset {name!r} split {split!r} is empty (0 examples); prepare the "
-                             "dataset again or choose another dataset/split")
+            raise UserError(f"dataset {name!r} split {split!r} is empty (0 examples); prepare the "
+                            "dataset again or choose another dataset/split")
         if repeat:
             self.batches_per_epoch = self.num_examples // batch_size
             if self.batches_per_epoch == 0:
-                raise ValueError(f"dataset {name!r} split {split!r} has {self.num_examples} "
-                                 f"examples, fewer than one batch of {batch_size}; lower batch_size")
+                raise UserError(f"dataset {name!r} split {split!r} has {self.num_examples} "
+                                f"examples, fewer than one batch of {batch_size}; lower batch_size")
         else:
             self.batches_per_epoch = -(-self.num_examples // batch_size)
         self._epoch, self._index = 0, 0
@@ -247,8 +248,8 @@ class ImageIterator:
             image = preprocess_image(example["image"], s, max_value=self.max_value,
                                      augment=self.augment, flip=self.flip, rng=rng)
             if image.shape[-1] != self.num_channels:
-                raise ValueError(f"dataset {self.name!r} example {int(i)} has {image.shape[-1]} "
-                                 f"channels, expected {self.num_channels}")
+                raise UserError(f"dataset {self.name!r} example {int(i)} has {image.shape[-1]} "
+                                f"channels, expected {self.num_channels}")
             images[row], labels[row], weights[row] = image, int(example["label"]), 1.0
         self._index += 1
         if self.repeat and self._index == self.batches_per_epoch:
@@ -262,14 +263,14 @@ class ImageIterator:
     def set_state(self, state: dict[str, Any]) -> None:
         """Move to a position returned by :meth:`get_state`."""
         if not isinstance(state, dict) or state.get("mode") != "images":
-            raise ValueError(f"cannot restore {state!r}: not an image-iterator state")
+            raise UserError(f"cannot restore {state!r}: not an image-iterator state")
         epoch, index = state.get("epoch"), state.get("index")
         if not isinstance(epoch, int) or not isinstance(index, int) or epoch < 0 or index < 0:
-            raise ValueError(f"image-iterator state needs non-negative integer epoch and index, "
-                             f"got {state!r}")
+            raise UserError(f"image-iterator state needs non-negative integer epoch and index, "
+                            f"got {state!r}")
         if index > self.batches_per_epoch or (self.repeat and index == self.batches_per_epoch):
-            raise ValueError(f"image-iterator state index {index} is out of range for "
-                             f"{self.batches_per_epoch} batches per epoch")
+            raise UserError(f"image-iterator state index {index} is out of range for "
+                            f"{self.batches_per_epoch} batches per epoch")
         self._epoch, self._index = epoch, index
 
 
@@ -285,8 +286,8 @@ def make_image_iterator(dataset: str, split: str, *, image_size: int, batch_size
     ``augment`` applies only where ``repeat`` (training).
     """
     if process_count < 1 or not 0 <= process_index < process_count:
-        raise ValueError(f"need 0 <= process_index < process_count, got {process_index}, "
-                         f"{process_count}")
+        raise UserError(f"need 0 <= process_index < process_count, got {process_index}, "
+                        f"{process_count}")
     info = info or dataset_info(dataset, data_dir=data_dir)
     source = open_image_source(dataset, split, data_dir=data_dir, test_fraction=test_fraction,
                                split_seed=split_seed)

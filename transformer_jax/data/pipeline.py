@@ -26,7 +26,8 @@ Two modes share one iterator API (:class:`LMIterator`):
 
 * ``"memory"``: the whole split is tokenized once into an int32 token stream,
   cached as ``.npy`` under ``<data_dir>/transformer_jax_cache/`` (keyed by
-  dataset, version, split, its size, and the tokenizer) and memory-mapped.
+  dataset, version, split, its size, and the tokenizer) and memory-mapped (read
+  whole when ``data_dir`` is a bucket, ``gs://...``).
   Windows are shuffled per epoch by a permutation that is a pure function of
   ``(seed, epoch)``.  ``batch_size`` is the *global* batch; process ``p`` of
   ``P`` yields rows ``[p*B/P, (p+1)*B/P)`` of every global batch, so the
@@ -64,6 +65,7 @@ import abc
 import collections
 import dataclasses
 import hashlib
+import io
 import os
 import re
 from collections.abc import Iterable, Iterator, Sequence
@@ -71,7 +73,12 @@ from typing import Any
 
 import numpy as np
 
+from transformer_jax import storage
 from transformer_jax.data.tokenizers import Tokenizer, get_tokenizer
+from transformer_jax.errors import UserError
+
+_RESUME_HINT = (" The checkpoint's data position does not fit this data: resume with the "
+                "run's original dataset, split and batch settings.")
 
 __all__ = [
     "LMIterator",
@@ -146,18 +153,18 @@ class EpochIterator(Iterator[dict]):
     def __init__(self, n: int, *, batch_size: int, seed: int, shuffle: bool, repeat: bool,
                  process_index: int, process_count: int, describe: str):
         if batch_size % process_count:
-            raise ValueError(f"batch_size={batch_size} is not divisible by {process_count} processes")
+            raise UserError(f"batch_size={batch_size} is not divisible by {process_count} processes")
         self.n = n
         self.global_batch, self.batch_size = batch_size, batch_size // process_count
         self.seed, self.shuffle, self.repeat = seed, shuffle, repeat
         self.process_index = process_index
         if n == 0:
-            raise ValueError(f"{describe} has no examples")
+            raise UserError(f"{describe} has no examples")
         if repeat:
             self.batches_per_epoch = n // batch_size
             if self.batches_per_epoch == 0:
-                raise ValueError(f"{describe} has {n} examples, fewer than one batch of "
-                                 f"{batch_size}; lower batch_size")
+                raise UserError(f"{describe} has {n} examples, fewer than one batch of "
+                                f"{batch_size}; lower batch_size")
         else:
             self.batches_per_epoch = -(-n // batch_size)
         self.epoch = self.index = 0
@@ -190,10 +197,10 @@ class EpochIterator(Iterator[dict]):
 
     def set_state(self, state: dict) -> None:
         if not isinstance(state, dict) or set(state) != {"epoch", "index"}:
-            raise ValueError(f"not a {self.kind} iterator state: {state!r}")
+            raise UserError(f"not a {self.kind} iterator state: {state!r}.{_RESUME_HINT}")
         if not 0 <= int(state["index"]) < max(self.batches_per_epoch, 1):
-            raise ValueError(f"{self.kind} iterator state index {state['index']} is out of range "
-                             f"for {self.batches_per_epoch} batches per epoch")
+            raise UserError(f"{self.kind} iterator state index {state['index']} is out of range "
+                            f"for {self.batches_per_epoch} batches per epoch.{_RESUME_HINT}")
         self.epoch, self.index = int(state["epoch"]), int(state["index"])
 
 
@@ -238,16 +245,26 @@ def open_source(dataset: Any, split: str, *, data_dir: str | None = None):
         kwargs["download_and_prepare_kwargs"] = {
             "download_config": tfds.download.DownloadConfig(try_download_gcs=False)
         }
-    source = tfds.data_source(
-        dataset, split=split, data_dir=data_dir or default_data_dir(), **kwargs
-    )
+    try:
+        source = tfds.data_source(
+            dataset, split=split, data_dir=data_dir or default_data_dir(), **kwargs
+        )
+    except tfds.core.registered.DatasetNotFoundError as e:
+        raise UserError(
+            f"dataset {dataset!r} is not a TFDS dataset: use 'python_stdlib' (offline) or a "
+            "name from tfds.list_builders() such as 'lm1b'"
+        ) from e
+    except ValueError as e:
+        if "split" not in str(e).lower():
+            raise
+        raise UserError(f"dataset {dataset!r}: {e} Set eval_split (or the split) to one of them.") from e
     return source, dataset
 
 
 def _document_text(example: Any, text_key: str) -> str:
     if isinstance(example, dict):
         if text_key not in example:
-            raise KeyError(
+            raise UserError(
                 f"document has no field {text_key!r} (fields: {sorted(example)}); "
                 "pass text_key=..."
             )
@@ -258,7 +275,7 @@ def _document_text(example: Any, text_key: str) -> str:
         return bytes(example).decode("utf-8", errors="replace")
     if isinstance(example, str):
         return example
-    raise TypeError(f"document text must be str or bytes, got {type(example).__name__}")
+    raise UserError(f"document text must be str or bytes, got {type(example).__name__}")
 
 
 def _read(source: Any, indices: Sequence[int]) -> list[Any]:
@@ -362,7 +379,7 @@ def pack_documents(
       ``pad_final``) for a stream of ``N`` tokens.
     """
     if seq_len < 1:
-        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        raise UserError(f"seq_len must be >= 1, got {seq_len}")
     eos = np.array([eos_id], dtype=np.int32)
     parts = []
     for doc in token_docs:
@@ -413,9 +430,15 @@ def _load_or_build_stream(source, name, split, tokenizer, text_key, data_dir, ca
     if not cache:
         return _token_stream(_iter_texts(source, text_key), tokenizer)
     path = _cache_path(source, name, split, tokenizer, text_key, data_dir)
-    if os.path.exists(path):
-        return np.load(path, mmap_mode="r")
+    remote = storage.is_remote(path)   # a bucket cannot be memory-mapped: read it whole
+    if storage.exists(path):
+        return np.load(io.BytesIO(storage.read_bytes(path))) if remote else np.load(path, mmap_mode="r")
     stream = _token_stream(_iter_texts(source, text_key), tokenizer)
+    if remote:
+        npy = io.BytesIO()
+        np.save(npy, stream)
+        storage.write_bytes(path, npy.getvalue())
+        return stream
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp_path = f"{path[:-4]}.tmp{os.getpid()}.npy"
     np.save(tmp_path, stream)
@@ -440,7 +463,8 @@ class _Segment:
 def _check_int(state: dict, key: str, minimum: int = 0) -> int:
     value = state.get(key)
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"iterator state field {key!r} must be an int >= {minimum}, got {value!r}")
+        raise UserError(f"iterator state field {key!r} must be an int >= {minimum}, got "
+                        f"{value!r}.{_RESUME_HINT}")
     return value
 
 
@@ -499,7 +523,7 @@ class LMIterator(Iterator[Batch]):
         self.num_windows: int | None = None
         self.batches_per_epoch: int | None = None
         if self.num_documents == 0:
-            raise ValueError(
+            raise UserError(
                 f"dataset {name!r} split {split!r} is empty (0 documents); "
                 "prepare the dataset again or choose another dataset/split."
             )
@@ -523,7 +547,7 @@ class LMIterator(Iterator[Batch]):
     def _init_memory(self, stream: np.ndarray) -> None:
         self._stream = stream
         if len(stream) < 2:
-            raise ValueError(
+            raise UserError(
                 f"{self._describe()} is empty: its {self.num_documents} documents "
                 "hold no text. Use a dataset/split with text."
             )
@@ -531,7 +555,7 @@ class LMIterator(Iterator[Batch]):
         if self.repeat:
             self.batches_per_epoch = self.num_windows // self.global_batch_size
             if self.batches_per_epoch == 0:
-                raise ValueError(
+                raise UserError(
                     f"{self._describe()} is too small: its {len(stream)} tokens pack "
                     f"into {self.num_windows} windows of seq_len+1={self.seq_len + 1} "
                     f"tokens, fewer than one batch of {self.global_batch_size}. Use a "
@@ -564,7 +588,7 @@ class LMIterator(Iterator[Batch]):
     def _init_stream(self) -> None:
         self._shard_size = len(range(self.process_index, self.num_documents, self.process_count))
         if self._shard_size == 0:
-            raise ValueError(
+            raise UserError(
                 f"{self._describe()} has {self.num_documents} documents, too few to "
                 f"give process {self.process_index} of {self.process_count} any; use "
                 "fewer processes or mode='memory'."
@@ -604,7 +628,7 @@ class LMIterator(Iterator[Batch]):
             if not self.repeat:
                 return
             if start_pos == 0 and tokens_read == 0:
-                raise ValueError(
+                raise UserError(
                     f"{self._describe()} is empty: process {self.process_index}'s "
                     f"{len(shard)} documents hold no text. Use a dataset/split with text."
                 )
@@ -657,7 +681,7 @@ class LMIterator(Iterator[Batch]):
             tokens[: len(rest)] = rest
         else:
             if self._head == (0, 0, 0) and self._buffered == 0:
-                raise ValueError(
+                raise UserError(
                     f"{self._describe()} is empty: process {self.process_index}'s "
                     "documents hold no text. Use a dataset/split with text."
                 )
@@ -692,26 +716,26 @@ class LMIterator(Iterator[Batch]):
     def set_state(self, state: dict[str, Any]) -> None:
         """Moves to a position returned by :meth:`get_state`.
 
-        Raises ValueError if the state belongs to another mode or, in stream
+        Raises UserError if the state belongs to another mode or, in stream
         mode, to another process layout.
         """
         if not isinstance(state, dict) or state.get("mode") != self.mode:
-            raise ValueError(
-                f"cannot restore {state!r}: this iterator is in {self.mode!r} mode."
+            raise UserError(
+                f"cannot restore {state!r}: this iterator is in {self.mode!r} mode.{_RESUME_HINT}"
             )
         if self.mode == "memory":
             epoch, index = _check_int(state, "epoch"), _check_int(state, "index")
             if index > self.batches_per_epoch or (self.repeat and index == self.batches_per_epoch):
-                raise ValueError(
+                raise UserError(
                     f"iterator state index {index} is out of range for "
-                    f"{self.batches_per_epoch} batches per epoch."
+                    f"{self.batches_per_epoch} batches per epoch.{_RESUME_HINT}"
                 )
             self._epoch, self._index = epoch, index
             return
         if (state.get("process_index"), state.get("process_count")) != (
             self.process_index, self.process_count
         ):
-            raise ValueError(
+            raise UserError(
                 "stream-mode state was saved by process "
                 f"{state.get('process_index')} of {state.get('process_count')}, "
                 f"but this is process {self.process_index} of {self.process_count}."
@@ -719,9 +743,9 @@ class LMIterator(Iterator[Batch]):
         epoch, doc_pos = _check_int(state, "epoch"), _check_int(state, "doc_pos")
         offset = _check_int(state, "token_offset")
         if doc_pos > self._shard_size:
-            raise ValueError(
+            raise UserError(
                 f"iterator state doc_pos {doc_pos} is beyond this process's "
-                f"{self._shard_size} documents."
+                f"{self._shard_size} documents.{_RESUME_HINT}"
             )
         self._seek(epoch, doc_pos, offset)
 
@@ -770,20 +794,20 @@ def make_lm_iterator(
       "weights": float32 (B, T)}`` with ``B = batch_size // process_count``.
 
     Raises:
-      ValueError: bad arguments, or an empty split / one too small for a batch.
+      UserError: bad arguments, or an empty split / one too small for a batch.
     """
     if seq_len < 1 or batch_size < 1:
-        raise ValueError(f"seq_len and batch_size must be >= 1, got {seq_len}, {batch_size}")
+        raise UserError(f"seq_len and batch_size must be >= 1, got {seq_len}, {batch_size}")
     if process_count < 1 or not 0 <= process_index < process_count:
-        raise ValueError(
+        raise UserError(
             f"need 0 <= process_index < process_count, got {process_index}, {process_count}"
         )
     if batch_size % process_count:
-        raise ValueError(
+        raise UserError(
             f"batch_size {batch_size} is not divisible by process_count {process_count}"
         )
     if mode not in ("auto", "memory", "stream"):
-        raise ValueError(f"mode must be 'auto', 'memory' or 'stream', got {mode!r}")
+        raise UserError(f"mode must be 'auto', 'memory' or 'stream', got {mode!r}")
     tokenizer = get_tokenizer(tokenizer)
     data_dir = data_dir or default_data_dir()
     source, name = open_source(dataset, split, data_dir=data_dir)

@@ -53,6 +53,8 @@ import sysconfig
 import tensorflow_datasets as tfds
 from etils import epath
 
+from transformer_jax.errors import UserError
+
 __all__ = [
     "DATASET_NAME",
     "STDLIB_FILES",
@@ -335,14 +337,14 @@ class PythonStdlib(tfds.core.GeneratorBasedBuilder):
         del dl_manager  # Nothing is downloaded.
         running = _config_name(tuple(sys.version_info[:2]))
         if self.builder_config.name != running:
-            raise ValueError(
+            raise UserError(
                 f"python_stdlib config {self.builder_config.name!r} can only be "
                 f"built by that Python version; this interpreter is {running!r}."
             )
         root = self._stdlib_dir or default_stdlib_dir()
         missing = [f for f in STDLIB_FILES if not os.path.isfile(os.path.join(root, f))]
         if missing:
-            raise FileNotFoundError(
+            raise UserError(
                 f"python_stdlib: file {missing[0]!r} of the fixed file list is "
                 f"missing from {root!r} (Python {sys.version.split()[0]}); "
                 f"{len(missing)} file(s) missing in all: {missing}. The dataset "

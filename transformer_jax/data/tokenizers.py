@@ -34,6 +34,9 @@ from typing import Any
 
 import numpy as np
 
+from transformer_jax import storage
+from transformer_jax.errors import UserError
+
 __all__ = [
     "Tokenizer",
     "ByteTokenizer",
@@ -130,7 +133,8 @@ class SentencePieceTokenizer(Tokenizer):
     """A SentencePiece model behind the common tokenizer interface.
 
     Args:
-      model: path of a ``.model`` file, or the serialized model as ``bytes``.
+      model: path of a ``.model`` file (local or ``gs://``), or the serialized model as
+        ``bytes``.
 
     The model must use pad id 0 and eos id 1 (as :func:`train_sentencepiece`
     sets); otherwise a ``ValueError`` is raised.  ``decode`` drops pad and eos
@@ -146,17 +150,17 @@ class SentencePieceTokenizer(Tokenizer):
             self.model_path: str | None = None
         else:
             self.model_path = os.fspath(model)
-            if not os.path.isfile(self.model_path):
-                raise FileNotFoundError(
-                    f"SentencePiece model file {self.model_path!r} does not exist."
+            if not storage.is_file(self.model_path):
+                raise UserError(
+                    f"SentencePiece model file {self.model_path!r} does not exist; give "
+                    "the path of a .model file (e.g. the spm.model a run trained into its workdir)."
                 )
-            with open(self.model_path, "rb") as f:
-                proto = f.read()
+            proto = storage.read_bytes(self.model_path)
         self._processor = spm.SentencePieceProcessor(model_proto=proto)
         self._cache_key = "spm-" + hashlib.sha256(proto).hexdigest()[:16]
         self.unk_id = self._processor.unk_id()
         if self._processor.pad_id() != 0 or self._processor.eos_id() != 1:
-            raise ValueError(
+            raise UserError(
                 "SentencePiece model must have pad_id=0 and eos_id=1, got "
                 f"pad_id={self._processor.pad_id()} eos_id={self._processor.eos_id()}; "
                 "train it with transformer_jax.data.train_sentencepiece."
@@ -237,8 +241,8 @@ def train_sentencepiece(
     Args:
       texts: the training documents.
       vocab_size: the requested number of pieces.
-      model_path: where to write the model (e.g. ``".../spm.model"``); parent
-        directories are created.
+      model_path: where to write the model (e.g. ``".../spm.model"``, local or
+        ``gs://``); parent directories are created.
       model_type: ``"unigram"`` or ``"bpe"``.
       max_chunk_chars: documents are cut at line ends into training sentences of
         about this many characters.
@@ -250,13 +254,13 @@ def train_sentencepiece(
     import sentencepiece as spm  # Imported here: optional dependency.
 
     if vocab_size < 300:
-        raise ValueError(
+        raise UserError(
             f"vocab_size must be at least 300 (256 byte pieces + specials), got {vocab_size}."
         )
     sentences = _training_sentences(texts, max_chunk_chars)
     first = next(sentences, None)
     if first is None:
-        raise ValueError("train_sentencepiece got no non-empty text to train on.")
+        raise UserError("train_sentencepiece got no non-empty text to train on.")
 
     def all_sentences():
         yield first
@@ -287,11 +291,7 @@ def train_sentencepiece(
         minloglevel=2,
     )
     model_path = os.fspath(model_path)
-    os.makedirs(os.path.dirname(os.path.abspath(model_path)), exist_ok=True)
-    tmp_path = f"{model_path}.tmp{os.getpid()}"
-    with open(tmp_path, "wb") as f:
-        f.write(model.getvalue())
-    os.replace(tmp_path, model_path)
+    storage.write_bytes(model_path, model.getvalue())   # replaced at once, never seen half written
     return SentencePieceTokenizer(model_path)
 
 
@@ -312,9 +312,9 @@ def get_tokenizer(spec: str | Tokenizer | None = "byte") -> Tokenizer:
     for prefix in ("sentencepiece:", "spm:"):
         if spec.startswith(prefix):
             return SentencePieceTokenizer(spec[len(prefix) :])
-    if spec.endswith(".model") and os.path.isfile(spec):
+    if spec.endswith(".model") and storage.is_file(spec):
         return SentencePieceTokenizer(spec)
-    raise ValueError(
+    raise UserError(
         f"unknown tokenizer {spec!r}: use 'byte', 'sentencepiece:PATH' or the "
         "path of a SentencePiece .model file."
     )

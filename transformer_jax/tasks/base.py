@@ -14,7 +14,9 @@ import difflib
 from pathlib import Path
 from typing import Any, ClassVar, Iterable
 
-from ..train.step import LossFn
+from .. import storage
+from ..errors import UserError
+from ..losses import LossFn
 
 
 class Task(abc.ABC):
@@ -24,11 +26,11 @@ class Task(abc.ABC):
 
     def __init__(self, cfg, workdir: str | Path, *, spec: dict | None = None):
         self.cfg = cfg
-        self.workdir = Path(workdir)
+        self.workdir = storage.path(workdir)   # local or gs://: files go through the storage layer
         unknown = sorted(set(cfg.task_options) - set(self.OPTIONS))
         if unknown:
             hints = {u: difflib.get_close_matches(u, self.OPTIONS, n=1) for u in unknown}
-            raise ValueError(
+            raise UserError(
                 f"unknown option(s) for task {self.name!r}: "
                 + ", ".join(f"{u!r}" + (f" (did you mean {h[0]!r}?)" if h else "") for u, h in hints.items())
                 + f"; valid options: {sorted(self.OPTIONS) or 'none'}")
@@ -85,8 +87,8 @@ class Task(abc.ABC):
         return None
 
     def generate_text(self, model, params, prompt: str, **kw) -> str:
-        raise ValueError(f"task {self.name!r} has no text generation; "
-                         "`transformer-jax generate` works for language-model and seq2seq runs")
+        raise UserError(f"task {self.name!r} has no text generation; "
+                        "`transformer-jax generate` works for language-model and seq2seq runs")
 
 
 TASKS: dict[str, type[Task]] = {}
@@ -100,6 +102,6 @@ def register_task(cls: type[Task]) -> type[Task]:
 def make_task(cfg, workdir: str | Path, *, spec: dict | None = None) -> Task:
     if cfg.task not in TASKS:
         hint = difflib.get_close_matches(cfg.task, TASKS, n=1)
-        raise ValueError(f"unknown task {cfg.task!r}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
-                         + f"; choose one of {sorted(TASKS)}")
+        raise UserError(f"unknown task {cfg.task!r}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
+                        + f"; choose one of {sorted(TASKS)}")
     return TASKS[cfg.task](cfg, workdir, spec=spec)

@@ -41,8 +41,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import data as data_lib
+from .. import storage
 from ..data.pipeline import EpochIterator, _document_text, _read, open_source, permutation
-from ..train.step import token_loss
+from ..errors import UserError
+from ..losses import token_loss
+from ..train.checkpoint import load_params
 from .base import Task, register_task
 from .mlm import MLMVocab, build_tokenizer, check_bert, jitted_apply
 
@@ -70,8 +73,8 @@ def line_roles(source: str) -> list[int]:
                       else comment if tok.type == tokenize.COMMENT else code)
             target[tok.start[0]: tok.end[0] + 1] = True
     except (tokenize.TokenError, SyntaxError) as e:
-        raise ValueError(f"cannot tokenize a document as Python ({e}); the line-role task "
-                         "needs Python source (dataset python_stdlib)") from e
+        raise UserError(f"cannot tokenize a document as Python ({e}); the line-role task "
+                        "needs Python source (dataset python_stdlib)") from e
     roles = []
     for r, line in enumerate(lines, start=1):
         if not line.strip():
@@ -149,14 +152,14 @@ def classify_loss(apply_fn, params, batch, rngs, deterministic: bool, smoothing:
 # ----------------------------------------------------------------------------- task
 
 def _read_pretrained_config(path: str | Path) -> dict:
-    config = Path(path) / "config.json"
+    config = storage.path(path) / "config.json"
     if not config.is_file():
-        raise ValueError(f"task option pretrained={str(path)!r}: no config.json there; give the "
-                         "workdir of a finished `transformer-jax train` MLM run")
+        raise UserError(f"task option pretrained={str(path)!r}: no config.json there; give the "
+                        "workdir of a finished `transformer-jax train` MLM run")
     run = json.loads(config.read_text())
     if run.get("family") != "bert":
-        raise ValueError(f"task option pretrained={str(path)!r} is a {run.get('family')!r} run; "
-                         "it must be a BERT (model=bert) run, e.g. task=mlm")
+        raise UserError(f"task option pretrained={str(path)!r} is a {run.get('family')!r} run; "
+                        "it must be a BERT (model=bert) run, e.g. task=mlm")
     return run
 
 
@@ -173,9 +176,9 @@ class ClassifyTask(Task):
         check_bert(cfg, self.name, ("classification",))
         ctx = self.options["context_lines"]
         if not isinstance(ctx, int) or isinstance(ctx, bool) or ctx < 0:
-            raise ValueError(f"task option context_lines={ctx!r} must be an int >= 0")
+            raise UserError(f"task option context_lines={ctx!r} must be an int >= 0")
         if cfg.seq_len < 4:
-            raise ValueError(f"seq_len={cfg.seq_len} is too short for [CLS] a [SEP] b [SEP]")
+            raise UserError(f"seq_len={cfg.seq_len} is too short for [CLS] a [SEP] b [SEP]")
         self.stdlib = cfg.dataset.split("/")[0].split(":")[0] == "python_stdlib"
         tok_spec = spec
         if spec is None and self.options["pretrained"] is not None:
@@ -196,9 +199,9 @@ class ClassifyTask(Task):
             try:
                 return list(feature[self.options["label_key"]].names)
             except (KeyError, TypeError, AttributeError):
-                raise ValueError(f"cannot tell the number of classes of {self.cfg.dataset!r} "
-                                 f"(its {self.options['label_key']!r} feature is no ClassLabel); "
-                                 "set task.num_classes") from None
+                raise UserError(f"cannot tell the number of classes of {self.cfg.dataset!r} "
+                                f"(its {self.options['label_key']!r} feature is no ClassLabel); "
+                                "set task.num_classes") from None
         return [str(i) for i in range(int(k))]
 
     def _source(self, split):
@@ -216,8 +219,8 @@ class ClassifyTask(Task):
         for start in range(0, len(source), 512):
             for ex in _read(source, range(start, min(start + 512, len(source)))):
                 if label_key not in ex:
-                    raise ValueError(f"{name!r} examples have no field {label_key!r} (fields: "
-                                     f"{sorted(ex)}); set task.label_key")
+                    raise UserError(f"{name!r} examples have no field {label_key!r} (fields: "
+                                    f"{sorted(ex)}); set task.label_key")
                 yield (_document_text(ex, a_key),
                        None if b_key is None else _document_text(ex, b_key),
                        int(np.asarray(ex[label_key])))
@@ -230,13 +233,13 @@ class ClassifyTask(Task):
             ids, types, labels = [], [], []
             for a, b, label in self._examples(split):
                 if not 0 <= label < k:
-                    raise ValueError(f"{self.cfg.dataset!r} split {split!r} has label {label}, "
-                                     f"outside [0, {k}) (unlabelled test split?); evaluate on a "
+                    raise UserError(f"{self.cfg.dataset!r} split {split!r} has label {label}, "
+                                    f"outside [0, {k}) (unlabelled test split?); evaluate on a "
                                      "labelled split (eval_split=validation)")
                 i, y = encode_example(self.vocab, tok.encode(a), None if b is None else tok.encode(b), t)
                 ids.append(i), types.append(y), labels.append(label)
             if not ids:
-                raise ValueError(f"{self.cfg.dataset!r} split {split!r} has no examples")
+                raise UserError(f"{self.cfg.dataset!r} split {split!r} has no examples")
             ids = np.stack(ids)
             self._encoded[split] = {"input_ids": ids, "token_type_ids": np.stack(types),
                                     "attention_mask": (ids != self.vocab.pad_id).astype(np.int32),
@@ -269,23 +272,22 @@ class ClassifyTask(Task):
         path = self.options["pretrained"]
         if path is None:
             return params
-        from ..interop._common import flatten_params, unflatten_params
-        from ..train.loop import load_run
+        from ..interop._common import flatten_params, unflatten_params  # only for this option
 
-        _, _, pre, _ = load_run(path)
+        _, pre = load_params(path)
         if "bert" not in pre:
-            raise ValueError(f"pretrained run {path!r} has no 'bert' encoder params")
+            raise UserError(f"pretrained run {path!r} has no 'bert' encoder params")
         theirs = flatten_params(pre["bert"])
         ours = flatten_params(params["bert"])
         for key, value in theirs.items():
             if key not in ours:
-                raise ValueError(f"pretrained run {path!r} has bert/{'/'.join(key)}, which this "
-                                 "model lacks (scan_layers or num_layers differ?); use the same "
-                                 "model settings as the pretraining run")
+                raise UserError(f"pretrained run {path!r} has bert/{'/'.join(key)}, which this "
+                                "model lacks (scan_layers or num_layers differ?); use the same "
+                                "model settings as the pretraining run")
             if ours[key].shape != value.shape:
-                raise ValueError(f"pretrained bert/{'/'.join(key)} has shape {value.shape}, this "
-                                 f"model {ours[key].shape}; use the same model settings "
-                                 "(d_model, num_layers, max_len, ...) as the pretraining run")
+                raise UserError(f"pretrained bert/{'/'.join(key)} has shape {value.shape}, this "
+                                f"model {ours[key].shape}; use the same model settings "
+                                "(d_model, num_layers, max_len, ...) as the pretraining run")
             ours[key] = jnp.asarray(value, ours[key].dtype)
         return {**params, "bert": unflatten_params(ours)}
 

@@ -27,15 +27,18 @@ Options (``--set task.NAME=value``):
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import storage
 from ..data import images as image_data
-from ..models import FAMILIES, build_model
-from ..train.step import token_loss
+from ..errors import UserError
+from ..losses import token_loss
+from ..models import FAMILIES, build_model, model_from_config
+from ..models.vit import adapt_pretrained
+from ..train.checkpoint import load_params
 from .base import Task, register_task
 
 
@@ -62,8 +65,8 @@ class ImageClassificationTask(Task):
                 tuple(spec["label_names"]), spec["flip"])
         else:
             if cfg.dataset == "python_stdlib":
-                raise ValueError("task 'image_classification' needs an image dataset; set "
-                                 "dataset=digits (offline), cifar10 or imagenet2012")
+                raise UserError("task 'image_classification' needs an image dataset; set "
+                                "dataset=digits (offline), cifar10 or imagenet2012")
             self.info = image_data.dataset_info(cfg.dataset, data_dir=cfg.data_dir)
         self.model_config = self._model_config()
         self.image_size = self.model_config.image_size
@@ -73,20 +76,20 @@ class ImageClassificationTask(Task):
     def _model_config(self):
         cfg = self.cfg
         if cfg.model not in FAMILIES:
-            raise ValueError(f"unknown model family {cfg.model!r}; choose one of {sorted(FAMILIES)}")
+            raise UserError(f"unknown model family {cfg.model!r}; choose one of {sorted(FAMILIES)}")
         if not hasattr(FAMILIES[cfg.model][0], "patch_size"):
-            raise ValueError(f"task 'image_classification' needs an image model (model='vit'), "
-                             f"got model={cfg.model!r}")
+            raise UserError(f"task 'image_classification' needs an image model (model='vit'), "
+                            f"got model={cfg.model!r}")
         size = self.options["image_size"]
         given = cfg.model_overrides.get("image_size")
         if size is not None and given is not None and size != given:
-            raise ValueError(f"task.image_size={size} and model.image_size={given} disagree; set one")
+            raise UserError(f"task.image_size={size} and model.image_size={given} disagree; set one")
         for field, need in (("num_classes", self.info.num_classes),
                             ("num_channels", self.info.num_channels)):
             have = cfg.model_overrides.get(field)
             if have is not None and have != need:
-                raise ValueError(f"model.{field}={have} but dataset {cfg.dataset!r} has {need}; "
-                                 f"drop model.{field} (the task sets it)")
+                raise UserError(f"model.{field}={have} but dataset {cfg.dataset!r} has {need}; "
+                                f"drop model.{field} (the task sets it)")
         model_cfg, _ = build_model(cfg.model, cfg.model_preset,
                                    {**self.model_overrides(), **cfg.model_overrides})
         return model_cfg
@@ -132,22 +135,19 @@ class ImageClassificationTask(Task):
         path = self.options["pretrained"]
         if not path:
             return params
-        from ..models.vit import adapt_pretrained
-
-        path = Path(path)
+        path = storage.path(path)
         config_json = path / "config.json"
         if config_json.is_file() and "model_type" in json.loads(config_json.read_text()):
-            from ..interop.hf import from_hf
+            from ..interop.hf import from_hf  # loads every family's converter: only when asked
 
             module, loaded = from_hf(path, drop_pooler=True)
         elif (path / "checkpoints").is_dir():
-            from ..train.loop import load_run
-
-            _, module, loaded, _ = load_run(path)
+            run_config, loaded = load_params(path)
+            _, module = model_from_config(run_config["family"], run_config["model"])
         else:
-            raise ValueError(f"task.pretrained={str(path)!r} is neither a Hugging Face "
-                             "save_pretrained directory (config.json with a model_type) nor a "
-                             "transformer_jax workdir (with checkpoints/)")
+            raise UserError(f"task.pretrained={str(path)!r} is neither a Hugging Face "
+                            "save_pretrained directory (config.json with a model_type) nor a "
+                            "transformer_jax workdir (with checkpoints/)")
         return adapt_pretrained(params, self.model_config, loaded, module.config)
 
     # -- samples -------------------------------------------------------------------

@@ -1,14 +1,13 @@
 """Language modelling: packed next-token prediction on a TFDS text dataset."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 
 from .. import data as data_lib
 from ..decode import generate
-from ..train.step import lm_loss
+from ..errors import UserError
+from ..losses import lm_loss
 from .base import Task, register_task
 
 
@@ -32,9 +31,8 @@ class LMTask(Task):
             if not path.exists():
                 texts = data_lib.load_texts(cfg.dataset, "train", data_dir=cfg.data_dir,
                                             max_documents=200_000)
-                path.parent.mkdir(parents=True, exist_ok=True)
                 data_lib.train_sentencepiece(texts, cfg.sentencepiece_vocab_size, str(path))
-            spec_str = f"sentencepiece:{Path(path).resolve()}"
+            spec_str = f"sentencepiece:{path}"   # absolute, or gs://
         else:
             spec_str = cfg.tokenizer
         return data_lib.get_tokenizer(spec_str), spec_str
@@ -67,7 +65,7 @@ class LMTask(Task):
         ids = tok.encode(prompt) or [tok.eos_id]
         room = model.config.max_len - len(ids)
         if room < 1:
-            raise ValueError(f"the prompt is {len(ids)} tokens; the model's max_len is {model.config.max_len}")
+            raise UserError(f"the prompt is {len(ids)} tokens; the model's max_len is {model.config.max_len}")
         out = generate(model, params, [ids], max_new_tokens=min(max_new_tokens, room),
                        temperature=temperature, top_k=top_k or None, top_p=top_p,
                        rng=jax.random.PRNGKey(seed), eos_id=tok.eos_id)

@@ -38,8 +38,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import data as data_lib
+from .. import storage
 from ..data.pipeline import _splitmix64, _splitmix64_array
-from ..train.step import token_loss
+from ..errors import UserError
+from ..losses import token_loss
 from .base import Task, register_task
 
 _MASK64 = (1 << 64) - 1
@@ -108,13 +110,12 @@ def build_tokenizer(cfg, workdir: str | Path, spec: Mapping[str, Any] | None):
     if spec is not None:
         return data_lib.get_tokenizer(spec["tokenizer"]), spec["tokenizer"]
     if cfg.tokenizer == "sentencepiece":
-        path = Path(workdir) / "spm.model"
+        path = storage.path(workdir) / "spm.model"
         if not path.exists():
             texts = data_lib.load_texts(cfg.dataset, "train", data_dir=cfg.data_dir,
                                         max_documents=200_000)
-            path.parent.mkdir(parents=True, exist_ok=True)
             data_lib.train_sentencepiece(texts, cfg.sentencepiece_vocab_size, str(path))
-        spec_str = f"sentencepiece:{path.resolve()}"
+        spec_str = f"sentencepiece:{path}"   # absolute, or gs://
     else:
         spec_str = cfg.tokenizer
     return data_lib.get_tokenizer(spec_str), spec_str
@@ -253,7 +254,7 @@ class MLMIterator(Iterator[dict]):
 
     def set_state(self, state: dict) -> None:
         if not isinstance(state, dict) or set(state) != {"windows", "count"}:
-            raise ValueError(f"not an MLM iterator state: {state!r}")
+            raise UserError(f"not an MLM iterator state: {state!r}")
         self.windows.set_state(state["windows"])
         self.count = int(state["count"])
 
@@ -278,12 +279,12 @@ def jitted_apply(task: Task, model):
 def check_bert(cfg, task: str, heads: tuple[str, ...]) -> None:
     """The run must build a BERT with one of ``heads`` (the task sets the first by default)."""
     if cfg.model != "bert":
-        raise ValueError(f"task {task!r} trains a BERT encoder; set model=bert (got "
-                         f"model={cfg.model!r})")
+        raise UserError(f"task {task!r} trains a BERT encoder; set model=bert (got "
+                        f"model={cfg.model!r})")
     head = cfg.model_overrides.get("head", heads[0])
     if head not in heads:
-        raise ValueError(f"task {task!r} needs model.head in {heads}, got model.head={head!r}; "
-                         "drop the override")
+        raise UserError(f"task {task!r} needs model.head in {heads}, got model.head={head!r}; "
+                        "drop the override")
 
 
 @register_task
@@ -300,15 +301,15 @@ class MLMTask(Task):
         for name in self.OPTIONS:
             value = self.options[name]
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value <= 1:
-                raise ValueError(f"task option {name}={value!r} must be a number in [0, 1]")
+                raise UserError(f"task option {name}={value!r} must be a number in [0, 1]")
         if self.options["mask_prob"] == 0:
-            raise ValueError("task option mask_prob=0 selects no tokens: nothing to learn")
+            raise UserError("task option mask_prob=0 selects no tokens: nothing to learn")
         total = self.options["mask_token_prob"] + self.options["random_token_prob"]
         if total > 1:
-            raise ValueError(f"task options mask_token_prob + random_token_prob = {total:g} "
-                             "exceed 1")
+            raise UserError(f"task options mask_token_prob + random_token_prob = {total:g} "
+                            "exceed 1")
         if cfg.seq_len < 3:
-            raise ValueError(f"seq_len={cfg.seq_len} leaves no room for text between [CLS] and [SEP]")
+            raise UserError(f"seq_len={cfg.seq_len} leaves no room for text between [CLS] and [SEP]")
         tokenizer, self.tokenizer_spec = build_tokenizer(cfg, self.workdir, spec)
         self.vocab = MLMVocab(tokenizer)
 

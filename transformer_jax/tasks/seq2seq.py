@@ -50,14 +50,16 @@ from __future__ import annotations
 
 import importlib
 import re
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from .. import data as data_lib
+from ..beam_search import beam_search, greedy_search
 from ..data.pipeline import EpochIterator, _read, open_source
-from ..train.step import token_loss
+from ..errors import UserError
+from ..losses import token_loss
+from ..models import FAMILIES
 from .base import Task, register_task
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -106,7 +108,7 @@ def identifier_pairs(train_texts: Sequence[str], eval_texts: Sequence[str] | Non
     """(source, target) pairs, sorted: the train texts' identifiers, or (with ``eval_texts``)
     the eval texts' identifiers that do not occur in the train texts."""
     if transform not in TRANSFORMS:
-        raise ValueError(f"unknown seq2seq transform {transform!r}; choose one of {sorted(TRANSFORMS)}")
+        raise UserError(f"unknown seq2seq transform {transform!r}; choose one of {sorted(TRANSFORMS)}")
     accept, fn = TRANSFORMS[transform]
     names = identifiers(train_texts)
     if eval_texts is not None:
@@ -136,8 +138,8 @@ class _TFDSPairs:
             texts = []
             for key in self.keys:
                 if key not in example:
-                    raise ValueError(f"{self.name}: examples have no feature {key!r} (features: "
-                                     f"{sorted(example)}); set task.source_key / task.target_key")
+                    raise UserError(f"{self.name}: examples have no feature {key!r} (features: "
+                                    f"{sorted(example)}); set task.source_key / task.target_key")
                 value = example[key]
                 if isinstance(value, np.ndarray) and value.shape == ():
                     value = value.item()
@@ -253,28 +255,26 @@ class Seq2SeqTask(Task):
 
     def __init__(self, cfg, workdir, *, spec=None):
         super().__init__(cfg, workdir, spec=spec)
-        from ..models import FAMILIES
-
         module_cls = FAMILIES.get(cfg.model, (None, None))[1]
         if module_cls is None or not all(hasattr(module_cls, m) for m in ("encode", "decode")):
-            raise ValueError(f"task 'seq2seq' needs an encoder-decoder model (model=t5 or "
-                             f"model=transformer); got model={cfg.model!r}")
+            raise UserError(f"task 'seq2seq' needs an encoder-decoder model (model=t5 or "
+                            f"model=transformer); got model={cfg.model!r}")
         o = self.options
         if o["transform"] not in TRANSFORMS:
-            raise ValueError(f"task option transform={o['transform']!r} is unknown; choose one of "
-                             f"{sorted(TRANSFORMS)}")
+            raise UserError(f"task option transform={o['transform']!r} is unknown; choose one of "
+                            f"{sorted(TRANSFORMS)}")
         for name in ("beam_size", "decode_batches"):
             if not isinstance(o[name], int) or o[name] < (1 if name == "beam_size" else 0):
-                raise ValueError(f"task option {name}={o[name]!r} must be an int >= "
-                                 f"{1 if name == 'beam_size' else 0}")
+                raise UserError(f"task option {name}={o[name]!r} must be an int >= "
+                                f"{1 if name == 'beam_size' else 0}")
         if o["bleu_tokenize"] is not None and o["bleu_tokenize"] not in BLEU_TOKENIZERS:
-            raise ValueError(f"task option bleu_tokenize={o['bleu_tokenize']!r} is unknown; choose "
-                             f"one of {list(BLEU_TOKENIZERS)} (sacrebleu's tokenizers)")
+            raise UserError(f"task option bleu_tokenize={o['bleu_tokenize']!r} is unknown; choose "
+                            f"one of {list(BLEU_TOKENIZERS)} (sacrebleu's tokenizers)")
         self.src_len = cfg.seq_len
         self.tgt_len = cfg.seq_len if o["max_target_len"] is None else int(o["max_target_len"])
         if self.src_len < 2 or self.tgt_len < 2:
-            raise ValueError(f"seq2seq needs seq_len >= 2 and max_target_len >= 2 (room for a "
-                             f"token and eos); got {self.src_len}, {self.tgt_len}")
+            raise UserError(f"seq2seq needs seq_len >= 2 and max_target_len >= 2 (room for a "
+                            f"token and eos); got {self.src_len}, {self.tgt_len}")
         self.stdlib = cfg.dataset.split("/")[0].split(":")[0] == "python_stdlib"
         self._pairs_cache: dict[str, Any] = {}
         self.tokenizer, self.tokenizer_spec = self._tokenizer(spec)
@@ -313,10 +313,9 @@ class Seq2SeqTask(Task):
             if not path.exists():
                 pairs = self._raw_pairs("train", train=True)
                 rows = pairs.get(range(min(len(pairs), 200_000)))
-                path.parent.mkdir(parents=True, exist_ok=True)
                 data_lib.train_sentencepiece([t for pair in rows for t in pair],
                                              cfg.sentencepiece_vocab_size, str(path))
-            spec_str = f"sentencepiece:{Path(path).resolve()}"
+            spec_str = f"sentencepiece:{path}"   # absolute, or gs://
         else:
             spec_str = cfg.tokenizer
         return data_lib.get_tokenizer(spec_str), spec_str
@@ -352,8 +351,6 @@ class Seq2SeqTask(Task):
 
     # -- decoding -----------------------------------------------------------------
     def _decode(self, model, params, inputs, input_mask, max_new_tokens: int | None = None):
-        from ..beam_search import beam_search, greedy_search
-
         n = self.tgt_len if max_new_tokens is None else max_new_tokens
         if self.options["beam_size"] == 1:
             return np.asarray(greedy_search(model, params, inputs, input_mask, max_new_tokens=n))

@@ -1,5 +1,8 @@
 """Checkpointing: one wrapper around ``orbax.checkpoint.CheckpointManager``.
 
+The directory may be local or in a bucket (``gs://...``); paths come from
+:mod:`transformer_jax.storage`, which also points orbax's tensorstore at a GCS emulator.
+
 A checkpoint *step* is a single orbax composite checkpoint with three items:
 
 ``state``
@@ -51,7 +54,10 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import checkpoint_managers as ocp_policies
 
-__all__ = ["CheckpointManager", "read_config"]
+from .. import storage
+from ..errors import UserError
+
+__all__ = ["CheckpointManager", "read_config", "load_params"]
 
 logger = logging.getLogger(__name__)
 
@@ -87,11 +93,8 @@ def _to_json(obj: Any, what: str) -> dict:
 
 
 def _as_path(directory: os.PathLike | str) -> epath.Path:
-    """``epath.Path`` for ``directory``; local paths are made absolute."""
-    text = os.fspath(directory)
-    if "://" in text:  # gs://, s3://, ...: leave remote URLs untouched
-        return epath.Path(text)
-    return epath.Path(os.path.abspath(os.path.expanduser(text)))
+    """``epath.Path`` for ``directory`` from the storage layer (local made absolute, gs:// kept)."""
+    return storage.path(directory)
 
 
 class CheckpointManager:
@@ -136,9 +139,9 @@ class CheckpointManager:
         read_only: bool = False,
     ):
         if save_every < 1:
-            raise ValueError(f"save_every must be >= 1, got {save_every}")
+            raise UserError(f"save_every must be >= 1, got {save_every}")
         if keep is not None and keep < 1:
-            raise ValueError(f"keep must be >= 1 or None, got {keep}")
+            raise UserError(f"keep must be >= 1 or None, got {keep}")
         self._directory = _as_path(directory)
         self._save_every = int(save_every)
         self._keep = keep
@@ -239,7 +242,7 @@ class CheckpointManager:
           the periodic one).
 
         Raises:
-          ValueError: if ``step`` is older than the latest checkpoint.
+          UserError: if ``step`` is older than the latest checkpoint.
           TypeError: if ``config``, ``data_state`` or ``metrics`` is not a
             JSON-serialisable dict.
           RuntimeError: on a ``read_only`` manager.
@@ -254,7 +257,7 @@ class CheckpointManager:
             if step == latest:
                 logger.info("Step %d is already checkpointed; not saving again.", step)
                 return False
-            raise ValueError(
+            raise UserError(
                 f"Cannot save step {step}: {self._directory} already holds the "
                 f"newer step {latest}. Resume from the latest step, or delete the "
                 "newer checkpoints / use a fresh directory to branch off."
@@ -289,11 +292,12 @@ class CheckpointManager:
         if step is None:
             step = self.latest_step()
             if step is None:
-                raise FileNotFoundError(f"No checkpoint found in {self._directory}")
+                raise UserError(f"No checkpoint found in {self._directory}; train into its "
+                                "workdir first, or give the workdir of a run that saved one")
         elif step not in self.all_steps():
-            raise FileNotFoundError(
+            raise UserError(
                 f"No checkpoint for step {step} in {self._directory}; "
-                f"available steps: {self.all_steps()}"
+                f"available steps: {self.all_steps()}; pick one of them"
             )
         return int(step)
 
@@ -317,7 +321,7 @@ class CheckpointManager:
             as Python scalars).
 
         Raises:
-          FileNotFoundError: if there is no (such) checkpoint.
+          UserError: if there is no (such) checkpoint.
         """
         step = self._resolve_step(step)
         if target is None:
@@ -407,10 +411,33 @@ def read_config(directory: os.PathLike | str, step: Optional[int] = None) -> dic
     safe to call while a training run is writing to it.
 
     Raises:
-      FileNotFoundError: if ``directory`` holds no (such) checkpoint.
+      UserError: if ``directory`` holds no (such) checkpoint.
     """
     manager = CheckpointManager(directory, read_only=True, async_save=False)
     try:
         return manager.restore_config(step)
     finally:
         manager.close()
+
+
+def load_params(workdir: os.PathLike | str, step: Optional[int] = None) -> tuple[dict, Any]:
+    """``(run_config, params)`` from the latest (or given) checkpoint of a training workdir.
+
+    ``run_config`` is the dict the run stored with it (``family``, ``model``,
+    ``experiment``, ``task_spec``); ``params`` are arrays on the first local device. This is
+    how tasks and tools read a finished run without importing the training loop.
+    """
+    ckpt_dir = _as_path(workdir) / "checkpoints"
+    if not ckpt_dir.is_dir():
+        raise UserError(f"{workdir} has no checkpoints/ directory; give the workdir of a "
+                        "`transformer-jax train` run, or train into it first")
+    manager = CheckpointManager(ckpt_dir, read_only=True)
+    try:
+        if manager.latest_step() is None:
+            raise UserError(f"{ckpt_dir} holds no complete checkpoint; let the run save one "
+                            "(it saves every save_every steps and at the end)")
+        run_config = manager.restore_config(step)
+        state, _, _ = manager.restore(step)
+    finally:
+        manager.close()
+    return run_config, jax.tree_util.tree_map(jax.numpy.asarray, state["params"])

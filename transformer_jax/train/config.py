@@ -7,14 +7,17 @@ overrides any field; ``--set model.FIELD=value`` overrides a field of the model 
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import difflib
 import importlib.util
 import os
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Iterator
 
+from ..errors import UserError
 from ..models.base import PresetConfig
+from ..sharding import parse_mesh
 
 Field = dataclasses.field
 
@@ -53,6 +56,11 @@ class ExperimentConfig(PresetConfig):
     clip_norm: float | None = 1.0
     label_smoothing: float = 0.0
     seed: int = 0
+    # dynamic loss scaling: "auto" (on for model.dtype=float16, off otherwise), "dynamic",
+    # "none"; the scale starts at loss_scale_init and doubles after that many finite steps
+    loss_scale: str = "auto"
+    loss_scale_init: float = 2.0 ** 15
+    loss_scale_growth_interval: int = 2000
     # devices: "jit" (sharded by the mesh) or "pmap" (replicated, data parallel); the mesh
     # as "data=N,fsdp=N,tensor=N" (omitted axes 1, one may be -1; None: all devices on data).
     # Neither is part of the model: a checkpoint resumes under any parallelism and mesh.
@@ -71,16 +79,29 @@ class ExperimentConfig(PresetConfig):
 
     def __post_init__(self):
         for name in ("steps", "seq_len", "batch_size", "accum_steps", "log_every", "eval_every",
-                     "save_every"):
+                     "save_every", "loss_scale_growth_interval"):
             if getattr(self, name) < 1:
-                raise ValueError(f"ExperimentConfig.{name} must be >= 1, got {getattr(self, name)}")
+                raise UserError(f"ExperimentConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.parallelism not in ("jit", "pmap"):
-            raise ValueError(f"ExperimentConfig.parallelism must be 'jit' or 'pmap', got {self.parallelism!r}")
-        from ..sharding import parse_mesh
-        parse_mesh(self.mesh)   # syntax only; the device count is checked when the run starts
+            raise UserError(f"ExperimentConfig.parallelism must be 'jit' or 'pmap', got {self.parallelism!r}")
+        with user_errors():
+            parse_mesh(self.mesh)   # syntax only; the device count is checked when the run starts
         if self.batch_size % self.accum_steps:
-            raise ValueError(f"batch_size={self.batch_size} is not divisible by "
-                             f"accum_steps={self.accum_steps}")
+            raise UserError(f"batch_size={self.batch_size} is not divisible by "
+                            f"accum_steps={self.accum_steps}; choose a batch_size that is a multiple of it")
+        if not 0.0 <= self.label_smoothing <= 1.0:
+            raise UserError(f"label_smoothing={self.label_smoothing} must be in [0, 1]")
+        if self.loss_scale not in ("auto", "dynamic", "none"):
+            raise UserError(f"loss_scale={self.loss_scale!r} is unknown; choose 'auto' (dynamic "
+                            "for model.dtype=float16), 'dynamic' or 'none'")
+        if not self.loss_scale_init > 0:
+            raise UserError(f"loss_scale_init={self.loss_scale_init} must be > 0 (e.g. 2**15)")
+
+    def dynamic_loss_scale(self, compute_dtype: str) -> bool:
+        """Whether the run scales its loss: ``loss_scale``, with "auto" on for float16 only."""
+        if self.loss_scale == "auto":
+            return compute_dtype in ("float16", "fp16", "half")
+        return self.loss_scale == "dynamic"
 
     def schedule_kwargs(self, d_model: int) -> dict[str, Any]:
         """Keyword arguments of ``optim.make_schedule(self.schedule, ...)``."""
@@ -93,8 +114,25 @@ class ExperimentConfig(PresetConfig):
             return dict(d_model=d_model, warmup_steps=self.warmup_steps, scale=self.learning_rate)
         if self.schedule == "constant":
             return dict(lr=self.learning_rate, warmup_steps=self.warmup_steps)
-        raise ValueError(f"unknown schedule {self.schedule!r}; choose warmup_cosine, "
+        raise UserError(f"unknown schedule {self.schedule!r}; choose warmup_cosine, "
                          "warmup_rsqrt, noam or constant")
+
+
+@contextlib.contextmanager
+def user_errors() -> Iterator[None]:
+    """Re-raise a ``ValueError`` from validating what the user set (model fields, the mesh)
+    as a :class:`UserError` with the same message.
+
+    Wrap only calls that validate settings (``build_model``, ``parse_mesh``, ...): their
+    ``ValueError`` is a bad value, not a bug. Code below ``train/`` that raises
+    ``UserError`` itself passes through unchanged.
+    """
+    try:
+        yield
+    except UserError:
+        raise
+    except ValueError as e:
+        raise UserError(str(e)) from e
 
 
 # ----------------------------------------------------------------------------- overrides
@@ -112,6 +150,21 @@ def parse_value(text: str) -> Any:
         return text
 
 
+_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "dict": (dict,)}
+
+
+def _check_type(name: str, value: Any) -> None:
+    """A UserError unless ``value`` fits the annotation of ``ExperimentConfig.name``."""
+    annotation = {f.name: f.type for f in dataclasses.fields(ExperimentConfig)}[name]
+    parts = [p.strip() for p in str(annotation).split("|")]
+    if value is None and "None" in parts:
+        return
+    allowed = tuple(t for p in parts for t in _TYPES.get(p, ()))
+    if allowed and (not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed)):
+        raise UserError(f"{name}={value!r} must be of type {annotation} (e.g. --set {name}="
+                        f"{getattr(ExperimentConfig, name, None)!r})")
+
+
 def apply_overrides(cfg: ExperimentConfig, overrides: list[str] | dict[str, Any]) -> ExperimentConfig:
     """Apply ``key=value`` strings (or a dict).
 
@@ -124,7 +177,7 @@ def apply_overrides(cfg: ExperimentConfig, overrides: list[str] | dict[str, Any]
         items = []
         for item in overrides:
             if "=" not in item:
-                raise ValueError(f"override {item!r} is not of the form key=value")
+                raise UserError(f"override {item!r} is not of the form key=value (e.g. --set steps=100)")
             key, value = item.split("=", 1)
             items.append((key.strip(), parse_value(value)))
     changes: dict[str, Any] = {}
@@ -138,16 +191,17 @@ def apply_overrides(cfg: ExperimentConfig, overrides: list[str] | dict[str, Any]
             task_options[key[len("task."):]] = value
         elif key in ("model_overrides", "task_options"):
             if not isinstance(value, dict):
-                raise ValueError(f"{key} must be a dict (e.g. {key}={{'num_layers': 2}}), got "
-                                 f"{value!r}; or set one entry as "
-                                 f"{'model.FIELD' if key == 'model_overrides' else 'task.OPTION'}=value")
+                raise UserError(f"{key} must be a dict (e.g. {key}={{'num_layers': 2}}), got "
+                                f"{value!r}; or set one entry as "
+                                f"{'model.FIELD' if key == 'model_overrides' else 'task.OPTION'}=value")
             (model_overrides if key == "model_overrides" else task_options).update(value)
         elif key in names:
+            _check_type(key, value)
             changes[key] = value
         else:
             hint = difflib.get_close_matches(key, names, n=1)
-            raise ValueError(f"unknown config field {key!r}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
-                             + "; model fields are set as model.FIELD=value, task options as task.OPTION=value")
+            raise UserError(f"unknown config field {key!r}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
+                            + "; model fields are set as model.FIELD=value, task options as task.OPTION=value")
     return cfg.replace(**changes, model_overrides=model_overrides, task_options=task_options)
 
 
@@ -187,18 +241,20 @@ def load_experiment(name_or_path: str | None) -> ExperimentConfig:
         if path is None:
             names = available_experiments()
             hint = difflib.get_close_matches(name_or_path, names, n=1)
-            raise ValueError(f"unknown experiment {name_or_path!r}"
-                             + (f" (did you mean {hint[0]!r}?)" if hint else "")
-                             + f"; available: {', '.join(names) or 'none found'} "
-                             f"(searched {', '.join(str(d) for d in experiment_dirs())})")
+            raise UserError(f"unknown experiment {name_or_path!r}"
+                            + (f" (did you mean {hint[0]!r}?)" if hint else "")
+                            + f"; available: {', '.join(names) or 'none found'} "
+                            f"(searched {', '.join(str(d) for d in experiment_dirs())})")
     if not path.is_file():
-        raise ValueError(f"experiment file {path} does not exist")
+        raise UserError(f"experiment file {path} does not exist; give an experiment name "
+                        "(`transformer-jax experiments` lists them) or the path of a .py file")
     spec = importlib.util.spec_from_file_location(f"_experiment_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     if not hasattr(module, "get_config"):
-        raise ValueError(f"experiment file {path} defines no get_config()")
+        raise UserError(f"experiment file {path} defines no get_config(); add one that "
+                        "returns an ExperimentConfig")
     cfg = module.get_config()
     if not isinstance(cfg, ExperimentConfig):
-        raise ValueError(f"{path}: get_config() must return an ExperimentConfig, got {type(cfg).__name__}")
+        raise UserError(f"{path}: get_config() must return an ExperimentConfig, got {type(cfg).__name__}")
     return cfg

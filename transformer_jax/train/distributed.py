@@ -37,6 +37,7 @@ import jax
 import numpy as np
 
 from .. import sharding as sh
+from ..errors import UserError
 
 ENV_COORDINATOR = "TRANSFORMER_JAX_COORDINATOR"
 ENV_NUM_PROCESSES = "TRANSFORMER_JAX_NUM_PROCESSES"
@@ -52,7 +53,7 @@ def _int_env(name: str) -> int | None:
     try:
         return int(value)
     except ValueError:
-        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+        raise UserError(f"environment variable {name}={value!r} is not an integer") from None
 
 
 def detect_cluster() -> str | None:
@@ -93,7 +94,7 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     cluster = detect_cluster()
     if explicit:
         if num_processes is not None and num_processes < 1:
-            raise ValueError(f"--num-processes must be >= 1, got {num_processes}")
+            raise UserError(f"--num-processes must be >= 1, got {num_processes}")
         if num_processes == 1 and cluster is None:
             return False
         if cluster is None:
@@ -101,15 +102,15 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
                                             ("--num-processes N", num_processes),
                                             ("--process-id i", process_id)) if v is None]
             if missing:
-                raise ValueError("a multi-process run needs --coordinator host:port, "
-                                 "--num-processes N and --process-id i on every process "
-                                 f"(or {ENV_COORDINATOR}, {ENV_NUM_PROCESSES}, {ENV_PROCESS_ID}); "
-                                 f"missing: {', '.join(missing)}")
+                raise UserError("a multi-process run needs --coordinator host:port, "
+                                "--num-processes N and --process-id i on every process "
+                                f"(or {ENV_COORDINATOR}, {ENV_NUM_PROCESSES}, {ENV_PROCESS_ID}); "
+                                f"missing: {', '.join(missing)}")
             if not 0 <= process_id < num_processes:
-                raise ValueError(f"--process-id {process_id} is not in [0, {num_processes})")
+                raise UserError(f"--process-id {process_id} is not in [0, {num_processes})")
             if ":" not in coordinator:
-                raise ValueError(f"--coordinator {coordinator!r} must be host:port "
-                                 "(the address of process 0, e.g. 10.0.0.2:8476)")
+                raise UserError(f"--coordinator {coordinator!r} must be host:port "
+                                "(the address of process 0, e.g. 10.0.0.2:8476)")
     elif cluster is None:
         return False
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -201,9 +202,9 @@ def local_data_state(saved: dict, index: int | None = None, count: int | None = 
         return saved
     states = saved["per_process"]
     if len(states) != count:
-        raise ValueError(f"the checkpoint's data position was saved by {len(states)} processes "
-                         f"reading separate shards; this run has {count}. Resume with "
-                         f"{len(states)} processes (the mesh and the devices per process may change)")
+        raise UserError(f"the checkpoint's data position was saved by {len(states)} processes "
+                        f"reading separate shards; this run has {count}. Resume with "
+                        f"{len(states)} processes (the mesh and the devices per process may change)")
     return states[index]
 
 
@@ -216,6 +217,11 @@ def _adjusted(params, adjust: Callable[[Any], Any]) -> tuple[Any, bool]:
     new_leaves, new_treedef = jax.tree_util.tree_flatten(new)
     same = new_treedef == treedef and all(a is b for a, b in zip(leaves, new_leaves))
     return new, not same
+
+
+def _placed(batch) -> bool:
+    """Whether a batch's leaves are device arrays already (from ``put_batch``)."""
+    return all(isinstance(x, jax.Array) for x in jax.tree_util.tree_leaves(batch))
 
 
 class Placement(abc.ABC):
@@ -272,10 +278,12 @@ class Placement(abc.ABC):
     # -- steps -----------------------------------------------------------------
     @abc.abstractmethod
     def compile(self, step_fn: Callable) -> Callable:
-        """``run(state, host_batch) -> (state, metrics)``; metrics are replicated scalars."""
+        """``run(state, batch) -> (state, metrics)``; metrics are replicated scalars. The
+        batch is this process's host rows or what :meth:`put_batch` made of them."""
 
     def put_batch(self, batch):
-        """This process's host rows -> global arrays split over the batch axes of :attr:`mesh`."""
+        """This process's host rows -> global arrays split over the batch axes of :attr:`mesh`
+        (asynchronous: a loop can place the next batches while a step runs)."""
         return sh.shard_batch(batch, self.mesh, self.global_batch)
 
     def eval_fn(self, fn: Callable) -> Callable:
@@ -302,7 +310,7 @@ class JitPlacement(Placement):
         split = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
         micro = global_batch // accum_steps
         if micro % split:
-            raise ValueError(
+            raise UserError(
                 f"batch_size={global_batch} (accum_steps={accum_steps}: micro-batches of {micro} "
                 f"rows) does not split over the mesh's data x fsdp = {split} devices "
                 f"(mesh {sh.describe(self.mesh)}); use a batch_size that is a multiple of "
@@ -323,8 +331,8 @@ class JitPlacement(Placement):
         jitted = jax.jit(step_fn, in_shardings=(self._shardings, sh.batch_sharding(self.mesh)),
                          out_shardings=(self._shardings, rep), donate_argnums=(0,))
 
-        def run(state, host_batch):
-            batch = self.put_batch(host_batch)
+        def run(state, batch):
+            batch = batch if _placed(batch) else self.put_batch(batch)
             with sh.use_mesh(self.mesh):
                 return jitted(state, batch)
         return run
@@ -339,16 +347,16 @@ class PmapPlacement(Placement):
         n = jax.device_count()
         given = sh.parse_mesh(mesh_spec)
         if given and sh.mesh_shape(given, n) != {"data": n, "fsdp": 1, "tensor": 1}:
-            raise ValueError(f"--parallelism pmap is data parallelism over all {n} devices; "
-                             f"mesh {mesh_spec!r} shards more than the batch. Drop --mesh, or use "
-                             "--parallelism jit for fsdp/tensor meshes")
+            raise UserError(f"--parallelism pmap is data parallelism over all {n} devices; "
+                            f"mesh {mesh_spec!r} shards more than the batch. Drop --mesh, or use "
+                            "--parallelism jit for fsdp/tensor meshes")
         self.mesh = sh.make_mesh(None)
         local = jax.local_device_count()
         procs = jax.process_count()
         if global_batch % (procs * local) or (global_batch // (procs * local)) % accum_steps:
-            raise ValueError(f"batch_size={global_batch} does not split into {procs * local} "
-                             f"devices x accum_steps={accum_steps} equal micro-batches; use a "
-                             f"multiple of {procs * local * accum_steps}")
+            raise UserError(f"batch_size={global_batch} does not split into {procs * local} "
+                            f"devices x accum_steps={accum_steps} equal micro-batches; use a "
+                            f"multiple of {procs * local * accum_steps}")
         self.data_index, self.data_count = jax.process_index(), procs
 
     def init_state(self, create_state, tx, adjust_params):
@@ -373,13 +381,21 @@ class PmapPlacement(Placement):
     def local_params(self, state):
         return sh.pmap_local(state.params)
 
+    def put_batch(self, batch):
+        """Host rows -> (local devices, rows per device, ...) arrays, slice i on device i
+        (the layout ``jax.pmap`` reads without moving anything)."""
+        devices = jax.local_devices()
+        sharding = jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(devices), ("device",)),
+                                              jax.sharding.PartitionSpec("device"))
+        return jax.tree_util.tree_map(
+            lambda x: jax.device_put(np.asarray(x).reshape((len(devices), -1) + np.shape(x)[1:]),
+                                     sharding), batch)
+
     def compile(self, step_fn):
         pstep = jax.pmap(step_fn, axis_name=self.axis_name, donate_argnums=(0,))
-        n = jax.local_device_count()
 
-        def run(state, host_batch):
-            batch = jax.tree_util.tree_map(
-                lambda x: np.asarray(x).reshape((n, -1) + np.shape(x)[1:]), host_batch)
+        def run(state, batch):
+            batch = batch if _placed(batch) else self.put_batch(batch)
             state, metrics = pstep(state, batch)
             return state, sh.pmap_local(metrics)
         return run
@@ -393,5 +409,5 @@ PLACEMENTS = {"jit": JitPlacement, "pmap": PmapPlacement}
 
 def make_placement(parallelism: str, mesh_spec, global_batch: int, accum_steps: int = 1) -> Placement:
     if parallelism not in PLACEMENTS:
-        raise ValueError(f"unknown parallelism {parallelism!r}; choose 'jit' or 'pmap'")
+        raise UserError(f"unknown parallelism {parallelism!r}; choose 'jit' or 'pmap'")
     return PLACEMENTS[parallelism](mesh_spec, global_batch, accum_steps)

@@ -10,6 +10,19 @@ Everything a run produces lives in ``workdir``:
   samples.txt      text generated at each eval
   loss.png         the loss curve, written at the end
 
+The loop (:func:`train`) is :func:`setup`, then per step :func:`_advance` (the next batch,
+already on the devices, through the jitted step), :meth:`MetricsLog.record` (logging),
+:func:`_evaluate` (evals and samples), :func:`_save` (checkpoints) and :func:`_stopping`
+(signals). ``on_log(step, row)`` and ``on_eval(step, metrics)`` see every logged row and
+eval; ``stop_at=N`` saves a checkpoint at step N and returns, and ``resume=True`` continues
+it with exactly the losses of an uninterrupted run.
+
+No host sync per step: a step's metrics stay on the devices until a log step, whose copy
+to the host starts at once and is read after the next step has been dispatched; the next
+batches are placed on the devices ahead of use (:class:`Prefetcher`). The loss of every
+step is still checked, at each log step and before every save, so a non-finite loss
+stops the run (:class:`NonFiniteLossError`) and a non-finite state is never saved.
+
 Devices: ``cfg.parallelism`` ("jit": one jitted step sharded over the ``cfg.mesh`` of
 data/fsdp/tensor axes; "pmap": replicated data parallelism) picks a
 :class:`~transformer_jax.train.distributed.Placement`; with several processes (see
@@ -18,38 +31,43 @@ files above, and all of them write the sharded checkpoints. Checkpoints hold glo
 arrays and are restored into the current run's shardings, so a run resumes on another
 mesh, another device count or the other parallelism.
 
-Reliability: SIGTERM/SIGINT finish the current step, save a checkpoint and stop; a
-non-finite loss stops the run without saving the bad state; ``resume=True`` restores the
-latest checkpoint, including the data position and dropout key, so the resumed run
-computes exactly the losses the uninterrupted run would have.
+Reliability: SIGTERM/SIGINT finish the current step, save a checkpoint and stop;
+``resume=True`` restores the latest checkpoint, including the data position, the dropout
+key and the loss scale, so the resumed run computes exactly the losses the uninterrupted
+run would have.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
+import dataclasses
 import json
 import math
 import signal
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..errors import UserError
 from ..models import build_model, model_from_config
 from ..tasks import Task, make_task
-from .checkpoint import CheckpointManager
-from .config import ExperimentConfig
+from .checkpoint import CheckpointManager, load_params
+from .config import ExperimentConfig, user_errors
 from .distributed import (Placement, any_process, broadcast_json, gather_data_state, is_main,
                           local_data_state, main_first, make_placement)
 from .monitor import MetricsWriter, peak_flops_per_device, plot_loss
 from .optim import make_optimizer, make_schedule
-from .step import create_train_state, eval_step, make_train_step
+from .step import LossScale, create_train_state, eval_step, make_train_step
 
 # Fields that must not change when resuming: they fix the model and the data stream.
 _RESUME_FIXED = ("task", "task_options", "model", "model_preset", "dataset", "tokenizer", "seq_len",
                  "batch_size", "seed")
+
+LogCallback = Callable[[int, dict[str, float]], None]
 
 
 class NonFiniteLossError(RuntimeError):
@@ -87,29 +105,39 @@ def build(cfg: ExperimentConfig, task_overrides: dict[str, Any]):
     overrides = dict(cfg.model_overrides)
     vocab = task_overrides.get("vocab_size")
     if vocab is not None and overrides.get("vocab_size", vocab) < vocab:
-        raise ValueError(f"model.vocab_size={overrides['vocab_size']} is smaller than the "
-                         f"tokenizer's vocabulary ({vocab})")
+        raise UserError(f"model.vocab_size={overrides['vocab_size']} is smaller than the "
+                        f"tokenizer's vocabulary ({vocab}); drop the override (the task sets it)")
     for key, value in task_overrides.items():
         overrides.setdefault(key, value)
-    model_cfg, model = build_model(cfg.model, cfg.model_preset, overrides)
+    with user_errors():
+        model_cfg, model = build_model(cfg.model, cfg.model_preset, overrides)
     max_len = getattr(model_cfg, "max_len", None)
     if max_len is not None and cfg.seq_len > max_len:
-        raise ValueError(f"seq_len={cfg.seq_len} exceeds the model's max_len={max_len}; "
-                         f"lower seq_len or set model.max_len>={cfg.seq_len}")
+        raise UserError(f"seq_len={cfg.seq_len} exceeds the model's max_len={max_len}; "
+                        f"lower seq_len or set model.max_len>={cfg.seq_len}")
     return model_cfg, model
 
 
 def make_tx(cfg: ExperimentConfig, model_cfg):
-    schedule = make_schedule(cfg.schedule, **cfg.schedule_kwargs(model_cfg.d_model))
-    tx = make_optimizer(schedule=schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                        weight_decay=cfg.weight_decay, clip_norm=cfg.clip_norm)
+    with user_errors():   # schedule arguments and clip_norm come from the config
+        schedule = make_schedule(cfg.schedule, **cfg.schedule_kwargs(model_cfg.d_model))
+        tx = make_optimizer(schedule=schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                            weight_decay=cfg.weight_decay, clip_norm=cfg.clip_norm)
     return tx, schedule
+
+
+def make_loss_scale(cfg: ExperimentConfig, model_cfg) -> LossScale | None:
+    """The run's initial :class:`LossScale`, or None when it does not scale its loss."""
+    if not cfg.dynamic_loss_scale(str(getattr(model_cfg, "dtype", "float32"))):
+        return None
+    return LossScale.create(cfg.loss_scale_init, cfg.loss_scale_growth_interval)
 
 
 def evaluate(params, apply_fn, task: Task, eval_fn=None, model=None, *,
              placement: Placement | None = None, local_params=None) -> dict[str, float]:
     """Per-weight means over the first ``eval_batches`` eval batches, plus the task's extras.
 
+    The batches' sums stay on the devices until the last batch and reach the host together.
     With a ``placement`` the batches are global arrays on its mesh (each process reads its
     rows; processes stop together when any runs out) and ``params`` are its global
     parameters; ``local_params`` (default ``params``) feed the task's ``extra_eval``, which
@@ -124,17 +152,21 @@ def evaluate(params, apply_fn, task: Task, eval_fn=None, model=None, *,
         index, count = placement.data_index, placement.data_count
         eval_fn = eval_fn or placement.eval_fn(step)
     multi = jax.process_count() > 1
-    totals: dict[str, float] = {}
+    sums = []
     batches = iter(task.eval_batches(index, count))
     for _ in range(cfg.eval_batches):
         batch = next(batches, None)
         if any_process(batch is None) if multi else batch is None:
             break
-        for k, v in eval_fn(params, batch).items():
+        sums.append(eval_fn(params, batch))
+    totals: dict[str, float] = {}
+    for row in jax.device_get(sums):   # added up in float64 on the host
+        for k, v in row.items():
             totals[k] = totals.get(k, 0.0) + float(v)
     weight = totals.pop("weight", 0.0)
     if weight <= 0:
-        raise ValueError(f"the eval split {cfg.eval_split!r} of {cfg.dataset!r} gave no tokens to score")
+        raise UserError(f"the eval split {cfg.eval_split!r} of {cfg.dataset!r} gave no tokens to "
+                        "score; choose another eval_split or raise eval_batches")
     out = {f"eval_{'accuracy' if k == 'correct' else k}": v / weight for k, v in totals.items()}
     out["eval_ppl"] = math.exp(min(out["eval_loss"], 50.0))
     out["eval_tokens"] = weight
@@ -157,155 +189,372 @@ def _check_resume_compatible(saved: dict, run_config: dict) -> None:
         a, b = saved.get("experiment", {}).get(key), run_config["experiment"].get(key)
         if a != b:
             problems.append(f"{key}: checkpoint has {a!r}, config has {b!r}")
+    scaled = saved.get("loss_scaling", False)
+    if scaled != run_config["loss_scaling"]:
+        problems.append(f"loss scaling: checkpoint {'has' if scaled else 'has none'}, config "
+                        f"{'scales' if run_config['loss_scaling'] else 'does not'} (loss_scale)")
     if problems:
-        raise ValueError("the checkpoint in this workdir does not match the config: "
-                         + "; ".join(problems)
-                         + ". Resume with the original config, or start in a new --workdir.")
+        raise UserError("the checkpoint in this workdir does not match the config: "
+                        + "; ".join(problems)
+                        + ". Resume with the original config, or start in a new --workdir.")
 
 
-# ----------------------------------------------------------------------------- loop
+# ----------------------------------------------------------------------------- files
 
-def train(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
-          progress: bool = True) -> dict[str, Any]:
-    """Train (or resume) a run; returns a summary dict. See the module docstring."""
-    workdir = Path(workdir)
-    placement = make_placement(cfg.parallelism, cfg.mesh, cfg.batch_size, cfg.accum_steps)
-    multi = jax.process_count() > 1
-    # with several processes, process 0 prepares first (tokenizer, dataset), the others reuse it
-    task = main_first(lambda: make_task(cfg, workdir), "transformer_jax:task")
-    model_cfg, model = build(cfg, task.model_overrides())
-    tx, schedule = make_tx(cfg, model_cfg)
-    run_config = {"experiment": cfg.to_dict(), "family": cfg.model, "model": model_cfg.to_dict(),
-                  "task": cfg.task, "task_spec": task.spec()}
+def _write_config(workdir: Path, run_config: dict) -> None:
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "config.json").write_text(json.dumps(run_config, indent=2) + "\n")
 
+
+def _append_sample(workdir: Path, step: int, eval_loss: float, text: str) -> None:
+    with (workdir / "samples.txt").open("a") as f:
+        f.write(f"=== step {step} (eval loss {eval_loss:.3f})\n{text}\n")
+
+
+# ----------------------------------------------------------------------------- the run
+
+class Prefetcher:
+    """The train batches, placed on the devices ``depth`` batches ahead of use.
+
+    ``position()`` is the data-iterator state after the last batch handed out (what a
+    checkpoint must store: the iterator itself has read ``depth`` batches further).
+    """
+
+    def __init__(self, iterator, put: Callable[[Any], Any], depth: int = 2):
+        self.iterator, self.put, self.depth = iterator, put, depth
+        self.queue: collections.deque = collections.deque()
+        self._position = iterator.get_state()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        while len(self.queue) <= self.depth:
+            batch = next(self.iterator)
+            self.queue.append((self.put(batch), self.iterator.get_state()))
+        batch, self._position = self.queue.popleft()
+        return batch
+
+    def position(self) -> dict:
+        return self._position
+
+
+@dataclasses.dataclass
+class Run:
+    """The pieces of one training run, as :func:`setup` builds them."""
+    cfg: ExperimentConfig
+    workdir: Path
+    placement: Placement
+    task: Task
+    model: Any
+    run_config: dict
+    ckpt: CheckpointManager
+    batches: Prefetcher
+    train_step: Callable
+    eval_fn: Callable
+    writer: MetricsWriter
+    state: Any
+    start: int
+    resumed: bool
+    tokens_per_step: int
+    flops_per_step: float
+    peak_flops: tuple[float, str]
+    main: bool = dataclasses.field(default_factory=is_main)
+    multi: bool = dataclasses.field(default_factory=lambda: jax.process_count() > 1)
+
+
+def _open_checkpoints(cfg: ExperimentConfig, workdir: Path, resume: bool) -> CheckpointManager:
     ckpt = CheckpointManager(workdir / "checkpoints", save_every=cfg.save_every, keep=cfg.keep)
     latest = ckpt.latest_step()
     if latest is not None and not resume:
         ckpt.close()
-        raise ValueError(f"{workdir} already holds checkpoints (latest step {latest}); pass "
-                         "--resume to continue that run, or choose another --workdir")
-    main = is_main()
-    if main:
-        workdir.mkdir(parents=True, exist_ok=True)
-        (workdir / "config.json").write_text(json.dumps(run_config, indent=2) + "\n")
+        raise UserError(f"{workdir} already holds checkpoints (latest step {latest}); pass "
+                        "--resume to continue that run, or choose another --workdir")
+    return ckpt
 
-    train_it = main_first(lambda: task.train_iterator(placement.data_index, placement.data_count),
-                          "transformer_jax:data")
-    rng = jax.random.PRNGKey(cfg.seed)
-    init_args = task.init_args()
-    create_state = lambda: create_train_state(model, tx, rng, *init_args)  # noqa: E731
-    placement.setup(create_state, lambda: model.init(rng, *init_args))
-    if main and placement.notes and progress:
-        print(f"{placement.describe()}; replicated (indivisible) parameter dims:\n  "
-              + "\n  ".join(placement.notes[:8])
-              + (f"\n  ... and {len(placement.notes) - 8} more" if len(placement.notes) > 8 else ""),
-              flush=True)
-    if latest is not None:
-        _check_resume_compatible(ckpt.restore_config(), run_config)
-        # Restore straight into *this* run's shardings: a checkpoint moves between meshes.
-        state, _, data_state = ckpt.restore(target=placement.restore_target())
-        state = placement.from_checkpoint(state)
-        train_it.set_state(local_data_state(data_state))
-        start = placement.step_of(state)
-    else:
-        state = placement.init_state(create_state, tx, task.init_params)
-        start = 0
 
+def _describe_placement(placement: Placement) -> None:
+    notes = placement.notes
+    print(f"{placement.describe()}; replicated (indivisible) parameter dims:\n  "
+          + "\n  ".join(notes[:8]) + (f"\n  ... and {len(notes) - 8} more" if len(notes) > 8 else ""),
+          flush=True)
+
+
+def setup(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
+          progress: bool = True) -> Run:
+    """Everything a run needs: task, model, placement, checkpoints, state, compiled steps."""
+    workdir = Path(workdir)
+    with user_errors():   # the mesh against this machine's devices, the batch against the mesh
+        placement = make_placement(cfg.parallelism, cfg.mesh, cfg.batch_size, cfg.accum_steps)
+    # with several processes, process 0 prepares first (tokenizer, dataset), the others reuse it
+    task = main_first(lambda: make_task(cfg, workdir), "transformer_jax:task")
+    model_cfg, model = build(cfg, task.model_overrides())
+    tx, schedule = make_tx(cfg, model_cfg)
+    loss_scale = make_loss_scale(cfg, model_cfg)
+    run_config = {"experiment": cfg.to_dict(), "family": cfg.model, "model": model_cfg.to_dict(),
+                  "task": cfg.task, "task_spec": task.spec(), "loss_scaling": loss_scale is not None}
+    ckpt = _open_checkpoints(cfg, workdir, resume)
+    try:
+        if is_main():
+            _write_config(workdir, run_config)
+        train_it = main_first(lambda: task.train_iterator(placement.data_index, placement.data_count),
+                              "transformer_jax:data")
+        state, start = _initial_state(cfg, placement, task, model, tx, loss_scale, ckpt, train_it,
+                                      run_config, progress)
+    except BaseException:
+        ckpt.close()
+        raise
     train_step = placement.compile(make_train_step(
         loss_fn=task.loss_fn, label_smoothing=cfg.label_smoothing, accum_steps=cfg.accum_steps,
         schedule=schedule, axis_name=placement.axis_name))
-    eval_fn = placement.eval_fn(lambda p, b: eval_step(p, b, model.apply, task.loss_fn))
-    writer = MetricsWriter(workdir, resume_step=start if latest is not None else None, enabled=main)
-    peak, peak_source = peak_flops_per_device()
-    flops_per_step = task.flops_per_step(model_cfg)
-    tokens_per_step = task.tokens_per_step()
-    peak_total = peak * jax.device_count()
+    resumed = ckpt.latest_step() is not None
+    return Run(cfg=cfg, workdir=workdir, placement=placement, task=task, model=model,
+               run_config=run_config, ckpt=ckpt, batches=Prefetcher(train_it, placement.put_batch),
+               train_step=train_step,
+               eval_fn=placement.eval_fn(lambda p, b: eval_step(p, b, model.apply, task.loss_fn)),
+               writer=MetricsWriter(workdir, resume_step=start if resumed else None, enabled=is_main()),
+               state=state, start=start, resumed=resumed, tokens_per_step=task.tokens_per_step(),
+               flops_per_step=task.flops_per_step(model_cfg), peak_flops=peak_flops_per_device())
 
-    summary: dict[str, Any] = {"workdir": str(workdir), "start_step": start, "interrupted": None,
-                               "peak_flops": peak, "peak_source": peak_source,
-                               "parallelism": placement.parallelism,
-                               "mesh": dict(placement.mesh.shape), "processes": jax.process_count()}
-    last_loss = eval_row = None
-    stop = _StopRequest()
-    bar = None
-    if progress and main:
-        from tqdm.auto import tqdm
-        bar = tqdm(total=cfg.steps, initial=start, desc=cfg.name, dynamic_ncols=True, mininterval=1.0)
-    t_start = time.perf_counter()
-    t_log, steps_since_log = time.perf_counter(), 0
-    step = start
 
-    def save(step, metrics, force):
-        # every process takes part (sharded arrays, gathered data positions)
-        if force or ckpt.should_save(step):
-            data_state = gather_data_state(train_it.get_state()) if multi else train_it.get_state()
-            ckpt.maybe_save(step, placement.to_checkpoint(state), config=run_config,
-                            data_state=data_state, metrics=metrics, force=force)
+def _initial_state(cfg, placement, task, model, tx, loss_scale, ckpt, train_it, run_config,
+                   progress: bool):
+    """``(state, start step)``: the latest checkpoint's, restored into this run's shardings
+    (a checkpoint moves between meshes) with the data position, or a fresh one."""
+    rng = jax.random.PRNGKey(cfg.seed)
+    init_args = task.init_args()
+    create_state = lambda: create_train_state(model, tx, rng, *init_args, loss_scale=loss_scale)  # noqa: E731
+    placement.setup(create_state, lambda: model.init(rng, *init_args))
+    if is_main() and placement.notes and progress:
+        _describe_placement(placement)
+    if ckpt.latest_step() is None:
+        return placement.init_state(create_state, tx, task.init_params), 0
+    _check_resume_compatible(ckpt.restore_config(), run_config)
+    state, _, data_state = ckpt.restore(target=placement.restore_target())
+    train_it.set_state(local_data_state(data_state))
+    state = placement.from_checkpoint(state)
+    return state, placement.step_of(state)
 
+
+# ----------------------------------------------------------------------------- metrics
+
+def fetch(tree):
+    """The loop's one copy of step metrics from the devices to the host (log steps, and the
+    loss check before a save)."""
+    return jax.device_get(tree)
+
+
+class MetricsLog:
+    """Step metrics on their way to the host, at log steps only.
+
+    ``record`` keeps each step's loss on the device. At a log step it stacks the losses
+    since the last check with that step's metrics and starts their copy to the host; the
+    copy is read (``finish``) when the next step has been dispatched, or earlier when an
+    eval, a save or the end needs it. Reading checks every loss: the first non-finite one
+    raises. ``check`` does the same for the losses since the last log step (before a save).
+    """
+
+    def __init__(self, run: Run, on_log: LogCallback | None, bar=None):
+        self.run, self.on_log, self.bar = run, on_log, bar
+        self.unchecked: list[tuple[int, jax.Array]] = []   # (step, loss) not yet on the host
+        self.pending: tuple[int, list[int], Any] | None = None
+        self.last_loss: float | None = None
+        self.t_start = time.perf_counter()
+        self.clock = (self.t_start, run.start)   # (time, step) that tokens/s counts from
+
+    def record(self, step: int, metrics: dict, log_now: bool) -> None:
+        if self.pending is not None:
+            self.finish()
+        self.unchecked.append((step, metrics["loss"]))
+        if log_now:
+            steps, payload = self._take(metrics)
+            self._start_copy(payload)
+            self.pending = (step, steps, payload)
+
+    @staticmethod
+    def _start_copy(payload) -> None:
+        """Start copying a log step's metrics to the host; :func:`fetch` reads them later."""
+        for leaf in jax.tree_util.tree_leaves(payload):
+            leaf.copy_to_host_async()
+
+    def _take(self, metrics: dict | None = None):
+        steps = [s for s, _ in self.unchecked]
+        losses = jnp.stack([loss for _, loss in self.unchecked])
+        self.unchecked = []
+        return steps, (metrics, losses)
+
+    def _check_losses(self, steps: list[int], losses) -> None:
+        for s, loss in zip(steps, np.asarray(losses).tolist()):
+            if not math.isfinite(loss):
+                raise _non_finite(self.run, s, loss)
+        self.last_loss = float(losses[-1])
+
+    def finish(self) -> None:
+        """Read the pending log step: check its losses, write its row, call ``on_log``."""
+        if self.pending is None:
+            return
+        step, steps, payload = self.pending
+        self.pending = None
+        metrics, losses = fetch(payload)
+        self._check_losses(steps, losses)
+        row = {k: float(v) for k, v in metrics.items()}
+        now = time.perf_counter()
+        t0, step0 = self.clock
+        if step > step0:
+            dt, n = now - t0, step - step0
+            row.update(tokens_per_s=n * self.run.tokens_per_step / dt,
+                       mfu=n * self.run.flops_per_step / dt / (self.run.peak_flops[0] * jax.device_count()))
+        row["elapsed_s"] = now - self.t_start
+        self.clock = (now, step)
+        self.run.writer.write(step, row)
+        if self.bar is not None and "mfu" in row:
+            self.bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}",
+                                 mfu=f"{row['mfu']:.0%}")
+        if self.on_log is not None:
+            self.on_log(step, row)
+
+    def check(self) -> None:
+        """Every loss so far on the host and finite (raises otherwise): before a save."""
+        self.finish()
+        if self.unchecked:
+            steps, (_, losses) = self._take()
+            self._check_losses(steps, fetch(losses))
+
+    def restart_clock(self, step: int) -> None:
+        """Time from now on: the first step's compile and evals don't count in tokens/s."""
+        self.clock = (time.perf_counter(), step)
+
+
+def _non_finite(run: Run, step: int, loss: float) -> NonFiniteLossError:
+    run.ckpt.wait()
+    good = run.ckpt.latest_step()
+    where = ("no checkpoint was saved yet — lower learning_rate or clip_norm and start again"
+             if good is None else f"the last good checkpoint is step {good} in "
+             f"{run.workdir / 'checkpoints'} — lower learning_rate or clip_norm and resume with "
+             "--resume")
+    return NonFiniteLossError(f"loss became {loss} at step {step}; the run stopped without "
+                              f"saving this state; {where}.")
+
+
+# ----------------------------------------------------------------------------- the loop
+
+def _advance(run: Run) -> dict:
+    """One train step: the next batch (on the devices already) through the compiled step.
+    Nothing here waits for the devices or copies from them."""
+    run.state, metrics = run.train_step(run.state, next(run.batches))
+    return metrics
+
+
+def _evaluate(run: Run, step: int, log: MetricsLog, on_eval: LogCallback | None) -> dict:
+    """Eval metrics (written as a row), the task's sample (samples.txt), ``on_eval``."""
+    log.finish()   # the train row of this step comes first
+    local = run.placement.local_params(run.state)   # a collective with several processes
+    metrics = evaluate(run.placement.eval_params(run.state), run.model.apply, run.task, run.eval_fn,
+                       run.model, placement=run.placement, local_params=local)
+    run.writer.write(step, metrics)
+    text = run.task.sample(run.model, local, step) if run.main else None
+    if text is not None:
+        _append_sample(run.workdir, step, metrics["eval_loss"], text)
+        run.writer.text("sample", step, text)
+    if on_eval is not None:
+        on_eval(step, metrics)
+    log.restart_clock(step)
+    return metrics
+
+
+def _save(run: Run, step: int, log: MetricsLog, metrics: dict | None, force: bool) -> None:
+    """A checkpoint of this step when one is due (or ``force``), after every loss so far
+    was found finite. Every process takes part (sharded arrays, gathered data positions)."""
+    if not (force or run.ckpt.should_save(step)):
+        return
+    log.check()
+    run.writer.flush()   # the rows up to this step are stored before the checkpoint that covers them
+    position = run.batches.position()
+    data_state = gather_data_state(position) if run.multi else position
+    run.ckpt.maybe_save(step, run.placement.to_checkpoint(run.state), config=run.run_config,
+                        data_state=data_state, metrics=metrics, force=force)
+
+
+def _stopping(run: Run, stop: _StopRequest, log_now: bool) -> bool:
+    """Whether a signal asks to stop. A signal may reach only some processes: with several
+    they agree at each log step (a collective)."""
+    if run.multi:
+        return any_process(stop.signal is not None) if log_now else False
+    return stop.signal is not None
+
+
+def _progress_bar(run: Run, progress: bool):
+    if not (progress and run.main):
+        return None
+    from tqdm.auto import tqdm
+    return tqdm(total=run.cfg.steps, initial=run.start, desc=run.cfg.name, dynamic_ncols=True,
+                mininterval=1.0)
+
+
+def _last_step(run: Run, stop_at: int | None) -> int:
+    if stop_at is None or stop_at >= run.cfg.steps:
+        return run.cfg.steps
+    if stop_at <= run.start:
+        raise UserError(f"stop_at={stop_at} is not after the step this run starts from "
+                        f"({run.start}); give a later step")
+    return stop_at
+
+
+def _summary(run: Run, end: int) -> dict[str, Any]:
+    peak, source = run.peak_flops
+    return {"workdir": str(run.workdir), "start_step": run.start, "interrupted": None,
+            "paused": end < run.cfg.steps, "peak_flops": peak, "peak_source": source,
+            "parallelism": run.placement.parallelism, "mesh": dict(run.placement.mesh.shape),
+            "processes": jax.process_count()}
+
+
+def train(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
+          progress: bool = True, on_log: LogCallback | None = None,
+          on_eval: LogCallback | None = None, stop_at: int | None = None) -> dict[str, Any]:
+    """Train (or resume) a run; returns a summary dict. See the module docstring.
+
+    ``on_log(step, row)`` gets every logged row (also written to metrics.jsonl) and
+    ``on_eval(step, metrics)`` every eval, on every process. ``stop_at``: save a
+    checkpoint at that step and return (``summary["paused"]``); ``resume=True`` continues.
+    """
+    run = setup(cfg, workdir, resume=resume, progress=progress)
+    bar = log = None
+    step, eval_row, stop = run.start, None, _StopRequest()
     try:
+        end = _last_step(run, stop_at)
+        summary = _summary(run, end)
+        bar = _progress_bar(run, progress)
+        log = MetricsLog(run, on_log, bar)
         with stop.installed():
-            while step < cfg.steps:
-                batch = next(train_it)
-                state, metrics = train_step(state, batch)
+            while step < end:
+                metrics = _advance(run)
                 step += 1
-                steps_since_log += 1
-                loss = float(metrics["loss"])
-                if not math.isfinite(loss):
-                    ckpt.wait()
-                    good = ckpt.latest_step()
-                    raise NonFiniteLossError(
-                        f"loss became {loss} at step {step}; the run stopped without saving this "
-                        f"state. The last good checkpoint is step {good} in {workdir / 'checkpoints'}"
-                        " — lower learning_rate or clip_norm and resume with --resume.")
-                last_loss = loss
-                if step == start + 1:   # the first step compiles: keep it out of tokens/s
-                    t_log, steps_since_log = time.perf_counter(), 0
                 log_now = step % cfg.log_every == 0 or step == cfg.steps
-                if log_now:
-                    dt = time.perf_counter() - t_log
-                    row = {k: float(v) for k, v in jax.device_get(metrics).items()}
-                    if steps_since_log:
-                        tok_s = steps_since_log * tokens_per_step / dt
-                        row.update(tokens_per_s=tok_s, mfu=steps_since_log * flops_per_step / dt / peak_total)
-                    row["elapsed_s"] = time.perf_counter() - t_start
-                    writer.write(step, row)
-                    if bar is not None and "mfu" in row:
-                        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}",
-                                        mfu=f"{row['mfu']:.0%}")
-                    t_log, steps_since_log = time.perf_counter(), 0
+                log.record(step, metrics, log_now)
+                if step == run.start + 1:   # the first step compiles: keep it out of tokens/s
+                    jax.block_until_ready(metrics)
+                    log.restart_clock(step)
                 if bar is not None:
                     bar.update(1)
                 eval_metrics = None
                 if step % cfg.eval_every == 0 or step == cfg.steps:
-                    local = placement.local_params(state)   # a collective with several processes
-                    eval_metrics = evaluate(placement.eval_params(state), model.apply, task, eval_fn,
-                                            model, placement=placement, local_params=local)
-                    eval_row = eval_metrics
-                    writer.write(step, eval_metrics)
-                    text = task.sample(model, local, step) if main else None
-                    if text is not None:
-                        with (workdir / "samples.txt").open("a") as f:
-                            f.write(f"=== step {step} (eval loss {eval_metrics['eval_loss']:.3f})\n{text}\n")
-                        writer.text("sample", step, text)
-                    del local
-                    t_log = time.perf_counter()  # evals don't count against tokens/s
-                save(step, eval_metrics, force=step == cfg.steps)
-                # A signal may reach only some processes: they agree at each log step.
-                stopping = (any_process(stop.signal is not None) if log_now else False) if multi \
-                    else stop.signal is not None
-                if stopping:
-                    save(step, eval_metrics, force=True)
-                    summary["interrupted"] = signal.Signals(stop.signal or signal.SIGTERM).name
+                    eval_row = eval_metrics = _evaluate(run, step, log, on_eval)
+                _save(run, step, log, eval_metrics, force=step == end)
+                if _stopping(run, stop, log_now):
+                    _save(run, step, log, eval_metrics, force=True)
+                    summary.update(interrupted=signal.Signals(stop.signal or signal.SIGTERM).name,
+                                   paused=False)
                     break
+            log.finish()
     finally:
         if bar is not None:
             bar.close()
-        ckpt.close()   # waits for pending async saves
-        writer.close()
-    summary.update(final_step=step, loss=last_loss, seconds=time.perf_counter() - t_start,
+        run.ckpt.close()   # waits for pending async saves
+        run.writer.close()
+    summary.update(final_step=step, loss=log.last_loss, seconds=time.perf_counter() - log.t_start,
                    **(eval_row or {}))
-    if main:
-        png = plot_loss(workdir)
+    if run.main:
+        png = plot_loss(run.workdir)
         summary["loss_png"] = str(png) if png else None
     return summary
 
@@ -314,20 +563,9 @@ def train(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
 
 def load_run(workdir: str | Path, step: int | None = None):
     """Rebuild ``(run_config, model, params, task)`` from a workdir alone."""
-    workdir = Path(workdir)
-    ckpt_dir = workdir / "checkpoints"
-    if not ckpt_dir.is_dir():
-        raise ValueError(f"{workdir} has no checkpoints/ directory; train into it first")
-    mgr = CheckpointManager(ckpt_dir, read_only=True)
-    try:
-        if mgr.latest_step() is None:
-            raise ValueError(f"{ckpt_dir} holds no complete checkpoint")
-        run_config = mgr.restore_config(step)
+    run_config, params = load_params(workdir, step)
+    with user_errors():
         _, model = model_from_config(run_config["family"], run_config["model"])
-        state, _, _ = mgr.restore(step)
-    finally:
-        mgr.close()
-    params = jax.tree_util.tree_map(jnp.asarray, state["params"])
     cfg = ExperimentConfig.from_dict(run_config["experiment"])
     task = make_task(cfg, workdir, spec=run_config["task_spec"])
     return run_config, model, params, task

@@ -1,5 +1,7 @@
 """What a run shows and keeps: metrics.jsonl, TensorBoard events, a loss-curve PNG, and MFU.
 
+All three files go through :mod:`transformer_jax.storage`, so the workdir may be a bucket.
+
 MFU (model FLOPs utilisation) = achieved training FLOP/s / peak FLOP/s. Achieved FLOPs
 follow the PaLM/nanoGPT convention (``GPTConfig.flops_per_token``). The peak comes from a
 table for known accelerators and is *measured* on CPUs (a large fp32 matmul), so CPU MFU
@@ -8,14 +10,18 @@ is relative to what this machine's matmuls can actually do.
 from __future__ import annotations
 
 import functools
+import io
 import json
 import math
+import os
 import time
-from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+from .. import storage
+from ..storage import PathLike, TextLog
 
 # Dense bf16 peak FLOP/s per device, as reported by jax.devices()[i].device_kind.
 # TPU v2/v3 expose each core as a device (half a chip).
@@ -53,36 +59,40 @@ def peak_flops_per_device() -> tuple[float, str]:
 class MetricsWriter:
     """Appends rows to ``metrics.jsonl`` and scalars to TensorBoard (``tb/``) in a workdir.
 
-    On resume, rows past ``resume_step`` (logged after the checkpoint the run resumes
-    from) are dropped so the file reads as one uninterrupted run. Only process 0 writes.
+    The workdir may be local or in a bucket (see :mod:`transformer_jax.storage`); in a bucket
+    rows and events are rewritten at most every ``flush_secs`` and by :meth:`flush` and
+    :meth:`close`, so call :meth:`flush` before each checkpoint. On resume, rows past
+    ``resume_step`` (logged after the checkpoint the run resumes from) are dropped so the
+    file reads as one uninterrupted run. Only process 0 writes.
     """
 
-    def __init__(self, workdir: Path, *, resume_step: int | None = None, enabled: bool = True):
+    def __init__(self, workdir: PathLike, *, resume_step: int | None = None, enabled: bool = True,
+                 flush_secs: float = 30.0):
         self.enabled = enabled
-        self.path = Path(workdir) / "metrics.jsonl"
-        self._tb = None
+        self.path = storage.path(workdir) / "metrics.jsonl"
+        self._log = self._tb = None
         if not enabled:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        kept = ""
         if resume_step is not None and self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] <= resume_step]
-            self.path.write_text("".join(k + "\n" for k in kept))
-        elif resume_step is None and self.path.exists():
-            self.path.unlink()
+            kept = "".join(line + "\n" for line in storage.read_text(self.path).splitlines()
+                           if line.strip() and json.loads(line)["step"] <= resume_step)
+        self._log = TextLog(self.path, kept, flush_secs=flush_secs)
         try:
             from tensorboardX import SummaryWriter
-            self._tb = SummaryWriter(str(Path(workdir) / "tb"),
-                                     purge_step=None if resume_step is None else resume_step + 1)
         except ImportError:  # TensorBoard events are optional; metrics.jsonl is not
-            self._tb = None
+            return
+        tb = storage.path(workdir) / "tb"
+        if not storage.is_remote(tb):
+            tb.mkdir(parents=True, exist_ok=True)
+        self._tb = SummaryWriter(os.fspath(tb), flush_secs=int(flush_secs),
+                                 purge_step=None if resume_step is None else resume_step + 1)
 
     def write(self, step: int, row: dict[str, Any]) -> None:
         if not self.enabled:
             return
         row = {"step": int(step), **{k: _plain(v) for k, v in row.items()}}
-        with self.path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+        self._log.append(json.dumps(row) + "\n")
         if self._tb is not None:
             for k, v in row.items():
                 if k != "step" and isinstance(v, (int, float)):
@@ -92,7 +102,16 @@ class MetricsWriter:
         if self.enabled and self._tb is not None:
             self._tb.add_text(tag, text, step)
 
+    def flush(self) -> None:
+        """Stores every row and event written so far (in a bucket: rewrites the objects)."""
+        if self._log is not None:
+            self._log.flush()
+        if self._tb is not None:
+            self._tb.flush()
+
     def close(self) -> None:
+        if self._log is not None:
+            self._log.close()
         if self._tb is not None:
             self._tb.close()
 
@@ -103,15 +122,66 @@ def _plain(v: Any) -> Any:
     return float(v) if isinstance(v, float) else v
 
 
-def read_metrics(workdir: Path) -> list[dict[str, Any]]:
-    path = Path(workdir) / "metrics.jsonl"
+class _ObjectRecordWriter:
+    """tensorboardX's record writer for an event file in a bucket.
+
+    An object cannot be appended to, so the file's bytes stay in memory and each flush
+    (tensorboardX's flush thread, ``SummaryWriter.flush``, close) rewrites the object through
+    the storage layer. Event files of scalars and samples stay small.
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+        self._data = io.BytesIO()
+        self._stored = -1
+
+    def write(self, data: bytes) -> None:
+        self._data.write(data)
+
+    def flush(self) -> None:
+        if self._data.tell() != self._stored:
+            storage.write_bytes(self.path, self._data.getvalue())
+            self._stored = self._data.tell()
+
+    def close(self) -> None:
+        self.flush()
+
+
+class _ObjectRecordWriterFactory:
+    """What tensorboardX's ``register_writer_factory`` takes: opens event files in a bucket."""
+
+    def open(self, path: str) -> _ObjectRecordWriter:
+        return _ObjectRecordWriter(path)
+
+    def directory_check(self, path: str) -> None:
+        storage.makedirs(path)   # directories are implicit; checks that the bucket exists
+
+
+def _register_tensorboard_writer() -> None:
+    try:
+        from tensorboardX import record_writer
+    except ImportError:
+        return
+    # replaces tensorboardX's own gs:// writer (google-cloud-storage, outside the storage layer)
+    record_writer.register_writer_factory("gs", _ObjectRecordWriterFactory())
+
+
+_register_tensorboard_writer()
+
+
+def read_metrics(workdir: PathLike) -> list[dict[str, Any]]:
+    """The rows of ``workdir/metrics.jsonl`` (local or in a bucket); [] if there is none."""
+    path = storage.path(workdir) / "metrics.jsonl"
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [json.loads(line) for line in storage.read_text(path).splitlines() if line.strip()]
 
 
-def plot_loss(workdir: Path, out: Path | None = None) -> Path | None:
-    """Write ``loss.png`` (train loss, and eval loss where present) from metrics.jsonl."""
+def plot_loss(workdir: PathLike, out: PathLike | None = None):
+    """Write ``loss.png`` (train loss, and eval loss where present) from metrics.jsonl.
+
+    Returns the path written (an ``epath.Path``; local or in a bucket), or None without rows.
+    """
     rows = read_metrics(workdir)
     train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
     evals = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
@@ -129,10 +199,12 @@ def plot_loss(workdir: Path, out: Path | None = None) -> Path | None:
         ax.plot(*zip(*evals), "o-", label="eval loss", lw=1.5)
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats / token)")
-    ax.set_title(Path(workdir).name)
+    ax.set_title(storage.path(workdir).name)
     ax.grid(alpha=0.3)
     ax.legend()
-    out = out or Path(workdir) / "loss.png"
+    out = storage.path(out) if out is not None else storage.path(workdir) / "loss.png"
     fig.tight_layout()
-    fig.savefig(out)
+    png = io.BytesIO()
+    fig.savefig(png, format="png")
+    storage.write_bytes(out, png.getvalue())
     return out

@@ -1,4 +1,4 @@
-"""Optimizers, learning-rate schedules and the label-smoothed loss.
+"""Optimizers and learning-rate schedules (the losses are in :mod:`transformer_jax.losses`).
 
 Everything here is built from optax primitives:
 
@@ -11,10 +11,6 @@ Everything here is built from optax primitives:
   (see :func:`_linear_warmup`).
 * :func:`make_optimizer` chains global-norm clipping with AdamW, where weight
   decay is masked by :func:`decay_mask` to matrices and embeddings only.
-* :func:`label_smoothed_cross_entropy` returns a ``(loss_sum, weight_sum)``
-  pair so that losses over micro-batches (gradient accumulation) or data
-  parallel shards can be combined exactly; :func:`mean_loss` turns the pair
-  into the per-token mean.
 """
 
 from __future__ import annotations
@@ -24,6 +20,12 @@ from typing import Any, Callable, Optional, Union
 import jax
 import jax.numpy as jnp
 import optax
+
+from ..errors import UserError
+
+# The losses moved to transformer_jax.losses; this name stays importable from here only
+# until the callers outside train/ (tests/test_benchmarks.py) import it from there.
+from ..losses import label_smoothed_cross_entropy  # noqa: F401,E402
 
 __all__ = [
     "SCHEDULES",
@@ -35,8 +37,6 @@ __all__ = [
     "DECAYED_PARAM_NAMES",
     "decay_mask",
     "make_optimizer",
-    "label_smoothed_cross_entropy",
-    "mean_loss",
 ]
 
 
@@ -47,7 +47,7 @@ __all__ = [
 
 def _check_nonnegative_int(name: str, value: int) -> None:
     if int(value) != value or value < 0:
-        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        raise UserError(f"{name} must be a non-negative integer, got {value!r}")
 
 
 def _linear_warmup(init_lr: float, peak_lr: float, warmup_steps: int) -> optax.Schedule:
@@ -100,7 +100,7 @@ def noam(d_model: int, warmup_steps: int, scale: float = 1.0) -> optax.Schedule:
     """
     _check_nonnegative_int("warmup_steps", warmup_steps)
     if warmup_steps < 1:
-        raise ValueError(f"noam needs warmup_steps >= 1, got {warmup_steps}")
+        raise UserError(f"noam needs warmup_steps >= 1, got {warmup_steps}")
     peak = scale * d_model**-0.5 * warmup_steps**-0.5
     slope = peak / warmup_steps  # lr(s) = slope * s during warm-up.
 
@@ -131,7 +131,7 @@ def warmup_cosine(
     """
     _check_nonnegative_int("warmup_steps", warmup_steps)
     if total_steps <= warmup_steps:
-        raise ValueError(
+        raise UserError(
             f"warmup_cosine needs total_steps > warmup_steps, got "
             f"total_steps={total_steps}, warmup_steps={warmup_steps}"
         )
@@ -154,7 +154,7 @@ def warmup_rsqrt(peak_lr: float, warmup_steps: int) -> optax.Schedule:
     """
     _check_nonnegative_int("warmup_steps", warmup_steps)
     if warmup_steps < 1:
-        raise ValueError(
+        raise UserError(
             f"warmup_rsqrt needs warmup_steps >= 1, got {warmup_steps}"
         )
     return optax.join_schedules(
@@ -192,20 +192,20 @@ def make_schedule(name: str, **kwargs: Any) -> optax.Schedule:
     total_steps=1000)``.
 
     Raises:
-      ValueError: for an unknown name (the message lists the valid ones), or
+      UserError: for an unknown name (the message lists the valid ones), or
         arguments the chosen schedule does not accept.
     """
     try:
         factory = SCHEDULES[name]
     except KeyError:
-        raise ValueError(
+        raise UserError(
             f"Unknown learning-rate schedule {name!r}; valid names are: "
             f"{', '.join(sorted(SCHEDULES))}"
         ) from None
     try:
         return factory(**kwargs)
     except TypeError as e:
-        raise ValueError(f"Bad arguments for schedule {name!r}: {e}") from e
+        raise UserError(f"Bad arguments for schedule {name!r}: {e}") from e
 
 
 # ---------------------------------------------------------------------------
@@ -284,98 +284,5 @@ def make_optimizer(
     if clip_norm is None:
         return adamw
     if clip_norm <= 0:
-        raise ValueError(f"clip_norm must be positive or None, got {clip_norm}")
+        raise UserError(f"clip_norm must be positive or None, got {clip_norm}")
     return optax.chain(optax.clip_by_global_norm(clip_norm), adamw)
-
-
-# ---------------------------------------------------------------------------
-# Loss
-# ---------------------------------------------------------------------------
-
-
-def target_logits(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``(logits[..., target], in_range)`` for float32 logits (..., V) and integer targets.
-
-    Out-of-range targets (a padding id, -100) are clipped into [0, V) for the lookup;
-    ``in_range`` says which were not. The logit is picked by a compare-and-sum, not a
-    gather: its gradient is then a select that fuses with the softmax gradient instead of a
-    scatter into a zeroed (..., V) buffer.
-    """
-    num_classes = logits.shape[-1]
-    targets = targets.astype(jnp.int32)
-    safe = jnp.clip(targets, 0, num_classes - 1)
-    is_target = jnp.arange(num_classes, dtype=jnp.int32) == safe[..., None]
-    return jnp.sum(jnp.where(is_target, logits, 0.0), axis=-1), safe == targets
-
-
-def label_smoothed_cross_entropy(
-    logits: jax.Array,
-    targets: jax.Array,
-    weights: Optional[jax.Array] = None,
-    smoothing: float = 0.0,
-) -> tuple[jax.Array, jax.Array]:
-    """Weighted, label-smoothed cross-entropy summed over tokens.
-
-    The target distribution puts ``1 - smoothing`` on the target class plus
-    ``smoothing / V`` on every one of the ``V`` classes (the target included),
-    the convention of ``torch.nn.functional.cross_entropy(...,
-    label_smoothing=smoothing)``. Per token::
-
-        loss = (1 - smoothing) * -log p[target] + smoothing * mean_v(-log p[v])
-
-    The computation is done in float32 whatever the dtype of ``logits``.
-
-    Returning sums rather than a mean lets gradient accumulation and data
-    parallelism combine results exactly: add the ``loss_sum`` and
-    ``weight_sum`` of all pieces, then call :func:`mean_loss` once.
-
-    Args:
-      logits: ``(..., V)`` unnormalised scores, any float dtype.
-      targets: ``(...)`` integer class ids. Positions with zero weight may hold
-        any value (e.g. a padding id or -100); they are clipped into range
-        before the lookup and contribute nothing.
-      weights: optional ``(...)`` per-token weights (bool, int or float), e.g.
-        a padding mask. ``None`` means all ones.
-      smoothing: label-smoothing epsilon in ``[0, 1]``.
-
-    Returns:
-      ``(loss_sum, weight_sum)``: float32 scalars, the weighted sum of
-      per-token losses and the sum of the weights.
-    """
-    if not 0.0 <= smoothing <= 1.0:
-        raise ValueError(f"smoothing must be in [0, 1], got {smoothing}")
-    if logits.shape[:-1] != targets.shape:
-        raise ValueError(
-            f"logits {logits.shape} and targets {targets.shape} disagree: "
-            "expected logits.shape == targets.shape + (V,)"
-        )
-    logits = logits.astype(jnp.float32)
-    # -log p[v] = lse - logits[v] (no (..., V) log-probs are stored)
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    nll = lse - target_logits(logits, targets)[0]
-    if smoothing:
-        uniform = lse - jnp.mean(logits, axis=-1)
-        per_token = (1.0 - smoothing) * nll + smoothing * uniform
-    else:
-        per_token = nll
-    if weights is None:
-        weights = jnp.ones(targets.shape, jnp.float32)
-    else:
-        if weights.shape != targets.shape:
-            raise ValueError(
-                f"weights {weights.shape} must have the shape of targets "
-                f"{targets.shape}"
-            )
-        weights = weights.astype(jnp.float32)
-    # Select rather than multiply so that non-finite losses at masked
-    # positions (e.g. -inf logits on padding) cannot leak in as NaN.
-    loss_sum = jnp.sum(jnp.where(weights != 0, per_token * weights, 0.0))
-    return loss_sum, jnp.sum(weights)
-
-
-def mean_loss(loss_sum: jax.Array, weight_sum: jax.Array) -> jax.Array:
-    """``loss_sum / weight_sum``, or 0 when ``weight_sum`` is 0."""
-    weight_sum = jnp.asarray(weight_sum, jnp.float32)
-    safe = jnp.where(weight_sum > 0, weight_sum, 1.0)
-    return jnp.where(weight_sum > 0, loss_sum / safe, 0.0)
-

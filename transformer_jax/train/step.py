@@ -7,6 +7,12 @@ summing the token-weighted loss and its gradient, so one update with accumulatio
 one update on the whole batch (up to float summation order). Dropout keys are derived
 from the state's key, the step and the micro-batch index: a resumed run draws the same
 dropout masks as an uninterrupted one.
+
+Float16 compute overflows where bfloat16 does not, so a state may carry a dynamic
+:class:`LossScale`: each micro-batch's mean loss is multiplied by it before
+differentiation and the gradients divided by it after; a step whose gradients are not all
+finite changes neither the parameters nor the optimizer state and halves the scale, and a
+run of good steps doubles it.
 """
 from __future__ import annotations
 
@@ -19,18 +25,47 @@ import optax
 from flax import struct
 from flax.training import train_state
 
-from .optim import label_smoothed_cross_entropy, mean_loss, target_logits
+# LossFn, lm_loss and token_loss live in transformer_jax.losses; lm_loss is the default
+# loss here, and all three stay importable from this module for existing callers.
+from ..losses import LossFn, lm_loss, per_weight_means, token_loss  # noqa: F401
 
 Array = jax.Array
 
 
+class LossScale(struct.PyTreeNode):
+    """Dynamic loss scale: ``scale`` (fp32) and ``good_steps`` (finite steps since it last
+    changed). After a step with non-finite gradients the scale is halved (not below
+    ``min_scale``); after ``growth_interval`` finite steps in a row it is doubled. Powers of
+    two, so scaling and unscaling are exact."""
+    scale: Array
+    good_steps: Array
+    growth_interval: int = struct.field(pytree_node=False, default=2000)
+    min_scale: float = struct.field(pytree_node=False, default=2.0 ** -14)
+
+    @classmethod
+    def create(cls, init_scale: float = 2.0 ** 15, growth_interval: int = 2000) -> "LossScale":
+        return cls(scale=jnp.asarray(init_scale, jnp.float32), good_steps=jnp.asarray(0, jnp.int32),
+                   growth_interval=int(growth_interval))
+
+    def update(self, finite: Array) -> "LossScale":
+        """The scale after a step whose gradients were (``finite``) or were not all finite."""
+        grow = finite & (self.good_steps + 1 >= self.growth_interval)
+        scale = jnp.where(finite, jnp.where(grow, self.scale * 2.0, self.scale),
+                          jnp.maximum(self.scale * 0.5, self.min_scale))
+        good = jnp.where(finite & ~grow, self.good_steps + 1, 0).astype(jnp.int32)
+        return self.replace(scale=scale, good_steps=good)
+
+
 class TrainState(train_state.TrainState):
-    """``flax`` TrainState (step, params, opt_state, apply_fn, tx) plus the dropout key."""
+    """``flax`` TrainState (step, params, opt_state, apply_fn, tx), the dropout key, and a
+    :class:`LossScale` (None: no loss scaling; then the state holds exactly the leaves it
+    held before loss scaling existed, so older checkpoints restore)."""
     rng: Array = struct.field(default=None)
+    loss_scale: LossScale | None = struct.field(default=None)
 
 
 def create_train_state(model: nn.Module, tx: optax.GradientTransformation, rng: Array,
-                       *init_args: Any) -> TrainState:
+                       *init_args: Any, loss_scale: LossScale | None = None) -> TrainState:
     """Initialise parameters (``model.init(rng, *init_args)``, unboxed) and optimizer state.
 
     ``step`` starts as a (weakly typed) int32 array, like the ``step + 1`` that every train
@@ -39,57 +74,87 @@ def create_train_state(model: nn.Module, tx: optax.GradientTransformation, rng: 
     """
     init_rng, dropout_rng = jax.random.split(rng)
     params = nn.meta.unbox(model.init(init_rng, *init_args)["params"])
-    state = TrainState.create(apply_fn=model.apply, params=params, tx=tx, rng=dropout_rng)
+    state = TrainState.create(apply_fn=model.apply, params=params, tx=tx, rng=dropout_rng,
+                              loss_scale=loss_scale)
     return state.replace(step=jnp.asarray(0))
-
-
-# A loss function maps (apply_fn, params, batch, rngs, deterministic, smoothing) to
-# (loss_sum, sums): the objective summed over tokens/examples, and named sums that the
-# step divides by sums["weight"] to report (at least "weight"; e.g. "nll", "correct").
-LossFn = Callable[..., tuple[Array, dict[str, Array]]]
-
-
-def token_loss(logits: Array, targets: Array, weights: Array | None, smoothing: float):
-    """Cross-entropy terms for logits (..., V) and integer targets (...): (loss_sum, sums).
-
-    sums: ``weight`` (tokens counted), ``nll`` (plain cross-entropy sum) and ``correct``
-    (hits: the target holds the top logit), so that a step reports loss, nll and accuracy
-    per token.
-    """
-    loss_sum, weight_sum = label_smoothed_cross_entropy(logits, targets, weights, smoothing)
-    if smoothing:
-        nll_sum, _ = label_smoothed_cross_entropy(jax.lax.stop_gradient(logits), targets, weights, 0.0)
-    else:
-        nll_sum = jax.lax.stop_gradient(loss_sum)
-    w = jnp.ones(targets.shape, jnp.float32) if weights is None else weights.astype(jnp.float32)
-    # A hit: an in-range target whose logit is the largest (a tie for the top counts as a
-    # hit). Unlike an argmax this reuses the row maximum and the target logit that the loss
-    # computes (XLA merges the identical reductions), instead of another pass over the
-    # (..., V) logits.
-    lg = jax.lax.stop_gradient(logits).astype(jnp.float32)
-    target_logit, in_range = target_logits(lg, targets)
-    hits = (in_range & (target_logit >= jnp.max(lg, axis=-1))).astype(jnp.float32)
-    return loss_sum, {"weight": weight_sum, "nll": nll_sum, "correct": jnp.sum(hits * w)}
-
-
-def lm_loss(apply_fn, params, batch, rngs, deterministic: bool, smoothing: float):
-    """Next-token loss: ``batch = {"inputs", "targets": (B, T) int, "weights": (B, T)}``."""
-    logits = apply_fn({"params": params}, batch["inputs"], deterministic=deterministic, rngs=rngs)
-    return token_loss(logits, batch["targets"], batch.get("weights"), smoothing)
 
 
 def _global_norm(tree) -> Array:
     return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree_util.tree_leaves(tree)))
 
 
-def _means(loss_sum: Array, sums: dict[str, Array]) -> dict[str, Array]:
-    """Per-weight means: loss, and each named sum (``correct`` is reported as ``accuracy``)."""
-    weight = sums["weight"]
-    out = {"loss": mean_loss(loss_sum, weight)}
-    for k, v in sums.items():
-        if k != "weight":
-            out["accuracy" if k == "correct" else k] = mean_loss(v, weight)
-    return out
+def _weight(sums: dict[str, Array]) -> Array:
+    """A micro-batch's weight sum as a constant divisor (at least 1)."""
+    return jax.lax.stop_gradient(jnp.maximum(sums["weight"], 1.0))
+
+
+def _all_finite(tree) -> Array:
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(tree)]))
+
+
+def _split(batch, accum_steps: int):
+    """(B, ...) leaves -> (accum, B/accum, ...), each micro-batch kept split over the batch
+    mesh axes (a no-op outside a mesh + rules context, e.g. on one device or under pmap)."""
+    b = jax.tree_util.tree_leaves(batch)[0].shape[0]
+    if b % accum_steps:
+        raise ValueError(f"batch size {b} is not divisible by accum_steps={accum_steps}")
+    return jax.tree_util.tree_map(
+        lambda x: nn.with_logical_constraint(
+            x.reshape((accum_steps, b // accum_steps) + x.shape[1:]), (None, "act_batch")),
+        batch)
+
+
+def _skip_if_not_finite(finite: Array, new: TrainState, old: TrainState) -> TrainState:
+    """``new``, except that params and optimizer state stay ``old``'s where not ``finite``.
+
+    The step counter still advances: it counts batches, and the data position, the
+    dropout keys and the checkpoint numbers follow it."""
+    keep = lambda a, b: jnp.where(finite, a, b)  # noqa: E731
+    return new.replace(params=jax.tree_util.tree_map(keep, new.params, old.params),
+                       opt_state=jax.tree_util.tree_map(keep, new.opt_state, old.opt_state),
+                       loss_scale=old.loss_scale.update(finite))
+
+
+def make_gradient_sums(loss_fn: LossFn, label_smoothing: float, accum_steps: int) -> Callable:
+    """``gradient_sums(state, batch, rng, scale) -> (grads, loss_sum, sums)``: the loss sum,
+    named sums and the gradient of the loss sum, over ``accum_steps`` micro-batches.
+
+    With a ``scale`` each micro-batch differentiates its *mean* loss times the scale (the
+    range torch's GradScaler is tuned for; a sum over many tokens would overflow float16 at
+    a far smaller scale) and its gradient is unscaled back to that of its sum.
+    """
+    def objective(params, apply_fn, batch, rng, scale):
+        loss_sum, sums = loss_fn(apply_fn, params, batch, {"dropout": rng}, False, label_smoothing)
+        if scale is None:
+            return loss_sum, (loss_sum, sums)
+        return loss_sum * (scale / _weight(sums)), (loss_sum, sums)
+
+    grad_fn = jax.value_and_grad(objective, has_aux=True)
+
+    def gradient_sums(state: TrainState, batch, step_rng, scale):
+        def micro(carry, xs):
+            grads, loss_sum, sums = carry
+            i, mb = xs
+            (_, (l, s)), g = grad_fn(state.params, state.apply_fn, mb,
+                                     jax.random.fold_in(step_rng, i), scale)
+            if scale is not None:
+                g = jax.tree_util.tree_map(lambda x: x * (_weight(s) / scale), g)
+            grads = jax.tree_util.tree_map(jnp.add, grads, g)
+            sums = {k: sums[k] + s[k] for k in s} if sums else s
+            return (grads, loss_sum + l, sums), None
+
+        micro_batches = _split(batch, accum_steps)
+        zeros = jax.tree_util.tree_map(jnp.zeros_like, state.params)
+        first = jax.tree_util.tree_map(lambda x: x[0], micro_batches)
+        if accum_steps == 1:
+            return micro((zeros, jnp.float32(0), None), (0, first))[0]
+        shapes = jax.eval_shape(lambda: objective(state.params, state.apply_fn, first, step_rng,
+                                                  scale)[1][1])
+        init_sums = jax.tree_util.tree_map(lambda sd: jnp.zeros(sd.shape, sd.dtype), shapes)
+        return jax.lax.scan(micro, (zeros, jnp.float32(0), init_sums),
+                            (jnp.arange(accum_steps), micro_batches))[0]
+
+    return gradient_sums
 
 
 def make_train_step(*, loss_fn: LossFn = lm_loss, label_smoothing: float = 0.0,
@@ -100,7 +165,9 @@ def make_train_step(*, loss_fn: LossFn = lm_loss, label_smoothing: float = 0.0,
 
     Metrics (fp32 scalars): ``loss`` (the training objective, label smoothing included),
     the loss function's other sums per weight (``nll``, ``accuracy`` ...), ``grad_norm``
-    (before clipping), ``tokens`` (the weight sum), and ``lr`` when a schedule is given.
+    (before clipping), ``tokens`` (the weight sum), ``lr`` when a schedule is given, and,
+    with a loss scale in the state, ``loss_scale`` (the scale this step used) and
+    ``skipped`` (1.0 where its gradients overflowed and the update was dropped).
 
     Under ``jax.jit`` with sharded inputs the step is written for the whole global batch
     and XLA partitions it (see ``transformer_jax.sharding``). Under ``jax.pmap`` pass the
@@ -111,53 +178,30 @@ def make_train_step(*, loss_fn: LossFn = lm_loss, label_smoothing: float = 0.0,
     """
     if accum_steps < 1:
         raise ValueError(f"accum_steps must be >= 1, got {accum_steps}")
-
-    def objective(params, apply_fn, batch, rng):
-        return loss_fn(apply_fn, params, batch, {"dropout": rng}, False, label_smoothing)
-
-    grad_fn = jax.value_and_grad(objective, has_aux=True)
+    gradient_sums = make_gradient_sums(loss_fn, label_smoothing, accum_steps)
 
     def train_step(state: TrainState, batch: dict[str, Array]):
-        b = jax.tree_util.tree_leaves(batch)[0].shape[0]
-        if b % accum_steps:
-            raise ValueError(f"batch size {b} is not divisible by accum_steps={accum_steps}")
         step_rng = jax.random.fold_in(state.rng, state.step)
         if axis_name is not None:
             step_rng = jax.random.fold_in(step_rng, jax.lax.axis_index(axis_name))
-
-        def micro(carry, xs):
-            grads, loss_sum, sums = carry
-            i, mb = xs
-            (l, s), g = grad_fn(state.params, state.apply_fn, mb, jax.random.fold_in(step_rng, i))
-            grads = jax.tree_util.tree_map(jnp.add, grads, g)
-            sums = {k: sums[k] + s[k] for k in s} if sums else s
-            return (grads, loss_sum + l, sums), None
-
-        # (accum, B/accum, ...): keep every micro-batch split over the batch mesh axes (a
-        # no-op outside a mesh + rules context, e.g. on one device or under pmap).
-        micro_batches = jax.tree_util.tree_map(
-            lambda x: nn.with_logical_constraint(
-                x.reshape((accum_steps, b // accum_steps) + x.shape[1:]), (None, "act_batch")),
-            batch)
-        zeros = jax.tree_util.tree_map(jnp.zeros_like, state.params)
-        if accum_steps == 1:
-            (grads, loss_sum, sums), _ = micro(
-                (zeros, jnp.float32(0), None), (0, jax.tree_util.tree_map(lambda x: x[0], micro_batches)))
-        else:
-            first = jax.tree_util.tree_map(lambda x: x[0], micro_batches)
-            shapes = jax.eval_shape(lambda: objective(state.params, state.apply_fn, first, step_rng)[1])
-            init_sums = jax.tree_util.tree_map(lambda sd: jnp.zeros(sd.shape, sd.dtype), shapes)
-            (grads, loss_sum, sums), _ = jax.lax.scan(
-                micro, (zeros, jnp.float32(0), init_sums), (jnp.arange(accum_steps), micro_batches))
+        scale = None if state.loss_scale is None else state.loss_scale.scale
+        grads, loss_sum, sums = gradient_sums(state, batch, step_rng, scale)
         if axis_name is not None:   # pmap: combine the devices' sums, then divide once
             grads, loss_sum, sums = jax.lax.psum((grads, loss_sum, sums), axis_name)
         denom = jnp.maximum(sums["weight"], 1.0)
         grads = jax.tree_util.tree_map(lambda g: g / denom, grads)
-        metrics = _means(loss_sum, sums)
+        metrics = per_weight_means(loss_sum, sums)
         metrics.update(grad_norm=_global_norm(grads), tokens=sums["weight"])
         if schedule is not None:
             metrics["lr"] = jnp.asarray(schedule(state.step), jnp.float32)
-        return state.apply_gradients(grads=grads), metrics
+        new_state = state.apply_gradients(grads=grads)
+        if scale is not None:
+            finite = _all_finite(grads)
+            if axis_name is not None:   # psum-ed gradients agree already; make the vote explicit
+                finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name) > 0
+            new_state = _skip_if_not_finite(finite, new_state, state)
+            metrics.update(loss_scale=scale, skipped=(~finite).astype(jnp.float32))
+        return new_state, metrics
 
     return train_step
 

@@ -1,0 +1,118 @@
+"""Losses: label-smoothed cross-entropy as sums, and the token loss every task shares.
+
+A loss function (:data:`LossFn`) maps ``(apply_fn, params, batch, rngs, deterministic,
+smoothing)`` to ``(loss_sum, sums)``: the objective summed over tokens (or examples) and
+named sums (at least ``weight``; usually ``nll`` and ``correct``). Sums rather than means
+let gradient accumulation and data-parallel shards combine exactly: add the pieces, then
+divide once by the total weight (:func:`mean_loss`, :func:`per_weight_means`).
+
+Shapes: B batch, T length, V vocabulary (or classes); ``...`` any leading axes.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+# (apply_fn, params, batch, rngs, deterministic, smoothing) -> (loss_sum, sums)
+LossFn = Callable[..., tuple[Array, dict[str, Array]]]
+
+__all__ = ["LossFn", "target_logits", "label_smoothed_cross_entropy", "mean_loss",
+           "token_loss", "per_weight_means", "lm_loss"]
+
+
+def target_logits(logits: Array, targets: Array) -> tuple[Array, Array]:
+    """``(logits[..., target], in_range)`` for float32 logits (..., V) and integer targets.
+
+    Out-of-range targets (a padding id, -100) are clipped into [0, V) for the lookup;
+    ``in_range`` says which were not. The logit is picked by a compare-and-sum, not a
+    gather: its gradient is then a select that fuses with the softmax gradient instead of a
+    scatter into a zeroed (..., V) buffer.
+    """
+    num_classes = logits.shape[-1]
+    targets = targets.astype(jnp.int32)
+    safe = jnp.clip(targets, 0, num_classes - 1)
+    is_target = jnp.arange(num_classes, dtype=jnp.int32) == safe[..., None]
+    return jnp.sum(jnp.where(is_target, logits, 0.0), axis=-1), safe == targets
+
+
+def label_smoothed_cross_entropy(logits: Array, targets: Array, weights: Optional[Array] = None,
+                                 smoothing: float = 0.0) -> tuple[Array, Array]:
+    """``(loss_sum, weight_sum)``: weighted, label-smoothed cross-entropy summed over tokens.
+
+    The target distribution puts ``1 - smoothing`` on the target plus ``smoothing / V`` on
+    every class (torch's ``cross_entropy(..., label_smoothing=smoothing)``), so per token
+    ``loss = (1 - smoothing) * -log p[target] + smoothing * mean_v(-log p[v])``, computed
+    in float32 whatever the dtype of ``logits`` (..., V). ``targets`` (...) at zero weight
+    may hold anything (padding, -100); ``weights`` (...) default to ones.
+    """
+    if not 0.0 <= smoothing <= 1.0:
+        raise ValueError(f"smoothing must be in [0, 1], got {smoothing}")
+    if logits.shape[:-1] != targets.shape:
+        raise ValueError(f"logits {logits.shape} and targets {targets.shape} disagree: "
+                         "expected logits.shape == targets.shape + (V,)")
+    logits = logits.astype(jnp.float32)
+    # -log p[v] = lse - logits[v] (no (..., V) log-probs are stored)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    per_token = lse - target_logits(logits, targets)[0]
+    if smoothing:
+        per_token = (1.0 - smoothing) * per_token + smoothing * (lse - jnp.mean(logits, axis=-1))
+    if weights is None:
+        weights = jnp.ones(targets.shape, jnp.float32)
+    elif weights.shape != targets.shape:
+        raise ValueError(f"weights {weights.shape} must have the shape of targets {targets.shape}")
+    weights = weights.astype(jnp.float32)
+    # Select rather than multiply, so that non-finite losses at masked positions (e.g. -inf
+    # logits on padding) cannot leak in as NaN.
+    loss_sum = jnp.sum(jnp.where(weights != 0, per_token * weights, 0.0))
+    return loss_sum, jnp.sum(weights)
+
+
+def mean_loss(loss_sum: Array, weight_sum: Array) -> Array:
+    """``loss_sum / weight_sum``, or 0 when ``weight_sum`` is 0."""
+    weight_sum = jnp.asarray(weight_sum, jnp.float32)
+    safe = jnp.where(weight_sum > 0, weight_sum, 1.0)
+    return jnp.where(weight_sum > 0, loss_sum / safe, 0.0)
+
+
+def token_loss(logits: Array, targets: Array, weights: Array | None, smoothing: float):
+    """Cross-entropy terms for logits (..., V) and integer targets (...): (loss_sum, sums).
+
+    sums: ``weight`` (tokens counted), ``nll`` (plain cross-entropy sum) and ``correct``
+    (hits: the target holds the top logit), so that a step reports loss, nll and accuracy
+    per token. Every task's loss function ends here.
+    """
+    loss_sum, weight_sum = label_smoothed_cross_entropy(logits, targets, weights, smoothing)
+    if smoothing:
+        nll_sum, _ = label_smoothed_cross_entropy(jax.lax.stop_gradient(logits), targets, weights, 0.0)
+    else:
+        nll_sum = jax.lax.stop_gradient(loss_sum)
+    w = jnp.ones(targets.shape, jnp.float32) if weights is None else weights.astype(jnp.float32)
+    # A hit: an in-range target whose logit is the largest (a tie for the top counts as a
+    # hit). Unlike an argmax this reuses the row maximum and the target logit that the loss
+    # computes (XLA merges the identical reductions), instead of another pass over the
+    # (..., V) logits.
+    lg = jax.lax.stop_gradient(logits).astype(jnp.float32)
+    target_logit, in_range = target_logits(lg, targets)
+    hits = (in_range & (target_logit >= jnp.max(lg, axis=-1))).astype(jnp.float32)
+    return loss_sum, {"weight": weight_sum, "nll": nll_sum, "correct": jnp.sum(hits * w)}
+
+
+def per_weight_means(loss_sum: Array, sums: dict[str, Array]) -> dict[str, Array]:
+    """Per-weight means: ``loss``, and each named sum (``correct`` is reported as ``accuracy``)."""
+    weight = sums["weight"]
+    out = {"loss": mean_loss(loss_sum, weight)}
+    for k, v in sums.items():
+        if k != "weight":
+            out["accuracy" if k == "correct" else k] = mean_loss(v, weight)
+    return out
+
+
+def lm_loss(apply_fn: Callable, params: Any, batch: dict[str, Array], rngs, deterministic: bool,
+            smoothing: float):
+    """Next-token loss: ``batch = {"inputs", "targets": (B, T) int, "weights": (B, T)}``."""
+    logits = apply_fn({"params": params}, batch["inputs"], deterministic=deterministic, rngs=rngs)
+    return token_loss(logits, batch["targets"], batch.get("weights"), smoothing)
