@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import statistics
 import sys
 import tempfile
@@ -52,8 +51,8 @@ import numpy as np  # noqa: E402
 
 from transformer_jax.train.monitor import measure_matmul_peak  # noqa: E402
 from transformer_jax.train.optim import constant, make_optimizer  # noqa: E402
-from transformer_jax.train.step import (create_train_state, lm_loss, make_train_step,  # noqa: E402
-                                        token_loss)
+from transformer_jax.losses import lm_loss, token_loss  # noqa: E402
+from transformer_jax.train.step import create_train_state, make_train_step  # noqa: E402
 
 OPT = dict(lr=1e-4, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01, clip=1.0)
 

@@ -19,7 +19,10 @@ then all-gathers each weight where it is used): the knob for GPT-2 medium/large 
 Data: TFDS ``lm1b`` (prepared by TFDS on first use; needs a network), a 32k SentencePiece
 vocabulary trained into the workdir from 200k training sentences, packed into windows of
 512 tokens. Mixed precision: bf16 compute, fp32 parameters and Adam moments; layers
-scanned (compile time flat in depth) and rematerialised (activation memory).
+scanned (compile time flat in depth) and rematerialised (activation memory). Attention:
+``attention_impl="auto"`` runs the Pallas (Mosaic) flash kernel, which has no attention
+dropout, so the recipe keeps dropout on the residual stream only (as nanoGPT and llm.c do);
+the run prints its attention path when it starts.
 
 Runtime: not measured (this machine has no TPU). Estimate from the model FLOPs: 7.99e8
 training FLOP per token (``GPTConfig.flops_per_token(512)``) x 131,072 tokens per step =
@@ -37,7 +40,7 @@ def get_config() -> ExperimentConfig:
         model="gpt",
         model_preset="gpt2",
         model_overrides=dict(max_len=512, dtype="bfloat16", scan_layers=True, remat=True,
-                             dropout_rate=0.1, attention_dropout_rate=0.1),
+                             dropout_rate=0.1, attention_dropout_rate=0.0),
         dataset="lm1b",
         eval_split="test",
         tokenizer="sentencepiece",

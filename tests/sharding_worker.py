@@ -30,7 +30,8 @@ jax.config.update("jax_default_matmul_precision", "highest")
 from transformer_jax import sharding as sh  # noqa: E402
 from transformer_jax.models import GPT, GPTConfig, T5, T5Config  # noqa: E402
 from transformer_jax.train.distributed import JitPlacement, PmapPlacement  # noqa: E402
-from transformer_jax.train.step import create_train_state, lm_loss, make_train_step, token_loss  # noqa: E402
+from transformer_jax.losses import lm_loss, token_loss  # noqa: E402
+from transformer_jax.train.step import create_train_state, make_train_step  # noqa: E402
 
 MESHES = ["data=8", "data=2,fsdp=4", "data=2,fsdp=2,tensor=2", "tensor=8", "fsdp=8"]
 CURVE_MESHES = ["data=8", "fsdp=8", "data=2,fsdp=2,tensor=2", "tensor=8"]

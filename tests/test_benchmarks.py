@@ -18,7 +18,8 @@ import pytest
 from transformer_jax import host_memory
 from transformer_jax.decode import argmax
 from transformer_jax.models import GPT, GPTConfig
-from transformer_jax.train.optim import constant, label_smoothed_cross_entropy, make_optimizer
+from transformer_jax.losses import label_smoothed_cross_entropy
+from transformer_jax.train.optim import constant, make_optimizer
 from transformer_jax.train.step import create_train_state, make_train_step
 
 

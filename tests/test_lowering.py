@@ -195,6 +195,25 @@ def test_resolve_implementation_table():
         r("auto", "ipu")
 
 
+def test_attention_plan_of_a_run():
+    """What a run prints and writes into config.json: GPT-2 124M in bf16 on a TPU takes the
+    kernel, unless attention dropout forces the reference while training."""
+    from transformer_jax.models.base import attention_plan, describe_attention_plan
+    cfg = GPTConfig.preset("gpt2", dtype="bfloat16", attention_dropout_rate=0.0)
+    plan = attention_plan(cfg, 1024, "tpu")
+    assert plan == {"implementation": "auto", "platform": "tpu", "train": "pallas", "eval": "pallas"}
+    assert describe_attention_plan(plan, cfg) == "attention: auto -> pallas (tpu)"
+    dropped = cfg.replace(attention_dropout_rate=0.1)
+    plan = attention_plan(dropped, 1024, "tpu")
+    assert (plan["train"], plan["eval"]) == ("xla", "pallas")
+    assert describe_attention_plan(plan, dropped) == (
+        "attention: auto -> xla while training (tpu: attention dropout 0.1 needs it; set it to 0 "
+        "for pallas), pallas at eval")
+    vit = ViTConfig.preset("B/16")                       # 197 tokens: its own length
+    assert attention_plan(vit, 1024, "cpu")["train"] == "xla"
+    assert attention_plan(GPTConfig(attention_impl="chunked"), 64, "gpu")["eval"] == "chunked"
+
+
 def test_resolve_implementation_on_a_gpu_with_cudnn(cudnn_present):
     r = resolve_implementation
     assert r("auto", "gpu", dtype=jnp.bfloat16, head_dim=64) == "cudnn"

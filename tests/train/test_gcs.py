@@ -315,3 +315,61 @@ def test_config_json_round_trips(root):
     config = {"experiment": {"name": "x", "steps": 3}, "family": "gpt"}
     storage.write_text(f"{root}/run/config.json", json.dumps(config, indent=2) + "\n")
     assert json.loads(storage.read_text(f"{root}/run/config.json")) == config
+
+
+# ----------------------------------------------------------------------------- whole runs
+
+RUN = ["model.num_layers=1", "model.d_model=32", "model.num_heads=2", "model.max_len=64",
+       "seq_len=32", "batch_size=4", "schedule=constant", "learning_rate=3e-3",
+       "warmup_steps=2", "log_every=1", "eval_every=4", "save_every=4", "eval_batches=2",
+       "sample_tokens=8", "steps=8"]
+
+
+@pytest.mark.slow
+def test_train_pause_resume_eval_generate_in_a_bucket(gcs, tmp_path):
+    """train() into gs://, paused at step 4 and resumed there: the same losses step for
+    step as an uninterrupted local run, every file in the bucket, and eval and generate
+    read the run back from it."""
+    from transformer_jax.train.config import ExperimentConfig, apply_overrides
+    from transformer_jax.train.loop import evaluate_workdir, load_run, train
+
+    cfg = apply_overrides(ExperimentConfig(), RUN + [f"data_dir={tmp_path / 'tfds'}"])
+    local, remote = tmp_path / "local", f"{gcs}/run"
+    want = train(cfg, local, progress=False)
+    paused = train(cfg, remote, progress=False, stop_at=4)
+    assert paused["paused"] and paused["final_step"] == 4
+    got = train(cfg, remote, progress=False, resume=True)
+    loss = lambda w: {r["step"]: r["loss"] for r in read_metrics(w) if "loss" in r}  # noqa: E731
+    assert sorted(loss(remote)) == list(range(1, 9))
+    np.testing.assert_array_equal([loss(remote)[s] for s in range(1, 9)],
+                                  [loss(local)[s] for s in range(1, 9)])
+    assert got["eval_loss"] == want["eval_loss"]
+    run = storage.path(remote)
+    assert json.loads(storage.read_text(run / "config.json"))["experiment"]["steps"] == 8
+    assert storage.read_text(run / "samples.txt").count("=== step") == 2
+    assert storage.read_bytes(run / "loss.png")[:4] == b"\x89PNG"
+    assert list(run.glob("tb/events.out.tfevents.*"))
+    run_config, model, params, task = load_run(remote)
+    assert run_config["task_spec"]["tokenizer"] == "byte"
+    assert evaluate_workdir(remote)["eval_loss"] == got["eval_loss"]
+    greedy = dict(max_new_tokens=8, temperature=0.0, top_k=0, top_p=None, seed=0)
+    _, lmodel, lparams, ltask = load_run(local)
+    assert task.generate_text(model, params, "def ", **greedy) == \
+        ltask.generate_text(lmodel, lparams, "def ", **greedy)
+
+
+@pytest.mark.slow
+def test_two_processes_train_into_one_bucket_and_resume_on_another_mesh(gcs, tmp_path):
+    """2 processes (jax.distributed on localhost) write one gs:// workdir: process 0 the
+    files, both the checkpoint shards; the run resumes there on another mesh."""
+    from ..test_sharding import _launch
+
+    workdir, data_dir = f"{gcs}/multi", str(tmp_path / "tfds")
+    outs = _launch(workdir, data_dir, 2, "data=4,fsdp=2")
+    assert '"processes": 2' in outs[0] and '"processes": 2' not in outs[1]
+    steps = sorted(int(p.name) for p in storage.path(f"{workdir}/checkpoints").iterdir()
+                   if p.name.isdigit())
+    assert steps == [2]
+    _launch(workdir, data_dir, 4, "data=2,fsdp=2,tensor=2", "--resume")
+    assert [r["step"] for r in read_metrics(workdir) if "loss" in r] == [1, 2, 3, 4]
+    assert storage.is_file(f"{workdir}/config.json") and storage.is_file(f"{workdir}/loss.png")

@@ -5,7 +5,7 @@ import dataclasses
 import difflib
 from typing import Any, ClassVar, TypeVar
 
-from ..layers.attention import IMPLEMENTATIONS
+from ..layers.attention import IMPLEMENTATIONS, resolve_implementation
 from ..layers.dense import canonical_dtype
 from ..layers.stack import REMAT_POLICIES
 
@@ -88,6 +88,29 @@ class PresetConfig:
             if not 0 <= getattr(self, name) < self.vocab_size:
                 raise ValueError(f"{type(self).__name__}.{name}={getattr(self, name)} is outside the "
                                  f"vocabulary [0, {self.vocab_size})")
+
+
+def attention_plan(config: Any, seq_len: int, platform: str) -> dict[str, str]:
+    """What ``config.attention_impl`` runs on ``platform`` ("cpu", "gpu", "tpu") for
+    sequences of ``seq_len`` (a ViT's own patch count instead), in training (with its
+    attention dropout) and at eval: ``{"implementation", "platform", "train", "eval"}``."""
+    rate = getattr(config, "attention_dropout_rate", getattr(config, "dropout_rate", 0.0))
+    seq_len = getattr(config, "seq_len", seq_len)
+    shape = dict(dtype=config.dtype, head_dim=config.head_dim, q_len=seq_len, kv_len=seq_len)
+    impl = config.attention_impl
+    return {"implementation": impl, "platform": platform,
+            "train": resolve_implementation(impl, platform, dropout=rate > 0, **shape),
+            "eval": resolve_implementation(impl, platform, **shape)}
+
+
+def describe_attention_plan(plan: dict[str, str], config: Any) -> str:
+    """One line for the start of a run, e.g. ``attention: auto -> pallas (tpu)``."""
+    head = f"attention: {plan['implementation']} -> "
+    if plan["train"] == plan["eval"]:
+        return head + f"{plan['train']} ({plan['platform']})"
+    rate = getattr(config, "attention_dropout_rate", getattr(config, "dropout_rate", 0.0))
+    return (head + f"{plan['train']} while training ({plan['platform']}: attention dropout "
+            f"{rate} needs it; set it to 0 for {plan['eval']}), {plan['eval']} at eval")
 
 
 class EncoderDecoderFlops:

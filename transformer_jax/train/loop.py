@@ -52,8 +52,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import storage
 from ..errors import UserError
 from ..models import build_model, model_from_config
+from ..models.base import attention_plan, describe_attention_plan
 from ..tasks import Task, make_task
 from .checkpoint import CheckpointManager, load_params
 from .config import ExperimentConfig, user_errors
@@ -201,14 +203,14 @@ def _check_resume_compatible(saved: dict, run_config: dict) -> None:
 
 # ----------------------------------------------------------------------------- files
 
-def _write_config(workdir: Path, run_config: dict) -> None:
-    workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "config.json").write_text(json.dumps(run_config, indent=2) + "\n")
+def _write_config(workdir, run_config: dict) -> None:
+    storage.makedirs(workdir)
+    storage.write_text(workdir / "config.json", json.dumps(run_config, indent=2) + "\n")
 
 
-def _append_sample(workdir: Path, step: int, eval_loss: float, text: str) -> None:
-    with (workdir / "samples.txt").open("a") as f:
-        f.write(f"=== step {step} (eval loss {eval_loss:.3f})\n{text}\n")
+def _append_sample(workdir, step: int, eval_loss: float, text: str) -> None:
+    storage.append_text(workdir / "samples.txt",
+                        f"=== step {step} (eval loss {eval_loss:.3f})\n{text}\n")
 
 
 # ----------------------------------------------------------------------------- the run
@@ -280,10 +282,16 @@ def _describe_placement(placement: Placement) -> None:
           flush=True)
 
 
+def _platform() -> str:
+    """"cpu", "gpu" or "tpu": the platform this process runs its steps on."""
+    backend = jax.default_backend()
+    return backend if backend in ("gpu", "tpu") else "cpu"
+
+
 def setup(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
           progress: bool = True) -> Run:
     """Everything a run needs: task, model, placement, checkpoints, state, compiled steps."""
-    workdir = Path(workdir)
+    workdir = storage.path(workdir)
     with user_errors():   # the mesh against this machine's devices, the batch against the mesh
         placement = make_placement(cfg.parallelism, cfg.mesh, cfg.batch_size, cfg.accum_steps)
     # with several processes, process 0 prepares first (tokenizer, dataset), the others reuse it
@@ -291,8 +299,12 @@ def setup(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
     model_cfg, model = build(cfg, task.model_overrides())
     tx, schedule = make_tx(cfg, model_cfg)
     loss_scale = make_loss_scale(cfg, model_cfg)
+    plan = attention_plan(model_cfg, cfg.seq_len, _platform())
     run_config = {"experiment": cfg.to_dict(), "family": cfg.model, "model": model_cfg.to_dict(),
-                  "task": cfg.task, "task_spec": task.spec(), "loss_scaling": loss_scale is not None}
+                  "task": cfg.task, "task_spec": task.spec(), "loss_scaling": loss_scale is not None,
+                  "attention": plan}
+    if is_main() and progress:
+        print(describe_attention_plan(plan, model_cfg), flush=True)
     ckpt = _open_checkpoints(cfg, workdir, resume)
     try:
         if is_main():

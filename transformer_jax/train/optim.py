@@ -23,10 +23,6 @@ import optax
 
 from ..errors import UserError
 
-# The losses moved to transformer_jax.losses; this name stays importable from here only
-# until the callers outside train/ (tests/test_benchmarks.py) import it from there.
-from ..losses import label_smoothed_cross_entropy  # noqa: F401,E402
-
 __all__ = [
     "SCHEDULES",
     "noam",

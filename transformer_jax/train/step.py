@@ -25,9 +25,7 @@ import optax
 from flax import struct
 from flax.training import train_state
 
-# LossFn, lm_loss and token_loss live in transformer_jax.losses; lm_loss is the default
-# loss here, and all three stay importable from this module for existing callers.
-from ..losses import LossFn, lm_loss, per_weight_means, token_loss  # noqa: F401
+from ..losses import LossFn, lm_loss, per_weight_means
 
 Array = jax.Array
 
