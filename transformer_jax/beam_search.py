@@ -50,6 +50,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .errors import UserError
+
 Array = jax.Array
 
 _NEG = -1.0e9     # HF's "impossible" score offset (exact in fp32)
@@ -99,21 +101,21 @@ def _prepare(module, input_ids, attention_mask, max_new_tokens, eos_id, pad_id, 
     cfg = module.config
     input_ids = jnp.asarray(input_ids)
     if input_ids.ndim != 2 or input_ids.shape[1] == 0:
-        raise ValueError(f"input_ids must be (B, S) with S >= 1; got shape {input_ids.shape}")
+        raise UserError(f"input_ids must be (B, S) with S >= 1; got shape {input_ids.shape}")
     if not jnp.issubdtype(input_ids.dtype, jnp.integer):
-        raise ValueError(f"input_ids must be integer token ids; got dtype {input_ids.dtype}")
+        raise UserError(f"input_ids must be integer token ids; got dtype {input_ids.dtype}")
     if attention_mask is None:
         attention_mask = jnp.ones(input_ids.shape, jnp.int32)
     attention_mask = jnp.asarray(attention_mask).astype(jnp.int32)
     if attention_mask.shape != input_ids.shape:
-        raise ValueError(f"attention_mask shape {attention_mask.shape} != input_ids shape "
-                         f"{input_ids.shape}")
+        raise UserError(f"attention_mask shape {attention_mask.shape} != input_ids shape "
+                        f"{input_ids.shape}")
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        raise UserError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     max_len = getattr(cfg, "max_len", None)
     if max_len is not None and max_new_tokens > max_len:
-        raise ValueError(f"max_new_tokens={max_new_tokens} exceeds the model's max_len={max_len} "
-                         "(decoder positions)")
+        raise UserError(f"max_new_tokens={max_new_tokens} exceeds the model's max_len={max_len} "
+                        "(decoder positions)")
     eos_id = getattr(cfg, "eos_token_id", None) if eos_id is None else eos_id
     pad_id = getattr(cfg, "pad_token_id", 0) if pad_id is None else pad_id
     start_id = getattr(cfg, "decoder_start_token_id", pad_id) if start_id is None else start_id
@@ -258,19 +260,19 @@ def beam_search(module, params, input_ids, attention_mask=None, *, num_beams: in
     keep a lower-scoring beam running past an eos that greedy would stop at).
     """
     if not isinstance(num_beams, (int, np.integer)) or num_beams < 1:
-        raise ValueError(f"num_beams must be an int >= 1, got {num_beams!r}")
+        raise UserError(f"num_beams must be an int >= 1, got {num_beams!r}")
     if not (isinstance(early_stopping, bool) or early_stopping == "never"):
-        raise ValueError(f"early_stopping must be True, False or 'never' (HF's options), got "
-                         f"{early_stopping!r}")
+        raise UserError(f"early_stopping must be True, False or 'never' (HF's options), got "
+                        f"{early_stopping!r}")
     try:
         length_penalty = float(length_penalty)
     except (TypeError, ValueError):
-        raise ValueError(f"length_penalty must be a number, got {length_penalty!r}") from None
+        raise UserError(f"length_penalty must be a number, got {length_penalty!r}") from None
     input_ids, mask, n, eos_id, pad_id, start_id = _prepare(
         module, input_ids, attention_mask, max_new_tokens, eos_id, pad_id, decoder_start_id)
     vocab = getattr(module.config, "vocab_size", None)
     if vocab is not None and 2 * num_beams > num_beams * vocab:
-        raise ValueError(f"num_beams={num_beams} needs a vocabulary of at least 2 tokens")
+        raise UserError(f"num_beams={num_beams} needs a vocabulary of at least 2 tokens")
     # len ** length_penalty in double, rounded once to fp32, as HF divides fp32 scores by the
     # Python float.
     norm = np.array([float(length) ** length_penalty for length in range(1, n + 1)], np.float32)

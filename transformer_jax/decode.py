@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .errors import UserError
+
 Array = jax.Array
 
 
@@ -53,12 +55,12 @@ def sample_logits(logits: Array, rng: Array | None, *, temperature: float | Arra
     if greedy:
         return argmax(logits)
     if rng is None:
-        raise ValueError("sampling (temperature > 0) needs an rng: pass rng=jax.random.PRNGKey(seed)")
+        raise UserError("sampling (temperature > 0) needs an rng: pass rng=jax.random.PRNGKey(seed)")
     logits = logits / temperature
     neg = jnp.finfo(jnp.float32).min
     if top_k is not None:
         if top_k < 1:
-            raise ValueError(f"top_k must be >= 1, got {top_k}")
+            raise UserError(f"top_k must be >= 1, got {top_k}")
         kth = jax.lax.top_k(logits, min(top_k, logits.shape[-1]))[0][..., -1:]
         logits = jnp.where(logits < kth, neg, logits)
     if top_p is not None:
@@ -145,21 +147,21 @@ def generate(module, params, prompt_ids: Array | Sequence[Sequence[int]], *, max
       a list of lists holding each prompt and its new tokens (cut after eos).
     """
     if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
+        raise UserError(f"temperature must be >= 0, got {temperature}")
     greedy = temperature == 0.0
     if not greedy and rng is None:
-        raise ValueError("sampling (temperature > 0) needs an rng: pass rng=jax.random.PRNGKey(seed)")
+        raise UserError("sampling (temperature > 0) needs an rng: pass rng=jax.random.PRNGKey(seed)")
     if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        raise UserError(f"top_p must be in (0, 1], got {top_p}")
     pad_id = pad_id if pad_id is not None else (eos_id if eos_id is not None else 0)
 
     ragged = not hasattr(prompt_ids, "shape")
     if ragged:
         rows = [list(map(int, r)) for r in prompt_ids]
         if not rows or min(map(len, rows)) == 0:
-            raise ValueError("every prompt needs at least one token")
+            raise UserError("every prompt needs at least one token")
         t0 = max(map(len, rows))
         ids = np.full((len(rows), t0), pad_id, np.int32)
         pmask = np.zeros((len(rows), t0), np.int32)
@@ -170,15 +172,15 @@ def generate(module, params, prompt_ids: Array | Sequence[Sequence[int]], *, max
     else:
         prompt = jnp.asarray(prompt_ids, jnp.int32)
         if prompt.ndim != 2 or prompt.shape[1] == 0:
-            raise ValueError(f"prompt_ids must be (B, T0) with T0 >= 1; got shape {prompt.shape}")
+            raise UserError(f"prompt_ids must be (B, T0) with T0 >= 1; got shape {prompt.shape}")
         prompt_mask = (jnp.ones_like(prompt) if prompt_mask is None
                        else jnp.asarray(prompt_mask, jnp.int32))
         if prompt_mask.shape != prompt.shape:
-            raise ValueError(f"prompt_mask shape {prompt_mask.shape} != prompt shape {prompt.shape}")
+            raise UserError(f"prompt_mask shape {prompt_mask.shape} != prompt shape {prompt.shape}")
     max_len = module.config.max_len
     if prompt.shape[1] + max_new_tokens > max_len:
-        raise ValueError(f"prompt length {prompt.shape[1]} + max_new_tokens {max_new_tokens} exceeds "
-                         f"the model's max_len={max_len}")
+        raise UserError(f"prompt length {prompt.shape[1]} + max_new_tokens {max_new_tokens} exceeds "
+                        f"the model's max_len={max_len}")
 
     out = _generate(module, params, prompt, prompt_mask,
                     rng if rng is not None else jax.random.PRNGKey(0),

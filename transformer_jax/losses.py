@@ -15,6 +15,8 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 
+from .errors import UserError
+
 Array = jax.Array
 
 # (apply_fn, params, batch, rngs, deterministic, smoothing) -> (loss_sum, sums)
@@ -50,10 +52,10 @@ def label_smoothed_cross_entropy(logits: Array, targets: Array, weights: Optiona
     may hold anything (padding, -100); ``weights`` (...) default to ones.
     """
     if not 0.0 <= smoothing <= 1.0:
-        raise ValueError(f"smoothing must be in [0, 1], got {smoothing}")
+        raise UserError(f"smoothing must be in [0, 1], got {smoothing}")
     if logits.shape[:-1] != targets.shape:
-        raise ValueError(f"logits {logits.shape} and targets {targets.shape} disagree: "
-                         "expected logits.shape == targets.shape + (V,)")
+        raise UserError(f"logits {logits.shape} and targets {targets.shape} disagree: "
+                        "expected logits.shape == targets.shape + (V,)")
     logits = logits.astype(jnp.float32)
     # -log p[v] = lse - logits[v] (no (..., V) log-probs are stored)
     lse = jax.nn.logsumexp(logits, axis=-1)
@@ -63,7 +65,7 @@ def label_smoothed_cross_entropy(logits: Array, targets: Array, weights: Optiona
     if weights is None:
         weights = jnp.ones(targets.shape, jnp.float32)
     elif weights.shape != targets.shape:
-        raise ValueError(f"weights {weights.shape} must have the shape of targets {targets.shape}")
+        raise UserError(f"weights {weights.shape} must have the shape of targets {targets.shape}")
     weights = weights.astype(jnp.float32)
     # Select rather than multiply, so that non-finite losses at masked positions (e.g. -inf
     # logits on padding) cannot leak in as NaN.

@@ -49,6 +49,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from .errors import UserError
+
 MESH_AXES: tuple[str, str, str] = ("data", "fsdp", "tensor")
 BATCH_AXES: tuple[str, str] = ("data", "fsdp")   # the global batch is split over both
 
@@ -92,31 +94,31 @@ def parse_mesh(spec: str | Mapping[str, int] | None) -> dict[str, int]:
             if not part:
                 continue
             if "=" not in part:
-                raise ValueError(f"mesh {spec!r}: {part!r} is not of the form AXIS=SIZE "
-                                 f"(e.g. --mesh data=2,fsdp=4; axes: {', '.join(MESH_AXES)})")
+                raise UserError(f"mesh {spec!r}: {part!r} is not of the form AXIS=SIZE "
+                                f"(e.g. --mesh data=2,fsdp=4; axes: {', '.join(MESH_AXES)})")
             name, size = (s.strip() for s in part.split("=", 1))
             items.append((name, size))
     else:
-        raise ValueError(f"mesh must be a string like 'data=2,fsdp=4' or a dict, got {spec!r}")
+        raise UserError(f"mesh must be a string like 'data=2,fsdp=4' or a dict, got {spec!r}")
     out: dict[str, int] = {}
     for name, size in items:
         if name not in MESH_AXES:
             hint = difflib.get_close_matches(name, MESH_AXES, n=1)
-            raise ValueError(f"mesh {spec!r}: unknown axis {name!r}"
-                             + (f" (did you mean {hint[0]!r}?)" if hint else "")
-                             + f"; the axes are {', '.join(MESH_AXES)}")
+            raise UserError(f"mesh {spec!r}: unknown axis {name!r}"
+                            + (f" (did you mean {hint[0]!r}?)" if hint else "")
+                            + f"; the axes are {', '.join(MESH_AXES)}")
         if name in out:
-            raise ValueError(f"mesh {spec!r}: axis {name!r} is given twice")
+            raise UserError(f"mesh {spec!r}: axis {name!r} is given twice")
         try:
             value = int(size)
         except (TypeError, ValueError):
-            raise ValueError(f"mesh {spec!r}: size {size!r} of axis {name!r} is not an integer") from None
+            raise UserError(f"mesh {spec!r}: size {size!r} of axis {name!r} is not an integer") from None
         if value == 0 or value < -1:
-            raise ValueError(f"mesh {spec!r}: axis {name!r} has size {value}; sizes are >= 1 "
-                             "(or -1 for 'the remaining devices')")
+            raise UserError(f"mesh {spec!r}: axis {name!r} has size {value}; sizes are >= 1 "
+                            "(or -1 for 'the remaining devices')")
         out[name] = value
     if sum(v == -1 for v in out.values()) > 1:
-        raise ValueError(f"mesh {spec!r}: at most one axis may be -1")
+        raise UserError(f"mesh {spec!r}: at most one axis may be -1")
     return out
 
 
@@ -134,14 +136,14 @@ def mesh_shape(spec: str | Mapping[str, int] | None, num_devices: int) -> dict[s
     if -1 in shape.values():
         fill = next(k for k, v in shape.items() if v == -1)
         if num_devices % fixed:
-            raise ValueError(f"mesh {describe_shape(axes)}: the other axes use {fixed} devices, "
-                             f"which does not divide the {num_devices} devices; "
-                             f"choose sizes whose product divides {num_devices}")
+            raise UserError(f"mesh {describe_shape(axes)}: the other axes use {fixed} devices, "
+                            f"which does not divide the {num_devices} devices; "
+                            f"choose sizes whose product divides {num_devices}")
         shape[fill] = num_devices // fixed
     elif fixed != num_devices:
-        raise ValueError(f"mesh {describe_shape(shape)} has {fixed} devices, but this run has "
-                         f"{num_devices} devices ({jax.process_count()} process(es)); give axis "
-                         f"sizes whose product is {num_devices}, or -1 for one axis")
+        raise UserError(f"mesh {describe_shape(shape)} has {fixed} devices, but this run has "
+                        f"{num_devices} devices ({jax.process_count()} process(es)); give axis "
+                        f"sizes whose product is {num_devices}, or -1 for one axis")
     return shape
 
 
@@ -196,8 +198,8 @@ def logical_to_spec(names, shape, mesh: Mesh, rules=LOGICAL_AXIS_RULES, *,
         return P()
     names = tuple(names)
     if len(names) != len(shape):
-        raise ValueError(f"{what}: {len(names)} logical axis names {names} for a "
-                         f"{len(shape)}-d array of shape {tuple(shape)}")
+        raise UserError(f"{what}: {len(names)} logical axis names {names} for a "
+                        f"{len(shape)}-d array of shape {tuple(shape)}")
     mesh_axes = nn.logical_to_mesh_axes(names, rules)
     out = []
     for dim, (size, axes) in enumerate(zip(shape, mesh_axes)):
@@ -333,7 +335,7 @@ def process_rows(mesh: Mesh, global_batch: int) -> tuple[int, int]:
     covered = sum(b - a for a, b in spans)
     size = hi - lo
     if covered != size or global_batch % size or lo % size:
-        raise ValueError(
+        raise UserError(
             f"process {jax.process_index()}'s devices hold batch rows {sorted(spans)} of {global_batch} "
             f"on mesh {describe(mesh)}, not one contiguous block; put the axes that span "
             "processes first (data, then fsdp)")

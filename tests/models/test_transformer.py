@@ -16,6 +16,7 @@ import pytest
 
 from transformer_jax.beam_search import init_decoder_cache
 from transformer_jax.models import FAMILIES, build_model
+from transformer_jax.models.base import to_config_layout
 from transformer_jax.models.transformer import Transformer, TransformerConfig, init_params
 
 TINY = dict(vocab_size=40, max_len=32, num_layers=1, num_decoder_layers=2, d_model=32,
@@ -136,6 +137,12 @@ def test_matches_torch_transformer():
                   tgt_key_padding_mask=torch.as_tensor(tgt_mask == 0), tgt_is_causal=True)
         want = (out @ emb.T).numpy()
     np.testing.assert_allclose(ours, want, rtol=1e-4, atol=2e-5)
+    # the same weights in the scanned layout, for a scan_layers=True model
+    scanned = Transformer(model.config.replace(scan_layers=True))
+    scanned_params = to_config_layout(params, scanned.config)
+    assert scanned_params["decoder"]["layers"]["cross_attn"]["query"]["kernel"].shape[0] == 2
+    np.testing.assert_allclose(np.asarray(forward(scanned)(scanned_params, src, tgt, src_mask,
+                                                           tgt_mask)), ours, rtol=1e-5, atol=1e-5)
 
 
 def test_pre_norm_variant_and_untied_head():
@@ -184,10 +191,8 @@ def test_decode_step_reads_the_cross_attention_cache(tiny, scan):
     B * S = 27 row projection of the encoder output), and its logits are unchanged."""
     model, params = tiny
     if scan:
-        from transformer_jax.layers.stack import convert_layout
         model = Transformer(model.config.replace(scan_layers=True))
-        params = convert_layout(params, ((("encoder",), "layers", 1), (("decoder",), "layers", 2)),
-                                scanned=True)
+        params = to_config_layout(params, model.config)
     src, src_mask, tgt = batch(2, t=5)
     encoded = model.apply({"params": params}, src, src_mask, method="encode")
     cache = init_decoder_cache(model, params, encoded, src_mask, 5)

@@ -81,7 +81,7 @@ class ArraySource:
 
     def __init__(self, images: np.ndarray, labels: np.ndarray):
         if len(images) != len(labels):
-            raise ValueError(f"{len(images)} images but {len(labels)} labels")
+            raise UserError(f"{len(images)} images but {len(labels)} labels")
         self.images, self.labels = images, labels
 
     def __len__(self) -> int:
@@ -160,7 +160,7 @@ def preprocess_image(image: np.ndarray, image_size: int, *, max_value: float = 2
     if image.ndim == 2:
         image = image[..., None]
     if image.ndim != 3:
-        raise ValueError(f"expected an (h, w, c) image, got shape {image.shape}")
+        raise UserError(f"expected an (h, w, c) image, got shape {image.shape}")
     x = image.astype(np.float32) * (2.0 / max_value) - 1.0
     h, w = x.shape[:2]
     s = image_size
@@ -171,7 +171,7 @@ def preprocess_image(image: np.ndarray, image_size: int, *, max_value: float = 2
     x = x[top:top + s, left:left + s]
     if augment:
         if rng is None:
-            raise ValueError("augment=True needs an rng")
+            raise UserError("augment=True needs an rng")
         pad = s // 8
         if pad:
             x = np.pad(x, ((pad, pad), (pad, pad), (0, 0)), constant_values=-1.0)

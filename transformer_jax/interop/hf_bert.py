@@ -66,7 +66,7 @@ from ..errors import UserError
 from ..models.bert import Bert, BertConfig
 from ._common import (ConversionError, StateDictReader, TensorMap, dump_state_dict, layer_norm,
                       linear, load_params)
-from .registry import (HFFamily, Stack, activation_from_hf, activation_to_hf, cast_params,
+from .registry import (HFFamily, activation_from_hf, activation_to_hf, cast_params,
                        check_table, plain_params, to_layout, without_scan)
 
 #: HF config attribute <-> BertConfig field, one table for both directions.
@@ -199,11 +199,6 @@ def bert_tensor_maps(cfg: BertConfig, prefix: str) -> list[TensorMap]:
     return maps
 
 
-def bert_stacks(cfg: BertConfig) -> tuple[Stack, ...]:
-    """BERT's one layer stack: ``bert/layer_{i}``, scanned ``bert/layer``."""
-    return ((("bert",), "layer", cfg.num_layers),)
-
-
 # ============================================================================ HF -> flax
 
 def _detect_head(config: Mapping[str, Any], keys: set[str]) -> tuple[str, str]:
@@ -270,7 +265,7 @@ def _bert_from_state_dict(config: Mapping[str, Any], state_dict: Mapping[str, An
                  f"arange({p})")
     _take_buffer(reader, prefix + "embeddings.token_type_ids", (1, p), np.zeros((1, p)), "zeros")
     reader.finish()
-    params = to_layout(cast_params(params, cfg.param_dtype), bert_stacks(cfg),
+    params = to_layout(cast_params(params, cfg.param_dtype), cfg.layer_stacks,
                        scanned=cfg.scan_layers, what="BERT params")
     return Bert(cfg), params
 
@@ -284,7 +279,7 @@ def bert_to_state_dict(module: Bert, params: Any) -> dict[str, np.ndarray]:
     in either layout (``bert/layer_{i}`` or a scanned ``bert/layer``).
     """
     cfg = module.config
-    params = to_layout(plain_params(params), bert_stacks(cfg), scanned=False, what="BERT params")
+    params = to_layout(plain_params(params), cfg.layer_stacks, scanned=False, what="BERT params")
     prefix = "" if cfg.head == "base" else "bert."
     out = dump_state_dict(bert_tensor_maps(cfg, prefix), params, what="BERT params")
     if cfg.head in ("pretraining", "mlm"):

@@ -51,7 +51,7 @@ from ..errors import UserError
 from ..models.gpt import GPT, GPTConfig
 from ._common import (ConversionError, Path, StateDictReader, TensorMap, dump_state_dict,
                       layer_norm, linear, load_params)
-from .registry import (OUR_ACTIVATIONS_TO_HF, HFFamily, Stack, activation_from_hf,
+from .registry import (OUR_ACTIVATIONS_TO_HF, HFFamily, activation_from_hf,
                        activation_to_hf, cast_params, check_table, plain_params, to_layout,
                        without_scan)
 
@@ -174,11 +174,6 @@ def gpt2_tensor_maps(cfg: GPTConfig, prefix: str = "transformer.") -> list[Tenso
     return maps
 
 
-def gpt2_stacks(cfg: GPTConfig) -> tuple[Stack, ...]:
-    """GPT's one layer stack: ``h_{i}``, scanned ``h``, at the top level."""
-    return (((), "h", cfg.num_layers),)
-
-
 # ============================================================================ HF -> flax
 
 def _take_legacy_buffers(reader: StateDictReader, cfg: GPTConfig, prefix: str) -> None:
@@ -215,7 +210,7 @@ def _gpt2_from_state_dict(config: Mapping[str, Any], state_dict: Mapping[str, An
                                   "tie_embeddings=False to keep a separate head")
     _take_legacy_buffers(reader, cfg, prefix)
     reader.finish()
-    params = to_layout(cast_params(params, cfg.param_dtype), gpt2_stacks(cfg),
+    params = to_layout(cast_params(params, cfg.param_dtype), cfg.layer_stacks,
                        scanned=cfg.scan_layers, what="GPT params")
     return GPT(cfg), params
 
@@ -231,7 +226,7 @@ def gpt2_to_state_dict(module: GPT, params: Any) -> dict[str, np.ndarray]:
     """
     cfg = module.config
     _check_gpt2_compatible(cfg)
-    params = to_layout(plain_params(params), gpt2_stacks(cfg), scanned=False, what="GPT params")
+    params = to_layout(plain_params(params), cfg.layer_stacks, scanned=False, what="GPT params")
     out = dump_state_dict(gpt2_tensor_maps(cfg), params, what="GPT params")
     if cfg.tie_embeddings:
         out["lm_head.weight"] = out["transformer.wte.weight"]

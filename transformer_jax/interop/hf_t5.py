@@ -67,7 +67,7 @@ from ..errors import UserError
 from ..models.t5 import T5, T5Config
 from ._common import (ConversionError, StateDictReader, TensorMap, as_numpy, dump_state_dict,
                       linear, load_params)
-from .registry import (HF_ACTIVATIONS, HFFamily, Stack, activation_to_hf, cast_params,
+from .registry import (HF_ACTIVATIONS, HFFamily, activation_to_hf, cast_params,
                        check_table, plain_params, to_layout, torch_tensors, without_scan)
 
 #: HF config attribute <-> T5Config field (both directions).
@@ -208,11 +208,6 @@ def t5_tensor_maps(cfg: T5Config, *, embedding_key: str = "shared.weight") -> li
     return maps
 
 
-def t5_stacks(cfg: T5Config) -> tuple[Stack, ...]:
-    """T5's two layer stacks: ``{encoder,decoder}/layers_{i}``, scanned ``{encoder,decoder}/layers``."""
-    return ((("encoder",), "layers", cfg.num_layers), (("decoder",), "layers", cfg.decoder_layers))
-
-
 # ----------------------------------------------------------------------------- HF -> flax
 
 def _t5_from_state_dict(config: Mapping[str, Any], state_dict: Mapping[str, Any],
@@ -253,7 +248,7 @@ def _t5_from_state_dict(config: Mapping[str, Any], state_dict: Mapping[str, Any]
     ids = jnp.zeros((1, 2), jnp.int32)
     check_table(maps, T5(without_scan(cfg)), ids, ids, what="T5")
     params = load_params(maps, reader)
-    params = to_layout(cast_params(params, cfg.param_dtype), t5_stacks(cfg),
+    params = to_layout(cast_params(params, cfg.param_dtype), cfg.layer_stacks,
                        scanned=getattr(cfg, "scan_layers", False), what="T5 params")
     return T5(cfg), params
 
@@ -268,7 +263,7 @@ def t5_to_state_dict(module: T5, params: Any) -> dict[str, np.ndarray]:
     """
     cfg = module.config
     _feed_forward_proj(cfg)                      # raises for activations HF cannot express
-    params = to_layout(plain_params(params), t5_stacks(cfg), scanned=False, what="T5 params")
+    params = to_layout(plain_params(params), cfg.layer_stacks, scanned=False, what="T5 params")
     flat = dump_state_dict(t5_tensor_maps(cfg), params, what="T5 params")
     out: dict[str, np.ndarray] = {}
     shared = flat.pop("shared.weight")

@@ -61,7 +61,7 @@ from ..errors import UserError
 from ..models.vit import ViT, ViTConfig, resize_params
 from ._common import (ConversionError, StateDictReader, TensorMap, dump_state_dict, layer_norm,
                       linear, load_params)
-from .registry import (HFFamily, Stack, activation_from_hf, activation_to_hf, cast_params,
+from .registry import (HFFamily, activation_from_hf, activation_to_hf, cast_params,
                        check_table, plain_params, to_layout, without_scan)
 
 LAYOUTS = ("current", "legacy")
@@ -177,11 +177,6 @@ def vit_tensor_maps(cfg: ViTConfig, *, prefix: str = "vit.", layout: str = "curr
     return maps
 
 
-def vit_stacks(cfg: ViTConfig) -> tuple[Stack, ...]:
-    """ViT's one layer stack: ``encoderblock_{i}``, scanned ``encoderblock``, at the top level."""
-    return (((), "encoderblock", cfg.num_layers),)
-
-
 # ============================================================================ HF -> flax
 
 def _vit_from_state_dict(config: Mapping[str, Any], state_dict: Mapping[str, Any],
@@ -232,7 +227,7 @@ def _vit_from_state_dict(config: Mapping[str, Any], state_dict: Mapping[str, Any
     params = cast_params(load_params(maps, reader), cfg.param_dtype)
     if target_size is not None and target_size != cfg.image_size:
         cfg, params = resize_params(params, cfg, target_size, method=method)
-    params = to_layout(params, vit_stacks(cfg), scanned=cfg.scan_layers, what="ViT params")
+    params = to_layout(params, cfg.layer_stacks, scanned=cfg.scan_layers, what="ViT params")
     return ViT(cfg), params
 
 
@@ -247,7 +242,7 @@ def vit_to_state_dict(module: ViT, params: Any, *, layout: str = "current") -> d
     """
     cfg = module.config
     activation_to_hf(cfg.activation, what="ViTConfig.activation")   # raises if HF has none
-    params = to_layout(plain_params(params), vit_stacks(cfg), scanned=False, what="ViT params")
+    params = to_layout(plain_params(params), cfg.layer_stacks, scanned=False, what="ViT params")
     return dump_state_dict(vit_tensor_maps(cfg, layout=layout), params, what="ViT params")
 
 

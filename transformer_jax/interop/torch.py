@@ -65,6 +65,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..errors import UserError
 from ..layers.embeddings import sinusoidal_table
 from ._common import (ConversionError, StateDictReader, TensorMap, dump_state_dict,
                       flatten_params, layer_norm, linear, load_params, packed_linear)
@@ -210,13 +211,13 @@ def _check_overrides(kind: str, overrides: dict[str, Any], allowed: tuple[str, .
 
 def _check_same_config(expected: flax.linen.Module, got: flax.linen.Module) -> None:
     if type(expected) is not type(got):
-        raise ValueError(f"like= describes a {type(expected).__name__}, but the Flax module is a "
-                         f"{type(got).__name__}")
+        raise UserError(f"like= describes a {type(expected).__name__}, but the Flax module is a "
+                        f"{type(got).__name__}")
     diff = [f.name for f in dataclasses.fields(expected)
             if f.name not in ("parent", "name") and getattr(expected, f.name) != getattr(got, f.name)]
     if diff:
         details = ", ".join(f"{k}: like={getattr(expected, k)!r} vs flax={getattr(got, k)!r}" for k in diff)
-        raise ValueError(f"like= does not match the Flax module's configuration ({details})")
+        raise UserError(f"like= does not match the Flax module's configuration ({details})")
 
 
 def _plain_params(params: Mapping[str, Any]) -> dict[str, Any]:
@@ -232,8 +233,8 @@ def _only_dropout_rate(modules, where: str) -> float:
     """The common rate of some ``nn.Dropout`` modules (0 if none); differing rates raise."""
     rates = {float(d.p) for d in modules}
     if len(rates) > 1:
-        raise ValueError(f"{where}: dropout modules with different rates {sorted(rates)}; the "
-                         "mirror has one rate there")
+        raise UserError(f"{where}: dropout modules with different rates {sorted(rates)}; the "
+                        "mirror has one rate there")
     return rates.pop() if rates else 0.0
 
 
@@ -257,9 +258,9 @@ def _activation_name(act: Any, where: str) -> str:
         return "silu"
     if act is torch.tanh or act is F.tanh or isinstance(act, tnn.Tanh):
         return "tanh"
-    raise ValueError(f"{where}: cannot identify the activation {act!r}; supported: relu, gelu "
-                     "(exact or tanh), silu, tanh. If it is one of these, pass activation=... to "
-                     "from_torch")
+    raise UserError(f"{where}: cannot identify the activation {act!r}; supported: relu, gelu "
+                    "(exact or tanh), silu, tanh. If it is one of these, pass activation=... to "
+                    "from_torch")
 
 
 def _layer_norm_cfg(norms: dict[str, Any], where: str) -> tuple[float, bool]:
@@ -269,18 +270,18 @@ def _layer_norm_cfg(norms: dict[str, Any], where: str) -> tuple[float, bool]:
     eps, bias = set(), set()
     for name, norm in norms.items():
         if not isinstance(norm, tnn.LayerNorm):
-            raise ValueError(f"{where}{name}: expected nn.LayerNorm, got {type(norm).__name__}")
+            raise UserError(f"{where}{name}: expected nn.LayerNorm, got {type(norm).__name__}")
         if not norm.elementwise_affine:
-            raise ValueError(f"{where}{name}: LayerNorm(elementwise_affine=False) is not supported")
+            raise UserError(f"{where}{name}: LayerNorm(elementwise_affine=False) is not supported")
         if len(norm.normalized_shape) != 1:
-            raise ValueError(f"{where}{name}: only LayerNorm over the last axis is supported, got "
-                             f"normalized_shape={tuple(norm.normalized_shape)}")
+            raise UserError(f"{where}{name}: only LayerNorm over the last axis is supported, got "
+                            f"normalized_shape={tuple(norm.normalized_shape)}")
         eps.add(float(norm.eps))
         bias.add(norm.bias is not None)
     if len(eps) > 1:
-        raise ValueError(f"{where}{', '.join(norms)}: different eps {sorted(eps)}; the mirror has one eps")
+        raise UserError(f"{where}{', '.join(norms)}: different eps {sorted(eps)}; the mirror has one eps")
     if len(bias) > 1:
-        raise ValueError(f"{where}{', '.join(norms)}: some LayerNorms have a bias and some do not")
+        raise UserError(f"{where}{', '.join(norms)}: some LayerNorms have a bias and some do not")
     return eps.pop(), bias.pop()
 
 
@@ -391,13 +392,13 @@ def _dims_from_params(module: flax.linen.Module, params: Mapping[str, Any]) -> _
 
 def _mha_cfg(m: Any, where: str) -> dict[str, Any]:
     if m.bias_k is not None or m.bias_v is not None:
-        raise ValueError(f"{where}add_bias_kv=True (bias_k/bias_v) is not supported")
+        raise UserError(f"{where}add_bias_kv=True (bias_k/bias_v) is not supported")
     if m.add_zero_attn:
-        raise ValueError(f"{where}add_zero_attn=True is not supported")
+        raise UserError(f"{where}add_zero_attn=True is not supported")
     bias = m.in_proj_bias is not None
     if (m.out_proj.bias is not None) != bias:
-        raise ValueError(f"{where}out_proj.bias presence differs from in_proj_bias; the mirror "
-                         "has one use_bias")
+        raise UserError(f"{where}out_proj.bias presence differs from in_proj_bias; the mirror "
+                        "has one use_bias")
     return dict(num_heads=int(m.num_heads), use_bias=bias, dropout_rate=float(m.dropout),
                 batch_first=bool(m.batch_first))
 
@@ -417,17 +418,17 @@ def _layer_cfg(layer: Any, where: str, *, cross: bool, overrides: dict[str, Any]
     if cross:
         attns["multihead_attn"] = _mha_cfg(layer.multihead_attn, f"{where}multihead_attn.")
         if attns["multihead_attn"] != sa:
-            raise ValueError(f"{where}multihead_attn is configured differently from self_attn "
-                             f"({attns['multihead_attn']} vs {sa})")
+            raise UserError(f"{where}multihead_attn is configured differently from self_attn "
+                            f"({attns['multihead_attn']} vs {sa})")
     d = int(layer.self_attn.embed_dim)
     for name in attns:
         a = getattr(layer, name)
         if not a._qkv_same_embed_dim:
-            raise ValueError(f"{where}{name}: kdim/vdim different from d_model are not supported "
-                             "inside a Transformer layer")
+            raise UserError(f"{where}{name}: kdim/vdim different from d_model are not supported "
+                            "inside a Transformer layer")
     for name in ("linear1", "linear2"):
         if (getattr(layer, name).bias is not None) != sa["use_bias"]:
-            raise ValueError(f"{where}{name}.bias presence differs from the attention's")
+            raise UserError(f"{where}{name}.bias presence differs from the attention's")
     norms = {f"norm{i}": getattr(layer, f"norm{i}") for i in ((1, 2, 3) if cross else (1, 2))}
     eps, norm_bias = _layer_norm_cfg(norms, where)
     residual = [getattr(layer, f"dropout{i}") for i in ((1, 2, 3) if cross else (1, 2))]
@@ -459,11 +460,11 @@ def _stack_cfg(stack: Any, where: str, *, cross: bool,
     configs = [_layer_cfg(layer, f"{where}layers.{i}.", cross=cross, overrides=overrides)
                for i, layer in enumerate(stack.layers)]
     if not configs:
-        raise ValueError(f"{where}layers: the stack has no layers")
+        raise UserError(f"{where}layers: the stack has no layers")
     for i, c in enumerate(configs[1:], start=1):
         if c != configs[0]:
-            raise ValueError(f"{where}layers.{i} is configured differently from {where}layers.0; "
-                             "the mirror stacks identical layers")
+            raise UserError(f"{where}layers.{i} is configured differently from {where}layers.0; "
+                            "the mirror stacks identical layers")
     final = dict(final_norm=False)
     if stack.norm is not None:
         eps, bias = _layer_norm_cfg({"norm": stack.norm}, where)
@@ -487,19 +488,19 @@ def _transformer(m: Any, overrides: dict[str, Any]) -> _Conversion:
     import torch.nn as tnn
 
     if type(m.encoder) is not tnn.TransformerEncoder:
-        raise ValueError(f"encoder: a custom encoder ({type(m.encoder).__name__}) is not supported")
+        raise UserError(f"encoder: a custom encoder ({type(m.encoder).__name__}) is not supported")
     if type(m.decoder) is not tnn.TransformerDecoder:
-        raise ValueError(f"decoder: a custom decoder ({type(m.decoder).__name__}) is not supported")
+        raise UserError(f"decoder: a custom decoder ({type(m.decoder).__name__}) is not supported")
     enc, dims, enc_final = _stack_cfg(m.encoder, "encoder.", cross=False, overrides=overrides)
     dec, dec_dims, dec_final = _stack_cfg(m.decoder, "decoder.", cross=True, overrides=overrides)
     if enc != dec or dims != dec_dims:
-        raise ValueError("decoder layers are configured differently from the encoder layers; "
-                         "TorchTransformer shares one layer configuration")
+        raise UserError("decoder layers are configured differently from the encoder layers; "
+                        "TorchTransformer shares one layer configuration")
     want = dict(final_norm=True, final_norm_eps=enc["norm_eps"], final_norm_bias=enc["norm_bias"])
     for name, final in (("encoder.norm", enc_final), ("decoder.norm", dec_final)):
         if final != want:
-            raise ValueError(f"{name}: expected a LayerNorm like the layers' (eps={enc['norm_eps']}, "
-                             f"bias={enc['norm_bias']}), got {final}")
+            raise UserError(f"{name}: expected a LayerNorm like the layers' (eps={enc['norm_eps']}, "
+                            f"bias={enc['norm_bias']}), got {final}")
     module = TorchTransformer(**enc, num_encoder_layers=len(m.encoder.layers),
                               num_decoder_layers=len(m.decoder.layers))
     return _Conversion(module, _builtin_maps(module, dims))
@@ -557,8 +558,8 @@ def _seed_attention(m: Any, tp: str, fp: tuple[str, ...], where: str,
 
     names = _attention_names(m)
     if names is None:
-        raise ValueError(f"{where}: expected nn.Linear attributes w_q, w_k, w_v, w_o (or W_q, "
-                         f"W_k, W_v, W_o) on {type(m).__name__}")
+        raise UserError(f"{where}: expected nn.Linear attributes w_q, w_k, w_v, w_o (or W_q, "
+                        f"W_k, W_v, W_o) on {type(m).__name__}")
     lq, lk, lv, lo = (getattr(m, n) for n in names)
     d, inner = lq.in_features, lq.out_features
     if num_heads is None:
@@ -571,24 +572,24 @@ def _seed_attention(m: Any, tp: str, fp: tuple[str, ...], where: str,
             head_dim = next((getattr(m, a) for a in ("d_k", "head_dim")
                              if isinstance(getattr(m, a, None), int)), None)
             if head_dim is None or inner % head_dim:
-                raise ValueError(f"{where}: cannot find the number of heads (no int attribute among "
-                                 f"{_HEAD_ATTRS} or d_k/head_dim); pass num_heads= to from_torch")
+                raise UserError(f"{where}: cannot find the number of heads (no int attribute among "
+                                f"{_HEAD_ATTRS} or d_k/head_dim); pass num_heads= to from_torch")
             num_heads = inner // head_dim
     n = int(num_heads)
     if inner % n:
-        raise ValueError(f"{where}{names[0]}: {inner} output features are not divisible by "
-                         f"num_heads={n}")
+        raise UserError(f"{where}{names[0]}: {inner} output features are not divisible by "
+                        f"num_heads={n}")
     h = inner // n
     for lin, name in ((lk, names[1]), (lv, names[2])):
         if lin.out_features != inner:
-            raise ValueError(f"{where}{name}: out_features={lin.out_features}, expected {inner} "
-                             f"like {names[0]}")
+            raise UserError(f"{where}{name}: out_features={lin.out_features}, expected {inner} "
+                            f"like {names[0]}")
     if lo.in_features != inner or lo.out_features != d:
-        raise ValueError(f"{where}{names[3]}: expected Linear({inner}, {d}), got "
-                         f"Linear({lo.in_features}, {lo.out_features})")
+        raise UserError(f"{where}{names[3]}: expected Linear({inner}, {d}), got "
+                        f"Linear({lo.in_features}, {lo.out_features})")
     biases = {name: getattr(m, name).bias is not None for name in names}
     if len(set(biases.values())) > 1:
-        raise ValueError(f"{where}: bias presence differs between {biases}; the mirror has one use_bias")
+        raise UserError(f"{where}: bias presence differs between {biases}; the mirror has one use_bias")
     bias = biases[names[0]]
     dropouts = [mod for mod in m.modules() if isinstance(mod, tnn.Dropout)]
     cfg = dict(num_heads=n, head_dim=h, use_bias=bias,
@@ -611,8 +612,8 @@ def _seed_pe(m: Any, overrides: dict[str, Any]) -> _Conversion:
 
     pe = m.pe.detach().cpu().float().numpy()
     if pe.ndim != 3 or pe.shape[0] != 1:
-        raise ValueError(f"pe: expected a buffer of shape (1, max_len, D) (forward x + pe[:, :T]), "
-                         f"got {pe.shape}")
+        raise UserError(f"pe: expected a buffer of shape (1, max_len, D) (forward x + pe[:, :T]), "
+                        f"got {pe.shape}")
     _, max_len, d = pe.shape
     table = TensorMap("pe", pe.shape,
                       constant=lambda: np.asarray(sinusoidal_table(max_len, d))[None],
@@ -643,17 +644,17 @@ def _seed_ff(m: Any, tp: str, fp: tuple[str, ...], where: str,
                 linears.append((name, child))
             elif isinstance(child, tnn.Dropout):
                 if not linears:
-                    raise ValueError(f"{where}{prefix}{name}: Dropout before the first Linear is "
-                                     "not supported")
+                    raise UserError(f"{where}{prefix}{name}: Dropout before the first Linear is "
+                                    "not supported")
                 (hidden_drop if len(linears) == 1 else out_drop).append(child)
             elif len(linears) == 1 and not acts:
                 acts.append((name, child))
             else:
-                raise ValueError(f"{where}{prefix}{name}: unexpected {type(child).__name__} in the "
-                                 "feed-forward Sequential (expected Linear, activation, Dropout, Linear)")
+                raise UserError(f"{where}{prefix}{name}: unexpected {type(child).__name__} in the "
+                                "feed-forward Sequential (expected Linear, activation, Dropout, Linear)")
         if len(linears) != 2:
-            raise ValueError(f"{where}{prefix.rstrip('.') or type(m).__name__}: expected exactly two "
-                             f"Linear layers, found {len(linears)}")
+            raise UserError(f"{where}{prefix.rstrip('.') or type(m).__name__}: expected exactly two "
+                            f"Linear layers, found {len(linears)}")
         (n1, l1), (n2, l2) = linears
         k1, k2 = f"{prefix}{n1}.", f"{prefix}{n2}."
         if acts:
@@ -668,7 +669,7 @@ def _seed_ff(m: Any, tp: str, fp: tuple[str, ...], where: str,
         act_children = [(n, c) for n, c in children.items()
                         if isinstance(c, (tnn.ReLU, tnn.GELU, tnn.SiLU, tnn.Tanh))]
         if len(act_children) > 1:
-            raise ValueError(f"{where}: several activation modules {[n for n, _ in act_children]}")
+            raise UserError(f"{where}: several activation modules {[n for n, _ in act_children]}")
         act, act_where = None, where
         if act_children:
             act, act_where = act_children[0][1], f"{where}{act_children[0][0]}"
@@ -676,14 +677,14 @@ def _seed_ff(m: Any, tp: str, fp: tuple[str, ...], where: str,
         out_drop = []
     if activation is None:
         if act is None:
-            raise ValueError(f"{act_where}: no activation module found (a functional activation in "
-                             "forward cannot be identified); pass activation='relu'|'gelu'|... to from_torch")
+            raise UserError(f"{act_where}: no activation module found (a functional activation in "
+                            "forward cannot be identified); pass activation='relu'|'gelu'|... to from_torch")
         activation = _activation_name(act, act_where)
     if l2.in_features != l1.out_features or l2.out_features != l1.in_features:
-        raise ValueError(f"{where}: Linear({l1.in_features}, {l1.out_features}) then "
-                         f"Linear({l2.in_features}, {l2.out_features}) is not a D -> F -> D feed-forward")
+        raise UserError(f"{where}: Linear({l1.in_features}, {l1.out_features}) then "
+                        f"Linear({l2.in_features}, {l2.out_features}) is not a D -> F -> D feed-forward")
     if (l1.bias is None) != (l2.bias is None):
-        raise ValueError(f"{where}: one Linear has a bias and the other does not")
+        raise UserError(f"{where}: one Linear has a bias and the other does not")
     d, f = l1.in_features, l1.out_features
     bias = l1.bias is not None
     cfg = dict(mlp_dim=f, activation=activation, use_bias=bias,
@@ -717,18 +718,18 @@ def _block_parts(m: Any, attn_names: dict[str, str], ff_name: str, norms: tuple[
         attn_cfgs.append(cfg)
         maps += amaps
     if any(c != attn_cfgs[0] for c in attn_cfgs):
-        raise ValueError(f"{' and '.join(attn_names)} are configured differently ({attn_cfgs}); "
-                         "the mirror has one attention configuration")
+        raise UserError(f"{' and '.join(attn_names)} are configured differently ({attn_cfgs}); "
+                        "the mirror has one attention configuration")
     ff_cfg, ff_maps = _seed_ff(getattr(m, ff_name), f"{ff_name}.", ("mlp",), f"{ff_name}.",
                                overrides.get("activation"))
     maps += ff_maps
     if ff_cfg["output_dropout_rate"]:
-        raise ValueError(f"{ff_name}: a Dropout after the second Linear inside a block is not "
-                         "supported (the block's residual dropout plays that role)")
+        raise UserError(f"{ff_name}: a Dropout after the second Linear inside a block is not "
+                        "supported (the block's residual dropout plays that role)")
     attn = attn_cfgs[0]
     if attn["use_bias"] != ff_cfg["use_bias"]:
-        raise ValueError(f"bias presence differs between the attention and {ff_name}; the mirror "
-                         "has one use_bias")
+        raise UserError(f"bias presence differs between the attention and {ff_name}; the mirror "
+                        "has one use_bias")
     eps, norm_bias = _layer_norm_cfg({n: getattr(m, n) for n in norms}, "")
     for n in norms:
         maps += layer_norm(f"{n}.", (n,), getattr(m, n).normalized_shape[0], bias=norm_bias)

@@ -54,6 +54,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from ..errors import UserError
 from ..layers.attention import MultiHeadAttention
 from ..layers.blocks import DecoderBlock, EncoderBlock
 from ..layers.embeddings import SinusoidalPositionalEncoding
@@ -86,8 +87,8 @@ def seed_mask(mask: Array | None, name: str = "mask") -> Array | None:
     if mask.ndim == 2:
         mask = mask[None, None]
     elif mask.ndim != 4:
-        raise ValueError(f"{name} must be 2-D (T, S) or 4-D (B|1, N|1, T, S) with 1 = may attend; "
-                         f"got shape {mask.shape}")
+        raise UserError(f"{name} must be 2-D (T, S) or 4-D (B|1, N|1, T, S) with 1 = may attend; "
+                        f"got shape {mask.shape}")
     return mask if mask.dtype == jnp.bool_ else mask != 0
 
 
@@ -107,21 +108,21 @@ def torch_attention_masks(attn_mask: Array | None, key_padding_mask: Array | Non
     """
     attn_name, kpm_name = names
     if is_causal and attn_mask is None:
-        raise ValueError(f"Need {attn_name} if specifying the is_causal hint (as in PyTorch); "
-                         "you may use nn.Transformer.generate_square_subsequent_mask to create it")
+        raise UserError(f"Need {attn_name} if specifying the is_causal hint (as in PyTorch); "
+                        "you may use nn.Transformer.generate_square_subsequent_mask to create it")
     masks: list[Array] = []
     biases: list[Array] = []
 
     def add(x: Array, name: str, expected: tuple[int, ...], lift) -> None:
         x = jnp.asarray(x)
         if tuple(x.shape) != expected:
-            raise ValueError(f"{name} has shape {tuple(x.shape)}, expected {expected}")
+            raise UserError(f"{name} has shape {tuple(x.shape)}, expected {expected}")
         if x.dtype == jnp.bool_:
             masks.append(jnp.logical_not(lift(x)))
         elif jnp.issubdtype(x.dtype, jnp.floating):
             biases.append(lift(x).astype(jnp.float32))
         else:
-            raise ValueError(f"only bool and floating types of {name} are supported; got {x.dtype}")
+            raise UserError(f"only bool and floating types of {name} are supported; got {x.dtype}")
 
     if attn_mask is not None:
         attn_mask = jnp.asarray(attn_mask)
@@ -131,8 +132,8 @@ def torch_attention_masks(attn_mask: Array | None, key_padding_mask: Array | Non
             add(attn_mask, attn_name, (batch * num_heads, q_len, k_len),
                 lambda m: m.reshape(batch, num_heads, q_len, k_len))
         else:
-            raise ValueError(f"{attn_name} must be 2-D (T, S) or 3-D (B*N, T, S); got shape "
-                             f"{tuple(attn_mask.shape)}")
+            raise UserError(f"{attn_name} must be 2-D (T, S) or 3-D (B*N, T, S); got shape "
+                            f"{tuple(attn_mask.shape)}")
     if key_padding_mask is not None:
         expected = (k_len,) if unbatched else (batch, k_len)
         add(key_padding_mask, kpm_name, expected, lambda m: m.reshape(batch, 1, 1, k_len))
@@ -152,8 +153,8 @@ def _batch_major(x: Array, batch_first: bool, name: str) -> tuple[Array, bool]:
         return x[None], True
     if x.ndim != 3:
         layout = "(B, T, D)" if batch_first else "(T, B, D)"
-        raise ValueError(f"{name} must be {layout} (batch_first={batch_first}) or unbatched (T, D); "
-                         f"got shape {x.shape}")
+        raise UserError(f"{name} must be {layout} (batch_first={batch_first}) or unbatched (T, D); "
+                        f"got shape {x.shape}")
     return (x if batch_first else x.swapaxes(0, 1)), False
 
 
@@ -235,7 +236,7 @@ class SeedDecoderLayer(DecoderBlock):
     def __call__(self, x: Array, encoder_output: Array, src_mask: Array | None = None,
                  tgt_mask: Array | None = None, *, deterministic: bool = True) -> Array:
         if not self.cross_attention:
-            raise ValueError("SeedDecoderLayer needs cross_attention=True")
+            raise UserError("SeedDecoderLayer needs cross_attention=True")
         return self.forward(x, encoder_output, self_mask=seed_mask(tgt_mask, "tgt_mask"),
                             cross_mask=seed_mask(src_mask, "src_mask"), causal=False,
                             deterministic=deterministic)
@@ -269,17 +270,17 @@ class TorchMultiheadAttention(MultiHeadAttention):
         k, k_unbatched = _batch_major(key, self.batch_first, "key")
         v, v_unbatched = _batch_major(value, self.batch_first, "value")
         if not unbatched == k_unbatched == v_unbatched:
-            raise ValueError(f"query {query.shape}, key {key.shape} and value {value.shape} must all "
-                             "be batched (3-D) or all unbatched (2-D)")
+            raise UserError(f"query {query.shape}, key {key.shape} and value {value.shape} must all "
+                            "be batched (3-D) or all unbatched (2-D)")
         for name, x, want in (("query", q, self.embed_dim), ("key", k, self.kdim or self.embed_dim),
                               ("value", v, self.vdim or self.embed_dim)):
             if want is not None and x.shape[-1] != want:
-                raise ValueError(f"{name} has {x.shape[-1]} features, expected {want}")
+                raise UserError(f"{name} has {x.shape[-1]} features, expected {want}")
         b, t, _ = q.shape
         s = k.shape[1]
         if k.shape[:2] != v.shape[:2] or k.shape[0] != b:
-            raise ValueError(f"query {query.shape}, key {key.shape} and value {value.shape} disagree "
-                             "on the batch size or the key/value length")
+            raise UserError(f"query {query.shape}, key {key.shape} and value {value.shape} disagree "
+                            "on the batch size or the key/value length")
         mask, bias, causal = torch_attention_masks(
             attn_mask, key_padding_mask, batch=b, num_heads=self.num_heads, q_len=t, k_len=s,
             unbatched=unbatched, is_causal=is_causal, need_weights=need_weights)
@@ -336,12 +337,12 @@ class TorchTransformerDecoderLayer(DecoderBlock):
                  memory_key_padding_mask: Array | None = None, tgt_is_causal: bool = False,
                  memory_is_causal: bool = False, *, deterministic: bool = True) -> Array:
         if not self.cross_attention:
-            raise ValueError("TorchTransformerDecoderLayer needs cross_attention=True")
+            raise UserError("TorchTransformerDecoderLayer needs cross_attention=True")
         x, unbatched = _batch_major(tgt, self.batch_first, "tgt")
         mem, mem_unbatched = _batch_major(memory, self.batch_first, "memory")
         if unbatched != mem_unbatched or mem.shape[0] != x.shape[0]:
-            raise ValueError(f"tgt {tgt.shape} and memory {memory.shape} disagree on the batch "
-                             f"(batch_first={self.batch_first})")
+            raise UserError(f"tgt {tgt.shape} and memory {memory.shape} disagree on the batch "
+                            f"(batch_first={self.batch_first})")
         b, t, s = x.shape[0], x.shape[1], mem.shape[1]
         self_mask, self_bias, self_causal = torch_attention_masks(
             tgt_mask, tgt_key_padding_mask, batch=b, num_heads=self.num_heads, q_len=t, k_len=t,
@@ -459,10 +460,10 @@ class TorchTransformer(_TorchStack):
         src, tgt = jnp.asarray(src), jnp.asarray(tgt)
         batch_axis = 0 if self.batch_first else 1
         if src.ndim == 3 and tgt.ndim == 3 and src.shape[batch_axis] != tgt.shape[batch_axis]:
-            raise ValueError(f"the batch number of src {src.shape} and tgt {tgt.shape} must be equal "
-                             f"(batch_first={self.batch_first})")
+            raise UserError(f"the batch number of src {src.shape} and tgt {tgt.shape} must be equal "
+                            f"(batch_first={self.batch_first})")
         if src.shape[-1] != tgt.shape[-1]:
-            raise ValueError(f"the feature number of src {src.shape} and tgt {tgt.shape} must be equal")
+            raise UserError(f"the feature number of src {src.shape} and tgt {tgt.shape} must be equal")
         stack = dict(self._layer_kwargs(), final_norm=True, final_norm_eps=self.norm_eps,
                      final_norm_bias=self.norm_bias)
         memory = TorchTransformerEncoder(**stack, num_layers=self.num_encoder_layers,

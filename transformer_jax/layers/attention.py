@@ -37,6 +37,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from ..errors import UserError
 from . import cpu_tuning
 from .attention_base import NEG, block, check_broadcast, check_qkv, fill_empty_rows, group_heads
 from .chunked_attention import chunked_attention
@@ -241,10 +242,10 @@ def resolve_implementation(implementation: str, platform: str, *, dtype: Any = j
     result for the model's shapes when a run starts and writes it into ``config.json``.
     """
     if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"unknown attention implementation {implementation!r}; "
-                         f"choose one of {IMPLEMENTATIONS}")
+        raise UserError(f"unknown attention implementation {implementation!r}; "
+                        f"choose one of {IMPLEMENTATIONS}")
     if platform not in PLATFORMS:
-        raise ValueError(f"unknown platform {platform!r}; choose one of {PLATFORMS}")
+        raise UserError(f"unknown platform {platform!r}; choose one of {PLATFORMS}")
     if implementation == "jax":
         return "cudnn" if platform == "gpu" and not _static_cudnn_problems(
             dtype, head_dim, q_len, kv_len) else "xla"
@@ -397,16 +398,16 @@ def dot_product_attention(
     """
     b, t, s, n, _, h = check_qkv(query, key, value)
     if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"unknown attention implementation {implementation!r}; "
-                         f"choose one of {IMPLEMENTATIONS}")
+        raise UserError(f"unknown attention implementation {implementation!r}; "
+                        f"choose one of {IMPLEMENTATIONS}")
     shape = (b, n, t, s)
     mask = check_broadcast(mask, "mask", shape)
     bias = check_broadcast(bias, "bias", shape)
     scale = 1.0 / math.sqrt(h) if scale is None else scale
     dropout = not deterministic and dropout_rate > 0.0
     if dropout and dropout_rng is None:
-        raise ValueError("attention dropout is on (deterministic=False, dropout_rate>0) "
-                         "but no dropout_rng was given")
+        raise UserError("attention dropout is on (deterministic=False, dropout_rate>0) "
+                        "but no dropout_rng was given")
     rng = dropout_rng if dropout else None
 
     if implementation == "auto" and (dropout or return_weights or t == 1):
@@ -416,14 +417,14 @@ def dot_product_attention(
                                      rng, precision, return_weights, q_chunk, cpu_tuning)
         return (out, weights) if return_weights else out
     if return_weights:
-        raise ValueError(f"return_weights=True needs implementation='xla' or 'auto' (the "
-                         f"{implementation!r} path never materialises the weights)")
+        raise UserError(f"return_weights=True needs implementation='xla' or 'auto' (the "
+                        f"{implementation!r} path never materialises the weights)")
     if implementation == "chunked":
         return chunked_attention(query, key, value, mask, bias, scale, causal, dropout_rate,
                                  rng, deterministic, precision, q_chunk or 512, kv_chunk or 512)
     if dropout:
-        raise ValueError(f"implementation={implementation!r} has no attention dropout; "
-                         "use implementation='auto', 'xla' or 'chunked', or dropout_rate=0")
+        raise UserError(f"implementation={implementation!r} has no attention dropout; "
+                        "use implementation='auto', 'xla' or 'chunked', or dropout_rate=0")
     if implementation == "auto":
         return _auto_attention(query, key, value, mask, bias, scale, causal, precision,
                                q_chunk, kv_chunk, cpu_tuning)
@@ -439,9 +440,9 @@ def dot_product_attention(
     if jax.default_backend() != "gpu":
         problems.insert(0, f"it needs a GPU (the backend is {jax.default_backend()!r})")
     if implementation == "cudnn" and problems:
-        raise ValueError("implementation='cudnn' cannot run: " + "; ".join(problems)
-                         + ". Use implementation='auto' (cuDNN where possible), 'jax', "
-                         "'pallas', 'chunked' or 'xla'")
+        raise UserError("implementation='cudnn' cannot run: " + "; ".join(problems)
+                        + ". Use implementation='auto' (cuDNN where possible), 'jax', "
+                        "'pallas', 'chunked' or 'xla'")
     kernel = _kernel("cudnn" if not problems else "xla", "gpu", q_chunk, kv_chunk)
     return _run_kernel(kernel, query, key, value, mask, bias, scale, causal)
 
@@ -493,10 +494,10 @@ class MultiHeadAttention(nn.Module):
         n = self.num_heads
         kh = self.num_kv_heads or n
         if self.head_dim is None and d % n:
-            raise ValueError(f"{self.name}: d_model={d} is not divisible by num_heads={n}; "
-                             "pick a divisor or set head_dim explicitly")
+            raise UserError(f"{self.name}: d_model={d} is not divisible by num_heads={n}; "
+                            "pick a divisor or set head_dim explicitly")
         if n % kh:
-            raise ValueError(f"{self.name}: num_heads={n} must be a multiple of num_kv_heads={kh}")
+            raise UserError(f"{self.name}: num_heads={n} must be a multiple of num_kv_heads={kh}")
         return n, kh, self.head_dim or d // n
 
     def _proj(self, heads: int, h: int, axes, name: str, init=None) -> Dense:
@@ -563,16 +564,16 @@ class MultiHeadAttention(nn.Module):
         [, weights (B, N, T, S)]."""
         self_attention = inputs_kv is None
         if self_attention and inputs_v is not None:
-            raise ValueError(f"{self.name}: inputs_v needs inputs_kv (separate values are a "
-                             "cross-attention feature)")
+            raise UserError(f"{self.name}: inputs_v needs inputs_kv (separate values are a "
+                            "cross-attention feature)")
         inputs_kv = inputs_q if self_attention else inputs_kv
         inputs_v = inputs_kv if inputs_v is None else inputs_v
         if inputs_q.ndim != 3 or inputs_kv.ndim != 3 or inputs_v.ndim != 3:
-            raise ValueError(f"{self.name}: inputs must be (B, T, D); got query {inputs_q.shape}, "
-                             f"key {inputs_kv.shape}, value {inputs_v.shape}")
+            raise UserError(f"{self.name}: inputs must be (B, T, D); got query {inputs_q.shape}, "
+                            f"key {inputs_kv.shape}, value {inputs_v.shape}")
         if inputs_v.shape[:2] != inputs_kv.shape[:2]:
-            raise ValueError(f"{self.name}: key {inputs_kv.shape} and value {inputs_v.shape} "
-                             "inputs must agree on (B, S)")
+            raise UserError(f"{self.name}: key {inputs_kv.shape} and value {inputs_v.shape} "
+                            "inputs must agree on (B, S)")
         d = inputs_q.shape[-1]
         n, kh, h = self._dims(d)
         q = self._proj(n, h, ("embed", "heads", "head_dim"), "query",

@@ -17,6 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ..errors import UserError
 from .masks import as_4d, causal_mask
 
 Array = jax.Array
@@ -28,19 +29,19 @@ def check_qkv(q: Array, k: Array, v: Array) -> tuple[int, int, int, int, int, in
     """Validate (B, T, N, H), (B, S, K, H), (B, S, K, Hv); return (B, T, S, N, K, H)."""
     for name, x in (("query", q), ("key", k), ("value", v)):
         if x.ndim != 4:
-            raise ValueError(f"{name} must be 4-D (B, T|S, N|K, H); got shape {x.shape}")
+            raise UserError(f"{name} must be 4-D (B, T|S, N|K, H); got shape {x.shape}")
     b, t, n, h = q.shape
     _, s, kh, hk = k.shape
     if k.shape[0] != b or v.shape[0] != b:
-        raise ValueError(f"batch sizes differ: query {q.shape}, key {k.shape}, value {v.shape}")
+        raise UserError(f"batch sizes differ: query {q.shape}, key {k.shape}, value {v.shape}")
     if hk != h:
-        raise ValueError(f"query head dim {h} != key head dim {hk} (query {q.shape}, key {k.shape}); "
-                         "queries and keys must share the head dim")
+        raise UserError(f"query head dim {h} != key head dim {hk} (query {q.shape}, key {k.shape}); "
+                        "queries and keys must share the head dim")
     if v.shape[1] != s or v.shape[2] != kh:
-        raise ValueError(f"key {k.shape} and value {v.shape} must agree on (B, S, K)")
+        raise UserError(f"key {k.shape} and value {v.shape} must agree on (B, S, K)")
     if n % kh:
-        raise ValueError(f"query heads N={n} must be a multiple of key/value heads K={kh} "
-                         "(grouped-query attention)")
+        raise UserError(f"query heads N={n} must be a multiple of key/value heads K={kh} "
+                        "(grouped-query attention)")
     return b, t, s, n, kh, h
 
 
@@ -50,8 +51,8 @@ def check_broadcast(x: Array | None, name: str, shape: tuple[int, int, int, int]
         return None
     x = as_4d(x, name)
     if any(d not in (1, want) for d, want in zip(x.shape, shape)):
-        raise ValueError(f"{name} of shape {x.shape} does not broadcast to the attention "
-                         f"logits (B, N, T, S) = {shape}")
+        raise UserError(f"{name} of shape {x.shape} does not broadcast to the attention "
+                        f"logits (B, N, T, S) = {shape}")
     return x
 
 

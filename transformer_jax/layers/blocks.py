@@ -28,6 +28,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from ..errors import UserError
 from .attention import MultiHeadAttention
 from .cpu_tuning import residual
 from .dense import Initializer, default_kernel_init
@@ -162,8 +163,8 @@ class DecoderBlock(_BlockBase):
         mlp_norm = "norm2"
         if self.cross_attention:
             if memory is None:
-                raise ValueError(f"{self.name}: this decoder block has cross-attention; pass the "
-                                 "encoder output as `memory`")
+                raise UserError(f"{self.name}: this decoder block has cross-attention; pass the "
+                                "encoder output as `memory`")
             cross = self._attention("cross_attn", rope=False)
             x = self._residual(
                 x, lambda h: cross(h, memory, mask=cross_mask, bias=cross_bias,

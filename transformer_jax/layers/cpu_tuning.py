@@ -29,6 +29,8 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from ..errors import UserError
+
 Array = jax.Array
 
 
@@ -79,8 +81,8 @@ def residual(x: Array, enabled: bool = True) -> Array:
 
 def _check_matrix(w: Array) -> None:
     if w.ndim != 2:
-        raise ValueError(f"matmul_weight expects a 2-D matmul operand (K, N), got shape "
-                         f"{w.shape}; reshape the weight to (K, N) before passing it")
+        raise UserError(f"matmul_weight expects a 2-D matmul operand (K, N), got shape "
+                        f"{w.shape}; reshape the weight to (K, N) before passing it")
 
 
 def _wide_first(t: Array) -> Array:

@@ -20,6 +20,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from ..errors import UserError
 from .cpu_tuning import matmul_weight
 
 Array = jax.Array
@@ -34,7 +35,7 @@ def canonical_dtype(dtype: Dtype) -> jnp.dtype:
     try:
         return jnp.dtype(dtype)
     except TypeError as e:
-        raise ValueError(f"unknown dtype {dtype!r}; use e.g. 'float32' or 'bfloat16'") from e
+        raise UserError(f"unknown dtype {dtype!r}; use e.g. 'float32' or 'bfloat16'") from e
 
 
 def _flat_init(init: Initializer, in_shape: tuple[int, ...], out_shape: tuple[int, ...]):
@@ -73,7 +74,7 @@ class Dense(nn.Module):
         kernel_shape = in_shape + features
         axes = self.kernel_axes or (None,) * len(kernel_shape)
         if len(axes) != len(kernel_shape):
-            raise ValueError(f"{self.name}: kernel_axes {axes} do not match kernel shape {kernel_shape}")
+            raise UserError(f"{self.name}: kernel_axes {axes} do not match kernel shape {kernel_shape}")
         kernel = self.param(
             "kernel",
             nn.with_logical_partitioning(_flat_init(self.kernel_init, in_shape, features), axes),
@@ -116,7 +117,7 @@ class Embed(nn.Module):
     def __call__(self, ids: Array) -> Array:
         """(B, T) int -> (B, T, D) in the compute dtype."""
         if not jnp.issubdtype(ids.dtype, jnp.integer):
-            raise ValueError(f"{self.name}: expected integer ids, got dtype {ids.dtype}")
+            raise UserError(f"{self.name}: expected integer ids, got dtype {ids.dtype}")
         return jnp.take(self._gathered(), ids, axis=0).astype(canonical_dtype(self.dtype))
 
     def rows(self, start, length: int) -> Array:

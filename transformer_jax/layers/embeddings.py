@@ -12,6 +12,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from ..errors import UserError
 from .dense import canonical_dtype
 
 Array = jax.Array
@@ -26,7 +27,7 @@ def sinusoidal_table(length: int, d_model: int, *, base: float = 10000.0) -> Arr
     tutorial modules, so converted ``pe`` buffers compare equal to fp32 rounding.
     """
     if d_model % 2:
-        raise ValueError(f"sinusoidal positions need an even d_model, got {d_model}")
+        raise UserError(f"sinusoidal positions need an even d_model, got {d_model}")
     position = jnp.arange(length, dtype=jnp.float32)[:, None]                       # (T, 1)
     inv_freq = jnp.exp(jnp.arange(0, d_model, 2, dtype=jnp.float32)
                        * jnp.float32(-math.log(base) / d_model))                     # (D/2,)
@@ -45,7 +46,7 @@ class SinusoidalPositionalEncoding(nn.Module):
     def __call__(self, x: Array, *, deterministic: bool = True) -> Array:
         t, d = x.shape[-2], x.shape[-1]
         if t > self.max_len:
-            raise ValueError(f"sequence length {t} exceeds the positional table's max_len={self.max_len}")
+            raise UserError(f"sequence length {t} exceeds the positional table's max_len={self.max_len}")
         x = (x.astype(jnp.float32) + sinusoidal_table(t, d)).astype(canonical_dtype(self.dtype))
         return nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
 
@@ -55,7 +56,7 @@ class SinusoidalPositionalEncoding(nn.Module):
 def rope_frequencies(head_dim: int, base: float = 10000.0) -> Array:
     """Inverse frequencies ``base^(-2i/H)``, (H/2,) fp32."""
     if head_dim % 2:
-        raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
+        raise UserError(f"RoPE needs an even head_dim, got {head_dim}")
     return 1.0 / (base ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
 
 

@@ -48,6 +48,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from ..errors import UserError
 from .attention_base import NEG, check_broadcast, check_qkv, fill_empty_rows, pad_axis
 
 Array = jax.Array
@@ -69,8 +70,8 @@ class BlockSizes:
         for name in ("block_q", "block_k", "block_q_bwd", "block_k_bwd"):
             size = getattr(self, name)
             if size is not None and (size < 8 or size & (size - 1)):
-                raise ValueError(f"BlockSizes.{name}={size}: block sizes must be powers of two "
-                                 ">= 8 (e.g. 64 or 128)")
+                raise UserError(f"BlockSizes.{name}={size}: block sizes must be powers of two "
+                                ">= 8 (e.g. 64 or 128)")
 
     @property
     def bwd(self) -> tuple[int, int]:
@@ -456,9 +457,9 @@ def flash_attention(query: Array, key: Array, value: Array, *, bias: Array | Non
         interpret = default_interpret() if interpret is None else interpret
         platform = "interpret" if interpret else jax.default_backend()
     if platform not in ("gpu", "tpu", "interpret"):
-        raise ValueError(f"the Pallas attention kernels compile for GPU (Triton) and TPU "
-                         f"(Mosaic) only; backend {platform!r} needs interpret=True (the "
-                         "default there) or implementation='chunked'")
+        raise UserError(f"the Pallas attention kernels compile for GPU (Triton) and TPU "
+                        f"(Mosaic) only; backend {platform!r} needs interpret=True (the "
+                        "default there) or implementation='chunked'")
     blocks = block_sizes or DEFAULT_BLOCK_SIZES[platform]
     floor = 16 if platform == "gpu" else 8        # Triton's tl.dot needs tiles >= 16
 

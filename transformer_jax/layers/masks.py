@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from ..errors import UserError
+
 Array = jnp.ndarray
 
 
@@ -42,7 +44,7 @@ def sliding_window_mask(q_len: int, k_len: int | None = None, *, window: int,
     included). Bidirectional (``causal=False``): keys with ``|i - j| < window``.
     """
     if window < 1:
-        raise ValueError(f"sliding window must be >= 1, got window={window}")
+        raise UserError(f"sliding window must be >= 1, got window={window}")
     k_len = q_len if k_len is None else k_len
     q_pos = jnp.arange(q_len)[:, None] + offset
     k_pos = jnp.arange(k_len)[None, :]
@@ -61,7 +63,7 @@ def padding_mask_from_lengths(lengths: Array, max_len: int) -> Array:
     """
     lengths = jnp.asarray(lengths)
     if lengths.ndim != 1:
-        raise ValueError(f"lengths must be 1-D (B,), got shape {lengths.shape}")
+        raise UserError(f"lengths must be 1-D (B,), got shape {lengths.shape}")
     valid = jnp.arange(max_len)[None, :] < lengths[:, None]
     return valid[:, None, None, :]
 
@@ -70,7 +72,7 @@ def padding_mask_from_ids(ids: Array, pad_id: int = 0) -> Array:
     """Key padding mask from token ids: (B, S) -> (B, 1, 1, S) bool, True where ids != pad_id."""
     ids = jnp.asarray(ids)
     if ids.ndim != 2:
-        raise ValueError(f"ids must be 2-D (B, S), got shape {ids.shape}")
+        raise UserError(f"ids must be 2-D (B, S), got shape {ids.shape}")
     return (ids != pad_id)[:, None, None, :]
 
 
@@ -78,7 +80,7 @@ def key_padding_mask(valid: Array) -> Array:
     """(B, S) validity (1 = real token, e.g. HF's ``attention_mask``) -> (B, 1, 1, S) bool."""
     valid = jnp.asarray(valid)
     if valid.ndim != 2:
-        raise ValueError(f"a key padding mask must be 2-D (B, S), got shape {valid.shape}")
+        raise UserError(f"a key padding mask must be 2-D (B, S), got shape {valid.shape}")
     return valid.astype(bool)[:, None, None, :]
 
 
@@ -112,5 +114,5 @@ def as_4d(mask: Array, name: str = "mask") -> Array:
         return mask[:, None]
     if mask.ndim == 4:
         return mask
-    raise ValueError(
+    raise UserError(
         f"{name} must be 2-D (T, S), 3-D (B, T, S) or 4-D (B, N, T, S); got shape {mask.shape}")

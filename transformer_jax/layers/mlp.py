@@ -11,6 +11,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from ..errors import UserError
 from .dense import Dense, Initializer, default_kernel_init
 
 Array = jax.Array
@@ -28,7 +29,7 @@ def get_activation(name: str) -> Callable[[Array], Array]:
     try:
         return ACTIVATIONS[name]
     except KeyError:
-        raise ValueError(f"unknown activation {name!r}; choose one of {sorted(ACTIVATIONS)}") from None
+        raise UserError(f"unknown activation {name!r}; choose one of {sorted(ACTIVATIONS)}") from None
 
 
 class FeedForward(nn.Module):

@@ -11,6 +11,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from ..errors import UserError
 from .dense import canonical_dtype
 
 Array = jax.Array
@@ -95,4 +96,4 @@ def make_norm(kind: str, eps: float, dtype: Any, param_dtype: Any, name: str | N
         return LayerNorm(eps=eps, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, name=name)
     if kind == "rmsnorm":
         return RMSNorm(eps=eps, dtype=dtype, param_dtype=param_dtype, name=name)
-    raise ValueError(f"unknown norm {kind!r}; expected 'layernorm' or 'rmsnorm'")
+    raise UserError(f"unknown norm {kind!r}; expected 'layernorm' or 'rmsnorm'")

@@ -26,6 +26,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from ..errors import UserError
+
 Array = jax.Array
 
 
@@ -34,11 +36,11 @@ def relative_position_bucket(relative_position: Array, *, bidirectional: bool = 
     """Bucket ids (int32, same shape) for relative positions ``key - query`` (ints)."""
     need = 4 if bidirectional else 2
     if num_buckets < need:
-        raise ValueError(f"relative position buckets: num_buckets={num_buckets} is too small "
-                         f"(need >= {need} {'bidirectional' if bidirectional else 'causal'})")
+        raise UserError(f"relative position buckets: num_buckets={num_buckets} is too small "
+                        f"(need >= {need} {'bidirectional' if bidirectional else 'causal'})")
     if bidirectional and num_buckets % 2:
-        raise ValueError(f"relative position buckets: bidirectional buckets split in two halves; "
-                         f"num_buckets={num_buckets} must be even")
+        raise UserError(f"relative position buckets: bidirectional buckets split in two halves; "
+                        f"num_buckets={num_buckets} must be even")
     rel = jnp.asarray(relative_position).astype(jnp.int32)
     buckets = jnp.zeros_like(rel)
     if bidirectional:
@@ -49,8 +51,8 @@ def relative_position_bucket(relative_position: Array, *, bidirectional: bool = 
         dist = -jnp.minimum(rel, 0)
     max_exact = num_buckets // 2
     if max_distance <= max_exact:
-        raise ValueError(f"relative position buckets: max_distance={max_distance} must exceed the "
-                         f"{max_exact} exact buckets")
+        raise UserError(f"relative position buckets: max_distance={max_distance} must exceed the "
+                        f"{max_exact} exact buckets")
     is_small = dist < max_exact
     # log(dist / m) only matters where dist >= m; clamp so the discarded lanes stay finite.
     ratio = jnp.maximum(dist, max_exact).astype(jnp.float32) / jnp.float32(max_exact)
@@ -69,7 +71,7 @@ def relative_position_bias(table: Array, q_len: int, k_len: int, *, bidirectiona
     ``table[bucket(j - (q_offset + i))]``.
     """
     if table.ndim != 2:
-        raise ValueError(f"relative position bias table must be (num_buckets, heads); got {table.shape}")
+        raise UserError(f"relative position bias table must be (num_buckets, heads); got {table.shape}")
     q_pos = jnp.arange(q_len, dtype=jnp.int32)[:, None] + jnp.asarray(q_offset, jnp.int32)
     k_pos = jnp.arange(k_len, dtype=jnp.int32)[None, :]
     buckets = relative_position_bucket(k_pos - q_pos, bidirectional=bidirectional,

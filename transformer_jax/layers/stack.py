@@ -22,6 +22,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from ..errors import UserError
+
 Array = jax.Array
 
 REMAT_POLICIES = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable",
@@ -62,9 +64,9 @@ def layer_stack(block: type[nn.Module], fields: dict[str, Any], num_layers: int,
     children of that module (see the module docstring for their names).
     """
     if num_layers < 1:
-        raise ValueError(f"layer_stack: num_layers must be >= 1, got {num_layers}")
+        raise UserError(f"layer_stack: num_layers must be >= 1, got {num_layers}")
     if remat_policy not in REMAT_POLICIES:
-        raise ValueError(f"unknown remat_policy {remat_policy!r}; choose one of {REMAT_POLICIES}")
+        raise UserError(f"unknown remat_policy {remat_policy!r}; choose one of {REMAT_POLICIES}")
     operands = operands or {}
     layer = _stackable(block)
     if remat:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..errors import UserError
 from .base import PresetConfig
 from .bert import Bert, BertConfig
 from .gpt import GPT, GPTConfig
@@ -23,7 +24,7 @@ FAMILIES: dict[str, tuple[type, type]] = {
 def build_model(family: str, preset: str, overrides: dict[str, Any] | None = None):
     """``(config, module)`` for a family, a named preset and field overrides."""
     if family not in FAMILIES:
-        raise ValueError(f"unknown model family {family!r}; choose one of {sorted(FAMILIES)}")
+        raise UserError(f"unknown model family {family!r}; choose one of {sorted(FAMILIES)}")
     config_cls, module_cls = FAMILIES[family]
     config = config_cls.preset(preset, **(overrides or {}))
     return config, module_cls(config)
@@ -32,7 +33,7 @@ def build_model(family: str, preset: str, overrides: dict[str, Any] | None = Non
 def model_from_config(family: str, config: dict[str, Any]):
     """Rebuild ``(config, module)`` from a saved ``config.to_dict()``."""
     if family not in FAMILIES:
-        raise ValueError(f"unknown model family {family!r}; choose one of {sorted(FAMILIES)}")
+        raise UserError(f"unknown model family {family!r}; choose one of {sorted(FAMILIES)}")
     config_cls, module_cls = FAMILIES[family]
     cfg = config_cls.from_dict(config)
     return cfg, module_cls(cfg)

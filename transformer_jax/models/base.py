@@ -5,9 +5,10 @@ import dataclasses
 import difflib
 from typing import Any, ClassVar, TypeVar
 
+from ..errors import UserError
 from ..layers.attention import IMPLEMENTATIONS, resolve_implementation
 from ..layers.dense import canonical_dtype
-from ..layers.stack import REMAT_POLICIES
+from ..layers.stack import REMAT_POLICIES, convert_layout
 
 C = TypeVar("C", bound="PresetConfig")
 
@@ -26,8 +27,8 @@ class PresetConfig:
         if name not in cls.PRESETS:
             hint = difflib.get_close_matches(name, cls.PRESETS, n=1)
             extra = f" Did you mean {hint[0]!r}?" if hint else ""
-            raise ValueError(f"unknown {cls.__name__} preset {name!r}; choose one of "
-                             f"{sorted(cls.PRESETS)}.{extra}")
+            raise UserError(f"unknown {cls.__name__} preset {name!r}; choose one of "
+                            f"{sorted(cls.PRESETS)}.{extra}")
         return cls.from_dict({**cls.PRESETS[name], **overrides})
 
     @classmethod
@@ -38,7 +39,7 @@ class PresetConfig:
             hints = {u: difflib.get_close_matches(u, names, n=1) for u in unknown}
             detail = ", ".join(f"{u!r}" + (f" (did you mean {h[0]!r}?)" if h else "")
                                for u, h in hints.items())
-            raise ValueError(f"unknown {cls.__name__} field(s): {detail}; valid fields: {sorted(names)}")
+            raise UserError(f"unknown {cls.__name__} field(s): {detail}; valid fields: {sorted(names)}")
         return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:
@@ -52,13 +53,13 @@ class PresetConfig:
         for name in names:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{type(self).__name__}.{name} must be an integer >= 1, got "
-                                 f"{value!r}")
+                raise UserError(f"{type(self).__name__}.{name} must be an integer >= 1, got "
+                                f"{value!r}")
 
     def _require_divisible(self, name: str, by: str) -> None:
         if getattr(self, name) % getattr(self, by):
-            raise ValueError(f"{type(self).__name__}: {name}={getattr(self, name)} is not divisible "
-                             f"by {by}={getattr(self, by)}")
+            raise UserError(f"{type(self).__name__}: {name}={getattr(self, name)} is not divisible "
+                            f"by {by}={getattr(self, by)}")
 
     def _require_model_settings(self) -> None:
         """The fields every family shares: attention implementation, layer stack, dtypes."""
@@ -68,26 +69,33 @@ class PresetConfig:
             try:
                 canonical_dtype(getattr(self, name))
             except ValueError as e:
-                raise ValueError(f"{type(self).__name__}.{name}: {e}") from None
+                raise UserError(f"{type(self).__name__}.{name}: {e}") from None
 
     def _require_choice(self, name: str, choices, hint: str = "") -> None:
         value = getattr(self, name)
         if value not in choices:
-            raise ValueError(f"{type(self).__name__}.{name}={value!r} is unknown; choose one of "
-                             f"{sorted(choices)}{hint}")
+            raise UserError(f"{type(self).__name__}.{name}={value!r} is unknown; choose one of "
+                            f"{sorted(choices)}{hint}")
 
     def _require_rates(self, *names: str) -> None:
         for name in names:
             value = getattr(self, name)
             numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
             if not numeric or not 0.0 <= value < 1.0:
-                raise ValueError(f"{type(self).__name__}.{name} must be in [0, 1), got {value!r}")
+                raise UserError(f"{type(self).__name__}.{name} must be in [0, 1), got {value!r}")
 
     def _require_token_ids(self, *names: str) -> None:
         for name in names:
             if not 0 <= getattr(self, name) < self.vocab_size:
-                raise ValueError(f"{type(self).__name__}.{name}={getattr(self, name)} is outside the "
-                                 f"vocabulary [0, {self.vocab_size})")
+                raise UserError(f"{type(self).__name__}.{name}={getattr(self, name)} is outside the "
+                                f"vocabulary [0, {self.vocab_size})")
+
+
+def to_config_layout(params: dict, config: Any) -> dict:
+    """``params`` with every layer stack in ``config``'s layout (``scan_layers``): one
+    subtree with a leading (L,) axis per stack, or one subtree per layer. For weights made
+    in the other layout, e.g. by ``interop.from_torch`` (unrolled) for a scanned Transformer."""
+    return convert_layout(params, config.layer_stacks, scanned=config.scan_layers)
 
 
 def attention_plan(config: Any, seq_len: int, platform: str) -> dict[str, str]:

@@ -51,6 +51,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from ..errors import UserError
 from ..layers.blocks import EncoderBlock
 from ..layers.dense import Dense, Embed, canonical_dtype
 from ..layers.masks import key_padding_mask
@@ -120,6 +121,11 @@ class BertConfig(PresetConfig):
         return self.d_model // self.num_heads
 
     @property
+    def layer_stacks(self) -> tuple[tuple[tuple[str, ...], str, int], ...]:
+        """(parent path, name, count) of each layer stack: ``bert/layer_{i}``, scanned ``bert/layer``."""
+        return ((("bert",), "layer", self.num_layers),)
+
+    @property
     def has_pooler(self) -> bool:
         return self.head != "mlm"
 
@@ -133,7 +139,7 @@ class BertConfig(PresetConfig):
         """
         head = self.head if head is None else head
         if head not in HEADS:
-            raise ValueError(f"unknown head {head!r}; choose one of {HEADS}")
+            raise UserError(f"unknown head {head!r}; choose one of {HEADS}")
         d, f, v = self.d_model, self.mlp_features, self.vocab_size
         tables = v * d + self.max_len * d + self.type_vocab_size * d
         embeddings = 2 * d                                       # embedding LayerNorm
@@ -199,15 +205,15 @@ class BertEncoder(nn.Module):
         dtype, param_dtype = canonical_dtype(cfg.dtype), canonical_dtype(cfg.param_dtype)
         input_ids = jnp.asarray(input_ids)
         if input_ids.ndim != 2:
-            raise ValueError(f"input_ids must be (B, T); got shape {input_ids.shape}")
+            raise UserError(f"input_ids must be (B, T); got shape {input_ids.shape}")
         b, t = input_ids.shape
         if t > cfg.max_len:
-            raise ValueError(f"sequence length {t} exceeds the model's max_len={cfg.max_len}; "
-                             "shorten the input or use a config with a larger max_len")
+            raise UserError(f"sequence length {t} exceeds the model's max_len={cfg.max_len}; "
+                            "shorten the input or use a config with a larger max_len")
         for name, x in (("token_type_ids", token_type_ids), ("attention_mask", attention_mask)):
             if x is not None and jnp.shape(x) != (b, t):
-                raise ValueError(f"{name} must have the shape of input_ids {(b, t)}; got "
-                                 f"{jnp.shape(x)}")
+                raise UserError(f"{name} must have the shape of input_ids {(b, t)}; got "
+                                f"{jnp.shape(x)}")
         init = nn.initializers.normal(cfg.initializer_range)
         token_type_ids = (jnp.zeros((b, t), jnp.int32) if token_type_ids is None
                           else jnp.asarray(token_type_ids))

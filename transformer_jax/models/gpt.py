@@ -21,6 +21,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from ..errors import UserError
 from ..layers.blocks import DecoderBlock
 from ..layers.dense import Dense, Embed, canonical_dtype
 from ..layers.masks import key_padding_mask
@@ -89,6 +90,11 @@ class GPTConfig(PresetConfig):
     @property
     def head_dim(self) -> int:
         return self.d_model // self.num_heads
+
+    @property
+    def layer_stacks(self) -> tuple[tuple[tuple[str, ...], str, int], ...]:
+        """(parent path, name, count) of each layer stack: ``h_{i}``, scanned ``h``."""
+        return (((), "h", self.num_layers),)
 
     def num_params(self, *, non_embedding: bool = False) -> int:
         """Parameter count from the config alone (equals HF's for the GPT-2 presets)."""
@@ -163,17 +169,17 @@ class GPT(nn.Module):
     def _check_inputs(self, input_ids, attention_mask, decode: bool) -> tuple[int, int]:
         cfg = self.config
         if input_ids.ndim != 2:
-            raise ValueError(f"input_ids must be (B, T); got shape {input_ids.shape}")
+            raise UserError(f"input_ids must be (B, T); got shape {input_ids.shape}")
         b, t = input_ids.shape
         if not decode and t > cfg.max_len:
-            raise ValueError(f"sequence length {t} exceeds the model's max_len={cfg.max_len}; "
-                             "shorten the input or use a config with a larger max_len")
+            raise UserError(f"sequence length {t} exceeds the model's max_len={cfg.max_len}; "
+                            "shorten the input or use a config with a larger max_len")
         if attention_mask is not None:
             shape = jnp.shape(attention_mask)
             if len(shape) != 2 or shape[0] != b:
-                raise ValueError(f"attention_mask must be (B, S) = ({b}, S); got {shape}")
+                raise UserError(f"attention_mask must be (B, S) = ({b}, S); got {shape}")
             if not decode and shape[1] != t:
-                raise ValueError(f"attention_mask length {shape[1]} != input length {t}")
+                raise UserError(f"attention_mask length {shape[1]} != input length {t}")
         return b, t
 
     def _first_position(self, t: int, decode: bool):

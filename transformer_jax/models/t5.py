@@ -50,6 +50,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from ..errors import UserError
 from ..layers.blocks import DecoderBlock, EncoderBlock
 from ..layers.dense import Dense, Embed, canonical_dtype
 from ..layers.masks import key_padding_mask
@@ -113,12 +114,12 @@ class T5Config(EncoderDecoderFlops, PresetConfig):
                 self._require_positive(name)
         r = self.relative_attention_num_buckets
         if r < 4 or r % 2:
-            raise ValueError(f"T5Config.relative_attention_num_buckets must be even and >= 4 (half "
-                             f"of them per direction in the encoder), got {r}")
+            raise UserError(f"T5Config.relative_attention_num_buckets must be even and >= 4 (half "
+                            f"of them per direction in the encoder), got {r}")
         if self.relative_attention_max_distance <= r // 2:
-            raise ValueError(f"T5Config.relative_attention_max_distance="
-                             f"{self.relative_attention_max_distance} must exceed the {r // 2} exact "
-                             f"buckets of the decoder (relative_attention_num_buckets // 2)")
+            raise UserError(f"T5Config.relative_attention_max_distance="
+                            f"{self.relative_attention_max_distance} must exceed the {r // 2} exact "
+                            f"buckets of the decoder (relative_attention_num_buckets // 2)")
         self._require_choice("activation", ACTIVATIONS,
                              " (v1.0: 'relu'; v1.1: 'gelu_tanh' with gated_mlp=True)")
         self._require_rates("dropout_rate")
@@ -132,6 +133,13 @@ class T5Config(EncoderDecoderFlops, PresetConfig):
     @property
     def mlp_features(self) -> int:
         return self.mlp_dim or 4 * self.d_model
+
+    @property
+    def layer_stacks(self) -> tuple[tuple[tuple[str, ...], str, int], ...]:
+        """(parent path, name, count) of each layer stack: ``{encoder,decoder}/layers_{i}``,
+        scanned ``{encoder,decoder}/layers``."""
+        return ((("encoder",), "layers", self.num_layers),
+                (("decoder",), "layers", self.decoder_layers))
 
     @property
     def inner_dim(self) -> int:
@@ -201,7 +209,7 @@ class T5Stack(nn.Module):
         q_offset, k_len = 0, t
         if decode:
             if not self.is_decoder:
-                raise ValueError("decode=True is for the decoder stack; the encoder has no cache")
+                raise UserError("decode=True is for the decoder stack; the encoder has no cache")
             started = self.has_variable("cache", "position_index")
             index = self.variable("cache", "position_index", lambda: jnp.array(0, jnp.int32))
             if started:
@@ -240,9 +248,9 @@ class T5Stack(nn.Module):
 def _check_ids(name: str, ids: Array) -> Array:
     ids = jnp.asarray(ids)
     if ids.ndim != 2:
-        raise ValueError(f"{name} must be (B, length) token ids; got shape {ids.shape}")
+        raise UserError(f"{name} must be (B, length) token ids; got shape {ids.shape}")
     if not jnp.issubdtype(ids.dtype, jnp.integer):
-        raise ValueError(f"{name} must be integer token ids; got dtype {ids.dtype}")
+        raise UserError(f"{name} must be integer token ids; got dtype {ids.dtype}")
     return ids
 
 
@@ -251,8 +259,8 @@ def _check_mask(name: str, mask: Array | None, ids: Array, what: str) -> Array |
         return None
     mask = jnp.asarray(mask)
     if mask.shape != ids.shape:
-        raise ValueError(f"{name} must have the shape of {what} {tuple(ids.shape)} (1 = real "
-                         f"token, 0 = padding); got {tuple(mask.shape)}")
+        raise UserError(f"{name} must have the shape of {what} {tuple(ids.shape)} (1 = real "
+                        f"token, 0 = padding); got {tuple(mask.shape)}")
     return mask
 
 
@@ -285,8 +293,8 @@ class T5(nn.Module):
         input_ids = _check_ids("input_ids", input_ids)
         decoder_input_ids = _check_ids("decoder_input_ids", decoder_input_ids)
         if input_ids.shape[0] != decoder_input_ids.shape[0]:
-            raise ValueError(f"input_ids {tuple(input_ids.shape)} and decoder_input_ids "
-                             f"{tuple(decoder_input_ids.shape)} have different batch sizes")
+            raise UserError(f"input_ids {tuple(input_ids.shape)} and decoder_input_ids "
+                            f"{tuple(decoder_input_ids.shape)} have different batch sizes")
         encoded = self.encode(input_ids, attention_mask, deterministic=deterministic)
         return self.decode(decoder_input_ids, encoded, attention_mask, decoder_attention_mask,
                            deterministic=deterministic)
@@ -312,14 +320,14 @@ class T5(nn.Module):
         cfg = self.config
         decoder_input_ids = _check_ids("decoder_input_ids", decoder_input_ids)
         if encoded.ndim != 3 or encoded.shape[0] != decoder_input_ids.shape[0]:
-            raise ValueError(f"encoded must be (B, S, D) with B = {decoder_input_ids.shape[0]}; "
-                             f"got {tuple(encoded.shape)}")
+            raise UserError(f"encoded must be (B, S, D) with B = {decoder_input_ids.shape[0]}; "
+                            f"got {tuple(encoded.shape)}")
         if attention_mask is not None and tuple(jnp.shape(attention_mask)) != encoded.shape[:2]:
-            raise ValueError(f"attention_mask must be (B, S) = {encoded.shape[:2]}, the source "
-                             f"padding mask; got {tuple(jnp.shape(attention_mask))}")
+            raise UserError(f"attention_mask must be (B, S) = {encoded.shape[:2]}, the source "
+                            f"padding mask; got {tuple(jnp.shape(attention_mask))}")
         if decode and decoder_attention_mask is not None:
-            raise ValueError("decoder_attention_mask is not supported with decode=True (the cache "
-                             "masks positions that are not written yet)")
+            raise UserError("decoder_attention_mask is not supported with decode=True (the cache "
+                            "masks positions that are not written yet)")
         decoder_attention_mask = _check_mask("decoder_attention_mask", decoder_attention_mask,
                                              decoder_input_ids, "decoder_input_ids")
         self_mask = None if decoder_attention_mask is None else key_padding_mask(decoder_attention_mask)

@@ -50,6 +50,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from ..errors import UserError
 from ..layers.blocks import DecoderBlock, EncoderBlock
 from ..layers.dense import Dense, Embed, canonical_dtype
 from ..layers.embeddings import sinusoidal_table
@@ -104,13 +105,13 @@ class TransformerConfig(EncoderDecoderFlops, PresetConfig):
                 self._require_positive(name)
         self._require_divisible("d_model", "num_heads")
         if self.d_model % 2:
-            raise ValueError(f"TransformerConfig: sinusoidal positions need an even d_model, "
-                             f"got {self.d_model}")
+            raise UserError(f"TransformerConfig: sinusoidal positions need an even d_model, "
+                            f"got {self.d_model}")
         self._require_choice("activation", ACTIVATIONS)
         self._require_rates("dropout_rate", "attention_dropout_rate", "mlp_dropout_rate")
         if self.pre_norm and self.final_norm is False:
-            raise ValueError("TransformerConfig: pre_norm=True needs final_norm (the residual "
-                             "stream is never normalised otherwise); leave final_norm=None")
+            raise UserError("TransformerConfig: pre_norm=True needs final_norm (the residual "
+                            "stream is never normalised otherwise); leave final_norm=None")
         self._require_token_ids("pad_token_id", "eos_token_id", "decoder_start_token_id")
         self._require_model_settings()
 
@@ -129,6 +130,13 @@ class TransformerConfig(EncoderDecoderFlops, PresetConfig):
     @property
     def mlp_features(self) -> int:
         return self.mlp_dim or 4 * self.d_model
+
+    @property
+    def layer_stacks(self) -> tuple[tuple[tuple[str, ...], str, int], ...]:
+        """(parent path, name, count) of each layer stack: ``{encoder,decoder}/layers_{i}``,
+        scanned ``{encoder,decoder}/layers``."""
+        return ((("encoder",), "layers", self.num_layers),
+                (("decoder",), "layers", self.decoder_layers))
 
     def _layer_params(self) -> tuple[int, int]:
         d, f = self.d_model, self.mlp_features
@@ -165,15 +173,15 @@ class TransformerStack(nn.Module):
         offset = 0
         if decode:
             if not self.is_decoder:
-                raise ValueError("decode=True is for the decoder stack; the encoder has no cache")
+                raise UserError("decode=True is for the decoder stack; the encoder has no cache")
             started = self.has_variable("cache", "position_index")
             index = self.variable("cache", "position_index", lambda: jnp.array(0, jnp.int32))
             if started:
                 offset = index.value
                 index.value = index.value + t
         elif t > cfg.max_len:
-            raise ValueError(f"sequence length {t} exceeds the model's max_len={cfg.max_len}; "
-                             "shorten the input or use a config with a larger max_len")
+            raise UserError(f"sequence length {t} exceeds the model's max_len={cfg.max_len}; "
+                            "shorten the input or use a config with a larger max_len")
         table = sinusoidal_table(cfg.max_len, d)                                  # (P, D) fp32
         pe = jax.lax.dynamic_slice_in_dim(table, offset, t, axis=0)               # (T, D)
         x = (x.astype(jnp.float32) + pe).astype(dtype)
@@ -207,9 +215,9 @@ class TransformerStack(nn.Module):
 def _check_ids(name: str, ids: Array) -> Array:
     ids = jnp.asarray(ids)
     if ids.ndim != 2:
-        raise ValueError(f"{name} must be (B, length) token ids; got shape {ids.shape}")
+        raise UserError(f"{name} must be (B, length) token ids; got shape {ids.shape}")
     if not jnp.issubdtype(ids.dtype, jnp.integer):
-        raise ValueError(f"{name} must be integer token ids; got dtype {ids.dtype}")
+        raise UserError(f"{name} must be integer token ids; got dtype {ids.dtype}")
     return ids
 
 
@@ -218,8 +226,8 @@ def _padding(name: str, mask: Array | None, shape: tuple[int, ...]) -> Array | N
         return None
     mask = jnp.asarray(mask)
     if mask.shape != tuple(shape):
-        raise ValueError(f"{name} must be (B, length) = {tuple(shape)} with 1 = real token, "
-                         f"0 = padding; got {tuple(mask.shape)}")
+        raise UserError(f"{name} must be (B, length) = {tuple(shape)} with 1 = real token, "
+                        f"0 = padding; got {tuple(mask.shape)}")
     return key_padding_mask(mask)
 
 
@@ -257,8 +265,8 @@ class Transformer(nn.Module):
         input_ids = _check_ids("input_ids", input_ids)
         decoder_input_ids = _check_ids("decoder_input_ids", decoder_input_ids)
         if input_ids.shape[0] != decoder_input_ids.shape[0]:
-            raise ValueError(f"input_ids {tuple(input_ids.shape)} and decoder_input_ids "
-                             f"{tuple(decoder_input_ids.shape)} have different batch sizes")
+            raise UserError(f"input_ids {tuple(input_ids.shape)} and decoder_input_ids "
+                            f"{tuple(decoder_input_ids.shape)} have different batch sizes")
         encoded = self.encode(input_ids, attention_mask, deterministic=deterministic)
         return self.decode(decoder_input_ids, encoded, attention_mask, decoder_attention_mask,
                            deterministic=deterministic)
@@ -280,11 +288,11 @@ class Transformer(nn.Module):
         """
         decoder_input_ids = _check_ids("decoder_input_ids", decoder_input_ids)
         if encoded.ndim != 3 or encoded.shape[0] != decoder_input_ids.shape[0]:
-            raise ValueError(f"encoded must be (B, S, D) with B = {decoder_input_ids.shape[0]}; "
-                             f"got {tuple(encoded.shape)}")
+            raise UserError(f"encoded must be (B, S, D) with B = {decoder_input_ids.shape[0]}; "
+                            f"got {tuple(encoded.shape)}")
         if decode and decoder_attention_mask is not None:
-            raise ValueError("decoder_attention_mask is not supported with decode=True (the cache "
-                             "masks positions that are not written yet)")
+            raise UserError("decoder_attention_mask is not supported with decode=True (the cache "
+                            "masks positions that are not written yet)")
         self_mask = _padding("decoder_attention_mask", decoder_attention_mask,
                              decoder_input_ids.shape)
         memory_mask = _padding("attention_mask", attention_mask, encoded.shape[:2])

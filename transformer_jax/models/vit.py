@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..errors import UserError
 from ..layers.blocks import EncoderBlock
 from ..layers.dense import Dense, canonical_dtype
 from ..layers.mlp import ACTIVATIONS
@@ -111,11 +112,11 @@ class ViTConfig(PresetConfig):
                                "num_heads", "d_model")
         if isinstance(self.num_classes, bool) or not isinstance(self.num_classes, int) \
                 or self.num_classes < 0:
-            raise ValueError(f"ViTConfig.num_classes must be an integer >= 0 (0 = no head), got "
-                             f"{self.num_classes!r}")
+            raise UserError(f"ViTConfig.num_classes must be an integer >= 0 (0 = no head), got "
+                            f"{self.num_classes!r}")
         if self.image_size % self.patch_size:
-            raise ValueError(f"ViTConfig: image_size={self.image_size} is not a multiple of "
-                             f"patch_size={self.patch_size}; pick sizes whose patches tile the image")
+            raise UserError(f"ViTConfig: image_size={self.image_size} is not a multiple of "
+                            f"patch_size={self.patch_size}; pick sizes whose patches tile the image")
         self._require_divisible("d_model", "num_heads")
         if self.mlp_dim is not None:
             self._require_positive("mlp_dim")
@@ -130,6 +131,11 @@ class ViTConfig(PresetConfig):
     @property
     def head_dim(self) -> int:
         return self.d_model // self.num_heads
+
+    @property
+    def layer_stacks(self) -> tuple[tuple[tuple[str, ...], str, int], ...]:
+        """(parent path, name, count) of each layer stack: ``encoderblock_{i}``, scanned ``encoderblock``."""
+        return (((), "encoderblock", self.num_layers),)
 
     @property
     def grid_size(self) -> int:
@@ -219,9 +225,9 @@ def interpolation_matrix(in_size: int, out_size: int, method: str = "bicubic") -
         choice); for downsampling that one antialiases and this one does not.
     """
     if method not in POS_INTERPOLATIONS:
-        raise ValueError(f"unknown interpolation {method!r}; choose one of {POS_INTERPOLATIONS}")
+        raise UserError(f"unknown interpolation {method!r}; choose one of {POS_INTERPOLATIONS}")
     if in_size < 1 or out_size < 1:
-        raise ValueError(f"interpolation sizes must be >= 1, got {in_size} -> {out_size}")
+        raise UserError(f"interpolation sizes must be >= 1, got {in_size} -> {out_size}")
     scale = in_size / out_size
     src = (np.arange(out_size) + 0.5) * scale - 0.5
     w = np.zeros((out_size, in_size))
@@ -261,22 +267,22 @@ def resize_pos_embedding(posemb: Array, new_grid: int | tuple[int, int], *,
     """
     posemb = jnp.asarray(posemb)
     if posemb.ndim < 2:
-        raise ValueError(f"posemb must be (..., T, D); got shape {posemb.shape}")
+        raise UserError(f"posemb must be (..., T, D); got shape {posemb.shape}")
     t, d = posemb.shape[-2:]
     n = t - num_prefix
     if old_grid is None:
         g = math.isqrt(max(n, 0))
         if g * g != n:
-            raise ValueError(f"posemb has {n} patch rows (T={t} minus {num_prefix} prefix), not a "
-                             "square grid; pass old_grid=(gh, gw)")
+            raise UserError(f"posemb has {n} patch rows (T={t} minus {num_prefix} prefix), not a "
+                            "square grid; pass old_grid=(gh, gw)")
         old_grid = (g, g)
     old = (old_grid, old_grid) if isinstance(old_grid, int) else tuple(old_grid)
     new = (new_grid, new_grid) if isinstance(new_grid, int) else tuple(new_grid)
     if old[0] * old[1] != n:
-        raise ValueError(f"old_grid {old} holds {old[0] * old[1]} patches but posemb has {n} "
-                         f"patch rows (T={t}, num_prefix={num_prefix})")
+        raise UserError(f"old_grid {old} holds {old[0] * old[1]} patches but posemb has {n} "
+                        f"patch rows (T={t}, num_prefix={num_prefix})")
     if min(new) < 1:
-        raise ValueError(f"new_grid must be positive, got {new}")
+        raise UserError(f"new_grid must be positive, got {new}")
     if new == old:
         return posemb
     wh = jnp.asarray(interpolation_matrix(old[0], new[0], method), jnp.float32)
@@ -318,15 +324,15 @@ def adapt_pretrained(params: Any, config: ViTConfig, pretrained: Any,
     (``scan_layers``).
     """
     if pretrained_config.patch_size != config.patch_size:
-        raise ValueError(f"pretrained patch_size={pretrained_config.patch_size} != "
-                         f"{config.patch_size}; the patch embedding cannot be reused")
+        raise UserError(f"pretrained patch_size={pretrained_config.patch_size} != "
+                        f"{config.patch_size}; the patch embedding cannot be reused")
     for name in ("activation", "norm_eps"):         # same shapes, another function: say so
         theirs, ours = getattr(pretrained_config, name), getattr(config, name)
         if theirs != ours:
-            raise ValueError(f"pretrained {name}={theirs!r} but this model has {name}={ours!r}; "
-                             f"set model.{name}={theirs!r} to reuse the weights")
+            raise UserError(f"pretrained {name}={theirs!r} but this model has {name}={ours!r}; "
+                            f"set model.{name}={theirs!r} to reuse the weights")
     _, pretrained = resize_params(pretrained, pretrained_config, config.image_size, method=method)
-    pretrained = convert_layout(pretrained, (((), "encoderblock", pretrained_config.num_layers),),
+    pretrained = convert_layout(pretrained, pretrained_config.layer_stacks,
                                 scanned=config.scan_layers)
     params = nn.meta.unbox(params)
     out = dict(pretrained)
@@ -338,12 +344,12 @@ def adapt_pretrained(params: Any, config: ViTConfig, pretrained: Any,
     theirs = dict(jax.tree_util.tree_leaves_with_path(out))
     if len(mine) != len(theirs) or any(p not in theirs for p, _ in mine):
         missing = sorted(jax.tree_util.keystr(p) for p, _ in mine if p not in theirs)
-        raise ValueError(f"pretrained ViT params do not have this model's structure; missing "
-                         f"{missing[:6]}; compare the two configs' num_layers and scan_layers")
+        raise UserError(f"pretrained ViT params do not have this model's structure; missing "
+                        f"{missing[:6]}; compare the two configs' num_layers and scan_layers")
     for path, leaf in mine:
         if tuple(theirs[path].shape) != tuple(leaf.shape):
-            raise ValueError(f"pretrained {jax.tree_util.keystr(path)} has shape "
-                             f"{tuple(theirs[path].shape)}, this model needs {tuple(leaf.shape)}")
+            raise UserError(f"pretrained {jax.tree_util.keystr(path)} has shape "
+                            f"{tuple(theirs[path].shape)}, this model needs {tuple(leaf.shape)}")
     return jax.tree_util.tree_map(lambda a, b: jnp.asarray(b, a.dtype), params, out)
 
 
@@ -363,12 +369,12 @@ class ViT(nn.Module):
         dtype, param_dtype = canonical_dtype(cfg.dtype), canonical_dtype(cfg.param_dtype)
         images = jnp.asarray(images)
         if images.ndim != 4:
-            raise ValueError(f"images must be NHWC (B, H, W, C); got shape {images.shape}")
+            raise UserError(f"images must be NHWC (B, H, W, C); got shape {images.shape}")
         b, h, w, c = images.shape
         if (h, w) != (cfg.image_size, cfg.image_size) or c != cfg.num_channels:
             hint = (" (an NCHW batch? transpose it with x.transpose(0, 2, 3, 1))"
                     if images.shape[1] == cfg.num_channels and c != cfg.num_channels else "")
-            raise ValueError(
+            raise UserError(
                 f"images of shape {images.shape} do not match the model: expected (B, "
                 f"{cfg.image_size}, {cfg.image_size}, {cfg.num_channels}){hint}. For another "
                 "resolution, resize the position table with vit.resize_params(params, config, "

@@ -170,15 +170,15 @@ def mask_tokens(ids: np.ndarray, seed: int | Sequence[int], *, mask_id: int,
     """
     ids = np.asarray(ids)
     if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
-        raise ValueError(f"ids must be an integer (B, T) array; got {ids.dtype} {ids.shape}")
+        raise UserError(f"ids must be an integer (B, T) array; got {ids.dtype} {ids.shape}")
     if not 0.0 <= mask_prob <= 1.0:
-        raise ValueError(f"mask_prob must be in [0, 1], got {mask_prob}")
+        raise UserError(f"mask_prob must be in [0, 1], got {mask_prob}")
     if mask_token_prob < 0 or random_token_prob < 0 or mask_token_prob + random_token_prob > 1:
-        raise ValueError(f"mask_token_prob={mask_token_prob} and random_token_prob="
-                         f"{random_token_prob} must be >= 0 and sum to at most 1")
+        raise UserError(f"mask_token_prob={mask_token_prob} and random_token_prob="
+                        f"{random_token_prob} must be >= 0 and sum to at most 1")
     low, high = random_range
     if not 0 <= low < high:
-        raise ValueError(f"random_range must be [low, high) with 0 <= low < high, got {random_range}")
+        raise UserError(f"random_range must be [low, high) with 0 <= low < high, got {random_range}")
     key = _key(seed)
     shape = ids.shape
     candidate = ~np.isin(ids, np.asarray(list(special_ids), dtype=ids.dtype))

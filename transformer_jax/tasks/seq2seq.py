@@ -235,8 +235,8 @@ def corpus_bleu(hypotheses: Sequence[str], references: Sequence[str], *, tokeniz
     import sacrebleu
 
     if len(hypotheses) != len(references):
-        raise ValueError(f"corpus_bleu needs one reference per hypothesis; got "
-                         f"{len(hypotheses)} hypotheses and {len(references)} references")
+        raise UserError(f"corpus_bleu needs one reference per hypothesis; got "
+                        f"{len(hypotheses)} hypotheses and {len(references)} references")
     if not hypotheses:
         return 0.0
     return float(sacrebleu.corpus_bleu(list(hypotheses), [list(references)], tokenize=tokenize).score)

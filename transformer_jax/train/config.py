@@ -115,7 +115,7 @@ class ExperimentConfig(PresetConfig):
         if self.schedule == "constant":
             return dict(lr=self.learning_rate, warmup_steps=self.warmup_steps)
         raise UserError(f"unknown schedule {self.schedule!r}; choose warmup_cosine, "
-                         "warmup_rsqrt, noam or constant")
+                        "warmup_rsqrt, noam or constant")
 
 
 @contextlib.contextmanager

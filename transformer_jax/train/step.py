@@ -25,6 +25,7 @@ import optax
 from flax import struct
 from flax.training import train_state
 
+from ..errors import UserError
 from ..losses import LossFn, lm_loss, per_weight_means
 
 Array = jax.Array
@@ -95,7 +96,7 @@ def _split(batch, accum_steps: int):
     mesh axes (a no-op outside a mesh + rules context, e.g. on one device or under pmap)."""
     b = jax.tree_util.tree_leaves(batch)[0].shape[0]
     if b % accum_steps:
-        raise ValueError(f"batch size {b} is not divisible by accum_steps={accum_steps}")
+        raise UserError(f"batch size {b} is not divisible by accum_steps={accum_steps}")
     return jax.tree_util.tree_map(
         lambda x: nn.with_logical_constraint(
             x.reshape((accum_steps, b // accum_steps) + x.shape[1:]), (None, "act_batch")),
@@ -175,7 +176,7 @@ def make_train_step(*, loss_fn: LossFn = lm_loss, label_smoothing: float = 0.0,
     draws its own dropout masks, folding its axis index into the key.)
     """
     if accum_steps < 1:
-        raise ValueError(f"accum_steps must be >= 1, got {accum_steps}")
+        raise UserError(f"accum_steps must be >= 1, got {accum_steps}")
     gradient_sums = make_gradient_sums(loss_fn, label_smoothing, accum_steps)
 
     def train_step(state: TrainState, batch: dict[str, Array]):
