@@ -1,16 +1,14 @@
 """Keep XLA:CPU's per-step buffers in the process instead of re-faulting them every step.
 
 XLA:CPU allocates every execution's temporary buffer and its fresh outputs with
-``malloc`` (917 MiB of temporaries for a GPT 6L/384, T=256, B=8 train step). glibc serves
-each request above 32 MiB with its own ``mmap`` and gives it back with ``munmap`` on
-``free``, so the next step page-faults the whole buffer in again: measured here,
-243k minor page faults and 0.44 s of kernel time per 1.5 s step.
+``malloc``. glibc serves each request above 32 MiB with its own ``mmap`` and gives it back
+with ``munmap`` on ``free``, so the next step page-faults the whole buffer in again.
 
 :func:`tune_malloc` asks glibc (``mallopt``) to keep that memory: one malloc arena (the
 per-thread arenas cannot grow past 64 MiB and fall back to ``mmap``), no ``mmap`` for large
-blocks, the heap grown 512 MiB at a time and not trimmed below 2 GiB. The same step then
-takes < 100 faults and < 0.01 s of kernel time, ~15% less wall time (1.45 -> 1.25 s here);
-freed memory stays with the process (its resident size stays at its high-water mark).
+blocks, the heap grown 512 MiB at a time and not trimmed below 2 GiB. Freed memory stays
+with the process (its resident size stays at its high-water mark). What it saves per step
+is in docs/performance.md.
 
 It has to run before the first JAX computation creates XLA's worker threads (each thread
 keeps the arena it got first). ``transformer-jax`` calls :func:`tune_malloc_if_cpu` first

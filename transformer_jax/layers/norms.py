@@ -31,9 +31,7 @@ def standardise(x: Array, eps: float) -> Array:
     Its derivative is written out: for a tangent ``dx``,
     ``rstd * (dx - mean(dx) - y * mean(dx * y))``, so forward and reverse mode both reuse
     the normalised ``y`` and ``rstd`` instead of differentiating through the mean and the
-    variance. Measured on XLA:CPU (2026-11-29): a LayerNorm module's forward + backward at
-    (8, 256, 384) ~1.4x faster; whole train steps, alternating in one process: BERT 6L/384
-    1.4% and ViT 12L/192 2.9% faster, GPT 6L/384 unchanged.
+    variance, which XLA:CPU runs faster (figures in docs/performance.md).
     """
     return _standardise_with_rstd(x, eps)[0]
 
