@@ -220,27 +220,78 @@ def test_matmul_floor_torch_dot_equals_dot_general(dims):
     np.testing.assert_allclose(got, np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
+def test_gpu_check_refuses_unknown_attention_implementations():
+    gpu_check = _benchmarks("gpu_check")
+    with pytest.raises(ValueError, match=r"--train-impls: unknown attention implementation"
+                                         r"\(s\) \['jax\+plain'\]"):
+        gpu_check.parse_args(["--smoke", "--train-impls", "auto,jax+plain"])
+
+
+def test_gpu_check_out_of_budget_records_every_measurement_as_skipped(tmp_path):
+    """With no time left nothing runs, and still every measurement is in the results with
+    the reason, and both files are written."""
+    gpu_check = _benchmarks("gpu_check")
+    out = tmp_path / "none"
+    result = gpu_check.main(["--smoke", "--budget-s", "0", "--out", str(out)])
+    assert json.loads(out.with_suffix(".json").read_text()) == json.loads(
+        json.dumps(result, default=float))
+    records = ([result["matmul"], result["float16"]] + result["train"] + result["attention"]
+               + result["decode"])
+    assert len(records) == 2 + 4 + 2 * 3 + 2 * 2
+    assert all(r["skipped"] == "time budget spent (--budget-s 0)" for r in records), records
+    assert {name: s["skipped"] for name, s in result["sections"].items()} == {
+        "matmul": 1, "train": 4, "attention": 6, "decode": 4, "float16": 1}
+    assert "time budget spent" in out.with_suffix(".md").read_text()
+
+
 @pytest.mark.slow
 def test_gpu_check_script_runs_as_it_stands_in_smoke_mode(tmp_path):
-    """``benchmarks/gpu_check.py --smoke`` (tiny sizes, any backend): every requested train
-    step and attention kernel gives a result; the ``jax+plain`` step is compiled without
-    ``store_gradient_once``'s conditionals (one per sublayer in ``jax``: 2 layers x 2) and
-    trains to the same loss (bf16, 3 steps); the Pallas kernels (interpret mode off GPU)
-    match XLA's attention."""
+    """``benchmarks/gpu_check.py --smoke`` on this (GPU-less) host: "auto" resolves to the
+    reference ("xla") and its compiled train step keeps the CPU tuning (one residual
+    conditional per sublayer, 2 layers x 2; optimization barriers in the lowered step);
+    cuDNN rows are skipped with the reason; the Pallas kernels (interpret mode) match
+    XLA's attention; greedy decode repeats its tokens; float16 with loss scaling trains."""
     gpu_check = _benchmarks("gpu_check")
-    with pytest.raises(ValueError, match=r"only variant is '\+plain'"):
-        gpu_check.split_impl("jax+fast")
     out = tmp_path / "smoke"
-    gpu_check.main(["--smoke", "--attn-seqs", "64", "--train-impls", "jax,jax+plain",
-                    "--attn-impls", "xla,pallas", "--budget-s", "1e9", "--out", str(out)])
-    result = json.loads(out.with_suffix(".json").read_text())
-    train = {r["impl"]: r for r in result["train"]}
-    assert set(train) == {"jax", "jax+plain"}
-    assert all("error" not in r and "skipped" not in r for r in train.values()), train
-    assert (train["jax"]["conditionals"], train["jax+plain"]["conditionals"]) == (4, 0)
-    assert 5.0 < train["jax"]["final_loss"] < 7.0      # ~ln(vocab 512) = 6.24 at the start
-    assert abs(train["jax"]["final_loss"] - train["jax+plain"]["final_loss"]) < 1e-3
-    pallas = [r for r in result["attention"] if r["impl"] == "pallas"]
-    assert len(pallas) == 1 and "skipped" not in pallas[0] and "error" not in pallas[0]
-    assert pallas[0]["max_abs_diff_out"] <= 2e-2 and pallas[0]["max_abs_diff_grad"] <= 5e-2
-    assert "| jax+plain" in out.with_suffix(".md").read_text()
+    result = gpu_check.main(["--smoke", "--train-impls", "auto,cudnn", "--attn-seqs", "64",
+                             "--attn-impls", "cudnn,pallas,xla", "--decode-batches", "2",
+                             "--decode-dtypes", "bfloat16", "--fp16-steps", "3",
+                             "--budget-s", "1e9", "--out", str(out)])
+    assert json.loads(out.with_suffix(".json").read_text()) == json.loads(
+        json.dumps(result, default=float))
+    assert result["meta"]["platform"] == "cpu"
+    assert result["sections"]["train"] == {**result["sections"]["train"], "measured": 1,
+                                           "skipped": 1, "failed": 0}
+    assert all(s["failed"] == 0 for s in result["sections"].values()), result["sections"]
+
+    auto, cudnn = result["train"]
+    assert (auto["impl"], auto["resolved"]) == ("auto", "xla")
+    assert auto["plan"] == {"implementation": "auto", "platform": "cpu", "train": "xla",
+                            "eval": "xla"}
+    assert auto["conditionals"] == 4 and auto["optimization_barriers"] > 0
+    assert auto["attention_calls"] == {}
+    assert 5.0 < auto["first_loss"] < 7.0      # ~ln(vocab 512) = 6.24 at the start
+    assert auto["final_loss"] < auto["first_loss"]
+    assert auto["tokens_per_s"] > 0 and 0 < auto["mfu"] < 1e-3
+    assert auto["tokens_per_s"] == pytest.approx(2 * 64 / (auto["step_ms"] / 1e3))
+    assert cudnn["impl"] == "cudnn" and "needs a GPU (the backend is 'cpu')" in cudnn["skipped"]
+
+    attention = {r["impl"]: r for r in result["attention"]}
+    assert "needs a GPU" in attention["cudnn"]["skipped"]
+    assert attention["xla"]["finite"] and attention["xla"]["fwd_bwd_ms"] > 0
+    assert attention["pallas"]["max_abs_diff_out"] <= 2e-2
+    assert attention["pallas"]["max_abs_diff_grad"] <= 5e-2
+
+    (dec,) = result["decode"]
+    assert (dec["dtype"], dec["batch"], dec["prefill"], dec["step"]) == ("bfloat16", 2, "xla",
+                                                                        "xla")
+    assert dec["output_shape"] == [2, 8 + 8] and dec["prompt_kept"] and dec["tokens_in_vocab"]
+    assert dec["same_tokens_every_call"] and dec["tokens_per_s"] > 0
+
+    fp16 = result["float16"]
+    assert fp16["losses_finite"] and len(fp16["losses"]) == 3
+    assert fp16["loss_scales"] == [2.0 ** 15] * 3 and fp16["skipped_steps"] == 0
+    assert fp16["final_scale"] == 2.0 ** 15
+    assert fp16["losses"][-1] < fp16["losses"][0] - 0.05     # the updates were applied
+    md = out.with_suffix(".md").read_text()
+    assert "| auto | xla | 2 x 64 |" in md and "| xla | 2 x 64 | 3 |" in md
