@@ -11,12 +11,19 @@ Asserted for every notebook: each cell runs without error within ``CELL_TIMEOUT`
 install cell does nothing (the package is importable here); at least one ``image/png``
 output (the plots render); every printed ``parity NAME: max |diff| = D (tolerance T)``
 line has ``D <= T`` (the notebooks also assert their own checks), and the notebooks that
-compare numbers with a reference print at least one such line.
+compare numbers with a reference print at least one such line. The notebooks that build
+models print what ``attention_impl="auto"`` resolves to (``attention: auto -> ...``).
+
+Notebook 02 trains in one ``train()`` call drawn live from its ``on_log``/``on_eval``
+callbacks, paused with ``stop_at`` and continued with ``resume=True``: its printed lines must
+show a pause and a resume that together logged every log step once, a curve redrawn at least
+at every logged row, and losses equal, bit for bit, to those of an uninterrupted run.
 
 The kernels share one TFDS data directory (the embedded corpus is built once), run without
 network access to the Hugging Face Hub, and compile with ``--xla_backend_optimization_level=0``
 (the smoke-sized programs are tiny, so XLA's compile time dominates the run time).
 """
+import ast
 import json
 import os
 import re
@@ -38,7 +45,17 @@ NOTEBOOKS = sorted(COLAB.glob("*.ipynb"))
 EXPECTED = {"01_attention_from_scratch", "02_train_gpt", "03_bert_t5_vit", "04_scaling_tpu",
             "05_hf_pytorch_weights"}
 # Notebooks that compare numbers with a reference (PyTorch, HF, another device layout).
-PARITY_NOTEBOOKS = {"01_attention_from_scratch", "04_scaling_tpu", "05_hf_pytorch_weights"}
+PARITY_NOTEBOOKS = {"01_attention_from_scratch", "02_train_gpt", "04_scaling_tpu",
+                    "05_hf_pytorch_weights"}
+# Notebooks that build a model and print what attention_impl="auto" runs on this platform.
+ATTENTION_NOTEBOOKS = {"02_train_gpt", "03_bert_t5_vit", "04_scaling_tpu", "05_hf_pytorch_weights"}
+ATTENTION_LINE = re.compile(r"^attention: auto -> xla \(cpu\)$", re.MULTILINE)
+# Notebook 02: one line per train() call, and one per compared loss.
+RUN_LINE = re.compile(r"^(?P<how>paused|finished|stopped) at step (?P<step>\d+) \(this call started at "
+                      r"step (?P<start>\d+)\); on_log: steps (?P<logged>\[[\d, ]*\]); on_eval: steps "
+                      r"(?P<evals>\[[\d, ]*\]); curve drawn (?P<draws>\d+) times", re.MULTILINE)
+LOSS_LINE = re.compile(r"^step (?P<step>\d+): loss (?P<ours>\S+) paused and resumed, (?P<ref>\S+) "
+                       r"uninterrupted", re.MULTILINE)
 PARITY_LINE = re.compile(r"^parity (?P<name>.+?): max \|diff\| = (?P<diff>\S+) \(tolerance (?P<tol>\S+)\)$",
                          re.MULTILINE)
 BADGE = "https://colab.research.google.com/github/transformer-jax/transformer_jax/blob/main/colab/{}"
@@ -150,3 +167,33 @@ def test_notebook_runs_top_to_bottom(path, tmp_path, kernel_spec_manager, kernel
         assert diff <= tol, f"{path.name}: parity {name}: {diff:g} > tolerance {tol:g}"
     if path.stem in PARITY_NOTEBOOKS:
         assert checks, f"{path.name} printed no parity line"
+    if path.stem in ATTENTION_NOTEBOOKS:   # the kernel runs on the CPU: "auto" is the reference
+        assert ATTENTION_LINE.search(text), f"{path.name} did not print 'attention: auto -> xla (cpu)'"
+    if path.stem == "02_train_gpt":
+        check_paused_and_resumed(text)
+
+
+def check_paused_and_resumed(text: str) -> None:
+    """Notebook 02's printed record of its two train() calls and of the resume check."""
+    calls = [m.groupdict() for m in RUN_LINE.finditer(text)]
+    assert [c["how"] for c in calls] == ["paused", "finished"], calls
+    paused, resumed = calls
+    pause = int(paused["step"])
+    assert int(paused["start"]) == 0 and int(resumed["start"]) == pause < int(resumed["step"]), calls
+    before, after = ast.literal_eval(paused["logged"]), ast.literal_eval(resumed["logged"])
+    every = before[0]
+    assert before + after == list(range(every, int(resumed["step"]) + 1, every)), (before, after)
+    assert max(before) <= pause < min(after), (pause, before, after)
+    assert ast.literal_eval(resumed["evals"]), "on_eval was not called after the resume"
+    # smoke mode redraws at every logged row and eval, and once more at the end of each call
+    draws = [int(paused["draws"]), int(resumed["draws"]) - int(paused["draws"])]
+    for call, n in zip(calls, draws):
+        logged, evals = ast.literal_eval(call["logged"]), ast.literal_eval(call["evals"])
+        assert n == len(logged) + len(evals) + 1, (call, n)
+
+    losses = {int(m["step"]): (float(m["ours"]), float(m["ref"])) for m in LOSS_LINE.finditer(text)}
+    compared = sorted(losses)
+    assert compared == [s for s in before + after if s <= compared[-1]], compared
+    assert [s for s in compared if s > pause], f"no loss compared after the pause at {pause}"
+    for step, (ours, reference) in losses.items():
+        assert ours == reference, f"step {step}: resumed loss {ours!r} != uninterrupted {reference!r}"
