@@ -24,7 +24,9 @@ def attention_inputs(n=8, kv=2, t=37, s=53, h=16):
 def lowered_text(fn, args, platform: str) -> str:
     """StableHLO of ``jax.jit(fn)(*args)`` lowered for ``platform`` ("cpu", "cuda", "tpu")
     from this host, after MLIR's canonicaliser has folded the ``lax.platform_dependent``
-    selectors (a case on a constant index), so what is left is what that platform runs."""
+    selectors (a case on a constant index), so what is left is what that platform runs.
+    Nested jitted functions stay functions (``func.call``); :func:`custom_calls` counts
+    through them."""
     from jax._src.lib.mlir import ir, passmanager
 
     lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,))
@@ -36,6 +38,25 @@ def lowered_text(fn, args, platform: str) -> str:
 
 
 def custom_calls(text: str) -> list[str]:
-    """Target names of the custom calls in a StableHLO text, in order."""
+    """Target names of the custom calls a StableHLO module executes, once per execution:
+    a function called from two places counts twice (counted from ``@main`` through every
+    ``func.call``)."""
     import re
-    return re.findall(r"custom_call @([\w$.\-]+)", text)
+    bodies, name = {}, None
+    for line in text.splitlines():
+        head = re.match(r"\s*func\.func (?:public |private )?@([\w$.\-]+)\(", line)
+        if head:
+            name = head.group(1)
+            bodies[name] = []
+        elif name is not None:
+            bodies[name].append(line)
+
+    def expand(fn: str) -> list[str]:
+        out = []
+        for line in bodies.get(fn, ()):
+            out += re.findall(r"custom_call @([\w$.\-]+)", line)
+            for callee in re.findall(r"\bcall @([\w$.\-]+)\(", line):
+                out += expand(callee)
+        return out
+
+    return expand("main")

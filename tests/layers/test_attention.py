@@ -87,46 +87,6 @@ def test_xla_causal_query_blocks_equal_the_whole_square(t, s):
     np.testing.assert_allclose(out[0, 20], jnp.repeat(jnp.mean(v[0], axis=0), 2, axis=0), atol=1e-5)
 
 
-def _plain_attention(q, k, v, mask, bias, causal):
-    """softmax(Q K^T / sqrt(H) + bias) V written with plain einsums (GQA by repeating K/V),
-    for comparing against the library's matmuls and their written-out JVPs."""
-    n, kv, h = q.shape[2], k.shape[2], q.shape[3]
-    k, v = jnp.repeat(k, n // kv, axis=2), jnp.repeat(v, n // kv, axis=2)
-    hi = jax.lax.Precision.HIGHEST
-    logits = jnp.einsum("BTNH,BSNH->BNTS", q, k, precision=hi) / math.sqrt(h) + bias
-    allowed = mask & jnp.tril(jnp.ones(logits.shape[-2:], bool)) if causal else mask
-    logits = jnp.where(allowed, logits, jnp.finfo(jnp.float32).min)
-    return jnp.einsum("BNTS,BSNH->BTNH", jax.nn.softmax(logits, axis=-1), v, precision=hi)
-
-
-@pytest.mark.parametrize("causal", [False, True])
-def test_xla_attention_derivatives_equal_the_plain_formula_to_every_order(causal):
-    """The reference path's two matmuls carry written-out JVPs (their reverse mode contracts
-    a materialised transpose). Values, gradients, forward-mode tangents, a second
-    derivative and a vmapped gradient all equal those of the plain formula: GQA, bias,
-    padding mask, causal query blocks of 16 over T=37."""
-    q, k, v, mask, bias = attention_inputs()
-    ct = rand(5, q.shape)
-    ours = lambda q, k, v: dot_product_attention(q, k, v, mask=mask, bias=bias,  # noqa: E731
-                                                 causal=causal, q_chunk=16)
-    plain = lambda q, k, v: _plain_attention(q, k, v, mask, bias, causal)  # noqa: E731
-    np.testing.assert_allclose(ours(q, k, v), plain(q, k, v), **FP32_TOL)
-    loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v) * ct)  # noqa: E731
-    grads = [jax.grad(loss(f), (0, 1, 2))(q, k, v) for f in (ours, plain)]
-    for a, b in zip(*grads):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
-    tangents = (rand(6, q.shape), rand(7, k.shape), rand(8, v.shape))
-    np.testing.assert_allclose(jax.jvp(ours, (q, k, v), tangents)[1],
-                               jax.jvp(plain, (q, k, v), tangents)[1], rtol=1e-4, atol=1e-5)
-    # d/dq of |d loss / dk|^2: reverse over reverse through both written-out rules
-    def second(f):
-        return jax.grad(lambda q: jnp.sum(jax.grad(loss(f), 1)(q, k, v) ** 2))(q)
-    np.testing.assert_allclose(second(ours), second(plain), rtol=1e-3, atol=1e-4)
-    vs = jnp.stack([v, 2 * v])
-    batched = jax.vmap(jax.grad(loss(ours), 2), in_axes=(None, None, 0))(q, k, vs)
-    np.testing.assert_allclose(batched[1], jax.grad(loss(ours), 2)(q, k, 2 * v), rtol=1e-6)
-
-
 def test_bf16_within_documented_tolerance():
     q, k, v, mask, _ = attention_inputs()
     ref = dot_product_attention(q, k, v, mask=mask, causal=True)

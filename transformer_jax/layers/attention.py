@@ -29,6 +29,7 @@ each device attends over its own rows and heads and nothing is gathered.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any
@@ -316,39 +317,71 @@ def _mesh_specs(q: Array, k: Array, mask: Array | None, bias: Array | None):
     return qkv, qkv, qkv, aux(mask), aux(bias), qkv
 
 
-def _run_kernel(kernel, q, k, v, mask, bias, scale, causal):
-    """``kernel`` on this device's rows and heads when a mesh is current (shard_map)."""
-    specs = _mesh_specs(q, k, mask, bias)
-    if specs is None:
-        return kernel(q, k, v, mask, bias, scale, causal)
-    *in_specs, out_spec = specs
-    body = lambda q, k, v, mask, bias: kernel(q, k, v, mask, bias, scale, causal)  # noqa: E731
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """Everything about an attention call but its arrays (hashable: a jit static argument)."""
+    implementation: str         # "xla", "chunked", "pallas", "cudnn" or "jax" (XLA's path)
+    platform: str
+    scale: float
+    causal: bool
+    precision: Any
+    q_chunk: int | None
+    kv_chunk: int | None
+    cpu_tuning: bool
+    mesh_specs: tuple | None    # ``_mesh_specs`` of the call, resolved outside the trace
+
+
+# Jitted with the call's settings static, so that the layers of a model, which attend with
+# the same shapes and settings, share one trace of each branch: "auto" and "pallas" trace a
+# branch per platform (lowering keeps one), and linearizing one costs up to a second.
+@functools.partial(jax.jit, static_argnames=("call",))
+def _attend(q, k, v, mask, bias, *, call: _Call):
+    """One implementation on one platform; the kernels run per device under a mesh."""
+    if call.implementation == "xla":
+        return xla_attention(q, k, v, mask, bias, call.scale, call.causal,
+                             precision=call.precision, query_block=call.q_chunk,
+                             cpu_tuning_on=call.cpu_tuning)[0]
+    if call.implementation == "chunked":
+        return chunked_attention(q, k, v, mask, bias, call.scale, call.causal, 0.0, None, True,
+                                 call.precision, call.q_chunk or 512, call.kv_chunk or 512)
+    kernel = _kernel(call.implementation, call.platform, call.q_chunk, call.kv_chunk)
+    if call.mesh_specs is None:
+        return kernel(q, k, v, mask, bias, call.scale, call.causal)
+    *in_specs, out_spec = call.mesh_specs
+    body = lambda q, k, v, mask, bias: kernel(q, k, v, mask, bias, call.scale,  # noqa: E731
+                                              call.causal)
     # check_vma=False: pallas_call and cuDNN outputs carry no varying-axes annotation
     return jax.shard_map(body, in_specs=tuple(in_specs), out_specs=out_spec,
                          check_vma=False)(q, k, v, mask, bias)
 
 
-def _auto_attention(q, k, v, mask, bias, scale, causal, precision, q_chunk, kv_chunk, tuned):
-    """``implementation="auto"``: one branch per platform, chosen at lowering time."""
-    describe = dict(dtype=q.dtype, head_dim=q.shape[-1], q_len=q.shape[1], kv_len=k.shape[1])
+def _per_platform(q, k, v, mask, bias, choose, *, kernel_chunks: bool, q_chunk, kv_chunk,
+                  **settings):
+    """``lax.platform_dependent`` over the platforms, ``choose(platform)`` naming the
+    implementation of each; the Pallas kernel gets ``q_chunk``/``kv_chunk`` as its block
+    sizes only with ``kernel_chunks`` (else its own defaults)."""
+    specs = _mesh_specs(q, k, mask, bias)
 
     def branch(platform):
-        name = resolve_implementation("auto", platform, **describe)
-        if name == "xla":
-            return lambda q, k, v, mask, bias: xla_attention(
-                q, k, v, mask, bias, scale, causal, precision=precision,
-                query_block=q_chunk, cpu_tuning_on=tuned)[0]
-        if name == "chunked":
-            return lambda q, k, v, mask, bias: chunked_attention(
-                q, k, v, mask, bias, scale, causal, 0.0, None, True, precision,
-                q_chunk or 512, kv_chunk or 512)
-        kernel = _kernel(name, platform, None, None)     # the kernels' own block sizes
-        return lambda q, k, v, mask, bias: _run_kernel(kernel, q, k, v, mask, bias, scale,
-                                                       causal)
+        name = choose(platform)
+        chunks = (q_chunk, kv_chunk) if kernel_chunks or name in ("xla", "chunked") else (None, None)
+        call = _Call(implementation=name, platform=platform, mesh_specs=specs, q_chunk=chunks[0],
+                     kv_chunk=chunks[1], **settings)
+        return functools.partial(_attend, call=call)
 
-    return jax.lax.platform_dependent(q, k, v, mask, bias, cpu=branch("cpu"),
-                                      cuda=branch("gpu"), rocm=branch("gpu"), tpu=branch("tpu"),
-                                      default=branch("cpu"))
+    return jax.lax.platform_dependent(q, k, v, mask, bias, cpu=branch("cpu"), cuda=branch("gpu"),
+                                      rocm=branch("gpu"), tpu=branch("tpu"), default=branch("cpu"))
+
+
+def _auto_attention(q, k, v, mask, bias, scale, causal, precision, q_chunk, kv_chunk, tuned):
+    """``implementation="auto"``: one branch per platform, chosen at lowering time. The
+    kernels keep their own block sizes; ``q_chunk``/``kv_chunk`` reach the reference and
+    the chunked path."""
+    describe = dict(dtype=q.dtype, head_dim=q.shape[-1], q_len=q.shape[1], kv_len=k.shape[1])
+    choose = lambda platform: resolve_implementation("auto", platform, **describe)  # noqa: E731
+    return _per_platform(q, k, v, mask, bias, choose, kernel_chunks=False, q_chunk=q_chunk,
+                         kv_chunk=kv_chunk, scale=float(scale), causal=causal,
+                         precision=precision, cpu_tuning=tuned)
 
 
 # ----------------------------------------------------------------------------- public
@@ -428,14 +461,11 @@ def dot_product_attention(
     if implementation == "auto":
         return _auto_attention(query, key, value, mask, bias, scale, causal, precision,
                                q_chunk, kv_chunk, cpu_tuning)
+    settings = dict(scale=float(scale), causal=causal, precision=precision, cpu_tuning=cpu_tuning)
     if implementation == "pallas":
         # one source for every platform: Mosaic, Triton or interpret mode, chosen at lowering
-        kernels = {p: _kernel("pallas", p, q_chunk, kv_chunk) for p in PLATFORMS}
-        branch = lambda p: lambda q, k, v, m, bb: _run_kernel(  # noqa: E731
-            kernels[p], q, k, v, m, bb, scale, causal)
-        return jax.lax.platform_dependent(query, key, value, mask, bias, cpu=branch("cpu"),
-                                          cuda=branch("gpu"), rocm=branch("gpu"),
-                                          tpu=branch("tpu"), default=branch("cpu"))
+        return _per_platform(query, key, value, mask, bias, lambda platform: "pallas",
+                             kernel_chunks=True, q_chunk=q_chunk, kv_chunk=kv_chunk, **settings)
     problems = cudnn_problems(query, key, value)
     if jax.default_backend() != "gpu":
         problems.insert(0, f"it needs a GPU (the backend is {jax.default_backend()!r})")
@@ -443,8 +473,10 @@ def dot_product_attention(
         raise UserError("implementation='cudnn' cannot run: " + "; ".join(problems)
                         + ". Use implementation='auto' (cuDNN where possible), 'jax', "
                         "'pallas', 'chunked' or 'xla'")
-    kernel = _kernel("cudnn" if not problems else "xla", "gpu", q_chunk, kv_chunk)
-    return _run_kernel(kernel, query, key, value, mask, bias, scale, causal)
+    call = _Call(implementation="cudnn" if not problems else "jax", platform="gpu",
+                 mesh_specs=_mesh_specs(query, key, mask, bias), q_chunk=None, kv_chunk=None,
+                 **settings)
+    return _attend(query, key, value, mask, bias, call=call)
 
 
 # ----------------------------------------------------------------------------- module

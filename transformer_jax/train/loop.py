@@ -303,7 +303,7 @@ def setup(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
     run_config = {"experiment": cfg.to_dict(), "family": cfg.model, "model": model_cfg.to_dict(),
                   "task": cfg.task, "task_spec": task.spec(), "loss_scaling": loss_scale is not None,
                   "attention": plan}
-    if is_main() and progress:
+    if is_main():
         print(describe_attention_plan(plan, model_cfg), flush=True)
     ckpt = _open_checkpoints(cfg, workdir, resume)
     try:
