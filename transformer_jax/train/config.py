@@ -7,13 +7,12 @@ overrides any field; ``--set model.FIELD=value`` overrides a field of the model 
 from __future__ import annotations
 
 import ast
-import contextlib
 import dataclasses
 import difflib
 import importlib.util
 import os
 from pathlib import Path
-from typing import Any, ClassVar, Iterator
+from typing import Any, ClassVar
 
 from ..errors import UserError
 from ..models.base import PresetConfig
@@ -84,8 +83,7 @@ class ExperimentConfig(PresetConfig):
                 raise UserError(f"ExperimentConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.parallelism not in ("jit", "pmap"):
             raise UserError(f"ExperimentConfig.parallelism must be 'jit' or 'pmap', got {self.parallelism!r}")
-        with user_errors():
-            parse_mesh(self.mesh)   # syntax only; the device count is checked when the run starts
+        parse_mesh(self.mesh)   # syntax only; the device count is checked when the run starts
         if self.batch_size % self.accum_steps:
             raise UserError(f"batch_size={self.batch_size} is not divisible by "
                             f"accum_steps={self.accum_steps}; choose a batch_size that is a multiple of it")
@@ -116,23 +114,6 @@ class ExperimentConfig(PresetConfig):
             return dict(lr=self.learning_rate, warmup_steps=self.warmup_steps)
         raise UserError(f"unknown schedule {self.schedule!r}; choose warmup_cosine, "
                         "warmup_rsqrt, noam or constant")
-
-
-@contextlib.contextmanager
-def user_errors() -> Iterator[None]:
-    """Re-raise a ``ValueError`` from validating what the user set (model fields, the mesh)
-    as a :class:`UserError` with the same message.
-
-    Wrap only calls that validate settings (``build_model``, ``parse_mesh``, ...): their
-    ``ValueError`` is a bad value, not a bug. Code below ``train/`` that raises
-    ``UserError`` itself passes through unchanged.
-    """
-    try:
-        yield
-    except UserError:
-        raise
-    except ValueError as e:
-        raise UserError(str(e)) from e
 
 
 # ----------------------------------------------------------------------------- overrides

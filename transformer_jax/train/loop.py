@@ -58,7 +58,7 @@ from ..models import build_model, model_from_config
 from ..models.base import attention_plan, describe_attention_plan
 from ..tasks import Task, make_task
 from .checkpoint import CheckpointManager, load_params
-from .config import ExperimentConfig, user_errors
+from .config import ExperimentConfig
 from .distributed import (Placement, any_process, broadcast_json, gather_data_state, is_main,
                           local_data_state, main_first, make_placement)
 from .monitor import MetricsWriter, peak_flops_per_device, plot_loss
@@ -111,8 +111,7 @@ def build(cfg: ExperimentConfig, task_overrides: dict[str, Any]):
                         f"tokenizer's vocabulary ({vocab}); drop the override (the task sets it)")
     for key, value in task_overrides.items():
         overrides.setdefault(key, value)
-    with user_errors():
-        model_cfg, model = build_model(cfg.model, cfg.model_preset, overrides)
+    model_cfg, model = build_model(cfg.model, cfg.model_preset, overrides)
     max_len = getattr(model_cfg, "max_len", None)
     if max_len is not None and cfg.seq_len > max_len:
         raise UserError(f"seq_len={cfg.seq_len} exceeds the model's max_len={max_len}; "
@@ -121,10 +120,9 @@ def build(cfg: ExperimentConfig, task_overrides: dict[str, Any]):
 
 
 def make_tx(cfg: ExperimentConfig, model_cfg):
-    with user_errors():   # schedule arguments and clip_norm come from the config
-        schedule = make_schedule(cfg.schedule, **cfg.schedule_kwargs(model_cfg.d_model))
-        tx = make_optimizer(schedule=schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                            weight_decay=cfg.weight_decay, clip_norm=cfg.clip_norm)
+    schedule = make_schedule(cfg.schedule, **cfg.schedule_kwargs(model_cfg.d_model))
+    tx = make_optimizer(schedule=schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                        weight_decay=cfg.weight_decay, clip_norm=cfg.clip_norm)
     return tx, schedule
 
 
@@ -292,8 +290,7 @@ def setup(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
           progress: bool = True) -> Run:
     """Everything a run needs: task, model, placement, checkpoints, state, compiled steps."""
     workdir = storage.path(workdir)
-    with user_errors():   # the mesh against this machine's devices, the batch against the mesh
-        placement = make_placement(cfg.parallelism, cfg.mesh, cfg.batch_size, cfg.accum_steps)
+    placement = make_placement(cfg.parallelism, cfg.mesh, cfg.batch_size, cfg.accum_steps)
     # with several processes, process 0 prepares first (tokenizer, dataset), the others reuse it
     task = main_first(lambda: make_task(cfg, workdir), "transformer_jax:task")
     model_cfg, model = build(cfg, task.model_overrides())
@@ -576,8 +573,7 @@ def train(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
 def load_run(workdir: str | Path, step: int | None = None):
     """Rebuild ``(run_config, model, params, task)`` from a workdir alone."""
     run_config, params = load_params(workdir, step)
-    with user_errors():
-        _, model = model_from_config(run_config["family"], run_config["model"])
+    _, model = model_from_config(run_config["family"], run_config["model"])
     cfg = ExperimentConfig.from_dict(run_config["experiment"])
     task = make_task(cfg, workdir, spec=run_config["task_spec"])
     return run_config, model, params, task
