@@ -5,6 +5,8 @@ import dataclasses
 import difflib
 from typing import Any, ClassVar, TypeVar
 
+import jax.numpy as jnp
+
 from ..errors import UserError
 from ..layers.attention import IMPLEMENTATIONS, resolve_implementation
 from ..layers.dense import canonical_dtype
@@ -91,6 +93,29 @@ class PresetConfig:
                                 f"vocabulary [0, {self.vocab_size})")
 
 
+def check_ids(name: str, ids: Any):
+    """Token ids as a (B, length) integer array, or a UserError naming ``name``."""
+    ids = jnp.asarray(ids)
+    if ids.ndim != 2:
+        raise UserError(f"{name} must be (B, length) token ids; got shape {ids.shape}")
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise UserError(f"{name} must be integer token ids; got dtype {ids.dtype}")
+    return ids
+
+
+def encode_then_decode(model: Any, input_ids, decoder_input_ids, attention_mask,
+                       decoder_attention_mask, deterministic: bool):
+    """An encoder-decoder's ``__call__``: checked ids, ``model.encode``, ``model.decode``."""
+    input_ids = check_ids("input_ids", input_ids)
+    decoder_input_ids = check_ids("decoder_input_ids", decoder_input_ids)
+    if input_ids.shape[0] != decoder_input_ids.shape[0]:
+        raise UserError(f"input_ids {tuple(input_ids.shape)} and decoder_input_ids "
+                        f"{tuple(decoder_input_ids.shape)} have different batch sizes")
+    encoded = model.encode(input_ids, attention_mask, deterministic=deterministic)
+    return model.decode(decoder_input_ids, encoded, attention_mask, decoder_attention_mask,
+                        deterministic=deterministic)
+
+
 def to_config_layout(params: dict, config: Any) -> dict:
     """``params`` with every layer stack in ``config``'s layout (``scan_layers``): one
     subtree with a leading (L,) axis per stack, or one subtree per layer. For weights made
@@ -121,12 +146,24 @@ def describe_attention_plan(plan: dict[str, str], config: Any) -> str:
             f"{rate} needs it; set it to 0 for {plan['eval']}), {plan['eval']} at eval")
 
 
-class EncoderDecoderFlops:
-    """Training FLOPs of encoder-decoder configs (T5, Transformer), PaLM convention.
+class EncoderDecoderConfig:
+    """What the encoder-decoder configs (T5, Transformer) share: their two layer stacks and
+    their training FLOPs, PaLM convention.
 
     Needs ``_layer_params() -> (encoder layer, decoder layer)`` weight counts and the fields
     ``num_layers``, ``decoder_layers``, ``vocab_size``, ``d_model``, ``num_heads``, ``head_dim``.
     """
+
+    @property
+    def decoder_layers(self) -> int:
+        return self.num_layers if self.num_decoder_layers is None else self.num_decoder_layers
+
+    @property
+    def layer_stacks(self) -> tuple[tuple[tuple[str, ...], str, int], ...]:
+        """(parent path, name, count) of each layer stack: ``{encoder,decoder}/layers_{i}``,
+        scanned ``{encoder,decoder}/layers``."""
+        return ((("encoder",), "layers", self.num_layers),
+                (("decoder",), "layers", self.decoder_layers))
 
     def flops_per_example(self, src_len: int, tgt_len: int) -> float:
         """Training FLOPs of one (source, target) pair: 6 per matmul weight per token (the

@@ -58,13 +58,13 @@ from ..layers.mlp import ACTIVATIONS
 from ..layers.norms import RMSNorm
 from ..layers.relative import relative_position_bias
 from ..layers.stack import layer_stack
-from .base import EncoderDecoderFlops, PresetConfig
+from .base import EncoderDecoderConfig, PresetConfig, check_ids, encode_then_decode
 
 Array = jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
-class T5Config(EncoderDecoderFlops, PresetConfig):
+class T5Config(EncoderDecoderConfig, PresetConfig):
     vocab_size: int = 32128
     d_model: int = 512
     num_heads: int = 8
@@ -127,19 +127,9 @@ class T5Config(EncoderDecoderFlops, PresetConfig):
         self._require_model_settings()
 
     @property
-    def decoder_layers(self) -> int:
-        return self.num_layers if self.num_decoder_layers is None else self.num_decoder_layers
-
-    @property
     def mlp_features(self) -> int:
         return self.mlp_dim or 4 * self.d_model
 
-    @property
-    def layer_stacks(self) -> tuple[tuple[tuple[str, ...], str, int], ...]:
-        """(parent path, name, count) of each layer stack: ``{encoder,decoder}/layers_{i}``,
-        scanned ``{encoder,decoder}/layers``."""
-        return ((("encoder",), "layers", self.num_layers),
-                (("decoder",), "layers", self.decoder_layers))
 
     @property
     def inner_dim(self) -> int:
@@ -245,15 +235,6 @@ class T5Stack(nn.Module):
 
 # ----------------------------------------------------------------------------- model
 
-def _check_ids(name: str, ids: Array) -> Array:
-    ids = jnp.asarray(ids)
-    if ids.ndim != 2:
-        raise UserError(f"{name} must be (B, length) token ids; got shape {ids.shape}")
-    if not jnp.issubdtype(ids.dtype, jnp.integer):
-        raise UserError(f"{name} must be integer token ids; got dtype {ids.dtype}")
-    return ids
-
-
 def _check_mask(name: str, mask: Array | None, ids: Array, what: str) -> Array | None:
     if mask is None:
         return None
@@ -290,19 +271,13 @@ class T5(nn.Module):
     def __call__(self, input_ids: Array, decoder_input_ids: Array,
                  attention_mask: Array | None = None, decoder_attention_mask: Array | None = None,
                  *, deterministic: bool = True) -> Array:
-        input_ids = _check_ids("input_ids", input_ids)
-        decoder_input_ids = _check_ids("decoder_input_ids", decoder_input_ids)
-        if input_ids.shape[0] != decoder_input_ids.shape[0]:
-            raise UserError(f"input_ids {tuple(input_ids.shape)} and decoder_input_ids "
-                            f"{tuple(decoder_input_ids.shape)} have different batch sizes")
-        encoded = self.encode(input_ids, attention_mask, deterministic=deterministic)
-        return self.decode(decoder_input_ids, encoded, attention_mask, decoder_attention_mask,
-                           deterministic=deterministic)
+        return encode_then_decode(self, input_ids, decoder_input_ids, attention_mask,
+                                  decoder_attention_mask, deterministic)
 
     def encode(self, input_ids: Array, attention_mask: Array | None = None, *,
                deterministic: bool = True) -> Array:
         """input_ids (B, S) -> encoder output (B, S, D)."""
-        input_ids = _check_ids("input_ids", input_ids)
+        input_ids = check_ids("input_ids", input_ids)
         attention_mask = _check_mask("attention_mask", attention_mask, input_ids, "input_ids")
         mask = None if attention_mask is None else key_padding_mask(attention_mask)
         x = self.shared(input_ids)
@@ -318,7 +293,7 @@ class T5(nn.Module):
         tokens are appended to the KV cache (``decoder_attention_mask`` must then be None).
         """
         cfg = self.config
-        decoder_input_ids = _check_ids("decoder_input_ids", decoder_input_ids)
+        decoder_input_ids = check_ids("decoder_input_ids", decoder_input_ids)
         if encoded.ndim != 3 or encoded.shape[0] != decoder_input_ids.shape[0]:
             raise UserError(f"encoded must be (B, S, D) with B = {decoder_input_ids.shape[0]}; "
                             f"got {tuple(encoded.shape)}")

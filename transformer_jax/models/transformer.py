@@ -58,13 +58,13 @@ from ..layers.masks import key_padding_mask
 from ..layers.mlp import ACTIVATIONS
 from ..layers.norms import LayerNorm
 from ..layers.stack import layer_stack
-from .base import EncoderDecoderFlops, PresetConfig
+from .base import EncoderDecoderConfig, PresetConfig, check_ids, encode_then_decode
 
 Array = jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
-class TransformerConfig(EncoderDecoderFlops, PresetConfig):
+class TransformerConfig(EncoderDecoderConfig, PresetConfig):
     vocab_size: int = 37000                 # the paper's shared source/target BPE vocabulary
     max_len: int = 512                      # longest source or target (sinusoidal table rows)
     num_layers: int = 6                     # encoder layers
@@ -116,10 +116,6 @@ class TransformerConfig(EncoderDecoderFlops, PresetConfig):
         self._require_model_settings()
 
     @property
-    def decoder_layers(self) -> int:
-        return self.num_layers if self.num_decoder_layers is None else self.num_decoder_layers
-
-    @property
     def has_final_norm(self) -> bool:
         return self.pre_norm if self.final_norm is None else self.final_norm
 
@@ -131,12 +127,6 @@ class TransformerConfig(EncoderDecoderFlops, PresetConfig):
     def mlp_features(self) -> int:
         return self.mlp_dim or 4 * self.d_model
 
-    @property
-    def layer_stacks(self) -> tuple[tuple[tuple[str, ...], str, int], ...]:
-        """(parent path, name, count) of each layer stack: ``{encoder,decoder}/layers_{i}``,
-        scanned ``{encoder,decoder}/layers``."""
-        return ((("encoder",), "layers", self.num_layers),
-                (("decoder",), "layers", self.decoder_layers))
 
     def _layer_params(self) -> tuple[int, int]:
         d, f = self.d_model, self.mlp_features
@@ -212,15 +202,6 @@ class TransformerStack(nn.Module):
 
 # ----------------------------------------------------------------------------- model
 
-def _check_ids(name: str, ids: Array) -> Array:
-    ids = jnp.asarray(ids)
-    if ids.ndim != 2:
-        raise UserError(f"{name} must be (B, length) token ids; got shape {ids.shape}")
-    if not jnp.issubdtype(ids.dtype, jnp.integer):
-        raise UserError(f"{name} must be integer token ids; got dtype {ids.dtype}")
-    return ids
-
-
 def _padding(name: str, mask: Array | None, shape: tuple[int, ...]) -> Array | None:
     if mask is None:
         return None
@@ -262,19 +243,13 @@ class Transformer(nn.Module):
     def __call__(self, input_ids: Array, decoder_input_ids: Array,
                  attention_mask: Array | None = None, decoder_attention_mask: Array | None = None,
                  *, deterministic: bool = True) -> Array:
-        input_ids = _check_ids("input_ids", input_ids)
-        decoder_input_ids = _check_ids("decoder_input_ids", decoder_input_ids)
-        if input_ids.shape[0] != decoder_input_ids.shape[0]:
-            raise UserError(f"input_ids {tuple(input_ids.shape)} and decoder_input_ids "
-                            f"{tuple(decoder_input_ids.shape)} have different batch sizes")
-        encoded = self.encode(input_ids, attention_mask, deterministic=deterministic)
-        return self.decode(decoder_input_ids, encoded, attention_mask, decoder_attention_mask,
-                           deterministic=deterministic)
+        return encode_then_decode(self, input_ids, decoder_input_ids, attention_mask,
+                                  decoder_attention_mask, deterministic)
 
     def encode(self, input_ids: Array, attention_mask: Array | None = None, *,
                deterministic: bool = True) -> Array:
         """input_ids (B, S) -> encoder output (B, S, D)."""
-        input_ids = _check_ids("input_ids", input_ids)
+        input_ids = check_ids("input_ids", input_ids)
         mask = _padding("attention_mask", attention_mask, input_ids.shape)
         return self.encoder(self._embed(input_ids), mask, deterministic=deterministic)
 
@@ -286,7 +261,7 @@ class Transformer(nn.Module):
         ``attention_mask`` (B, S) is the *source* padding mask. With ``decode=True`` the
         tokens are appended to the KV cache (``decoder_attention_mask`` must then be None).
         """
-        decoder_input_ids = _check_ids("decoder_input_ids", decoder_input_ids)
+        decoder_input_ids = check_ids("decoder_input_ids", decoder_input_ids)
         if encoded.ndim != 3 or encoded.shape[0] != decoder_input_ids.shape[0]:
             raise UserError(f"encoded must be (B, S, D) with B = {decoder_input_ids.shape[0]}; "
                             f"got {tuple(encoded.shape)}")
