@@ -129,11 +129,27 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_isa() -> str:
+    """The widest x86 vector extension the CPU has ("avx512", "avx2", ...), with its family
+    and model numbers (e.g. "avx512, family 25 model 17": AMD Zen 4), or the machine type."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.machine()
+    fields = dict(line.split(":", 1) for line in text.splitlines()[:40] if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    flags = set(fields.get("flags", "").split())
+    isa = next((name for name, flag in (("avx512", "avx512f"), ("avx2", "avx2"), ("avx", "avx"),
+                                        ("sse4.2", "sse4_2")) if flag in flags), platform.machine())
+    return f"{isa}, family {fields.get('cpu family', '?')} model {fields.get('model', '?')}"
+
+
 def machine_info() -> dict[str, Any]:
     import jax
     info: dict[str, Any] = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "cpu": cpu_model(), "cpu_count": os.cpu_count(), "python": platform.python_version(),
+        "cpu": cpu_model(), "cpu_isa": cpu_isa(), "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
         "jax": jax.__version__, "backend": jax.default_backend(),
         "device": jax.devices()[0].device_kind, "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "malloc_tuned": bool(_MALLOC_TUNED),

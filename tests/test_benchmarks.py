@@ -295,3 +295,20 @@ def test_gpu_check_script_runs_as_it_stands_in_smoke_mode(tmp_path):
     assert fp16["losses"][-1] < fp16["losses"][0] - 0.05     # the updates were applied
     md = out.with_suffix(".md").read_text()
     assert "| auto | xla | 2 x 64 |" in md and "| xla | 2 x 64 | 3 |" in md
+
+
+def test_compare_commits_imports_a_commit_beside_this_checkout(tmp_path):
+    """The exported HEAD is a second, independent package whose train step gives this
+    checkout's loss on the same case; the two sides alternate and both are timed."""
+    import importlib
+    compare = _benchmarks("compare_commits")
+    name = compare.export("HEAD", tmp_path)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        row = compare.compare_train(name, "gpt_tiny", rounds=2)
+        assert importlib.import_module(name).__file__.startswith(str(tmp_path))
+    finally:
+        sys.path.remove(str(tmp_path))
+    before, after = row["first_loss"]
+    assert before == after and 3.0 < after < 5.0           # ~ln(64) at init
+    assert row["before_s"] > 0 and row["after_s"] > 0 and row["q1"] <= row["ratio"] <= row["q3"]
