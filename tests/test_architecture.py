@@ -1,4 +1,5 @@
-"""The package's shape: no import cycle, layers below models, short functions.
+"""The package's shape: no import cycle, layers below models, the training stack
+(``losses`` -> ``train`` -> ``tasks`` -> ``cli``) pointing down, short functions.
 
 Read from the source with ``ast`` (nothing is imported): every import between
 transformer_jax modules, at module level or inside a function (a late import is still a
@@ -116,6 +117,35 @@ def test_layers_and_models_depend_downward_only():
         for dep in GRAPH[module]:
             assert dep.startswith(("transformer_jax.layers", "transformer_jax.models",
                                    "transformer_jax.errors")), (module, dep)
+
+
+def _reachable(start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in GRAPH[todo.pop()]:
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+def test_the_training_stack_depends_downward_only():
+    """``train/loop.py`` builds the task, so it alone in ``train/`` imports ``tasks``; tasks
+    read a finished run through ``train/checkpoint.py`` and never reach the loop; nothing
+    imports the CLI; ``losses`` needs only ``errors``."""
+    assert "transformer_jax.train.checkpoint" in GRAPH["transformer_jax.tasks.classify"]
+    assert "transformer_jax.tasks" in GRAPH["transformer_jax.train.loop"]
+    for name in _under("transformer_jax.tasks"):
+        up = {d for d in GRAPH[name] if d.startswith("transformer_jax.train")}
+        assert up <= {"transformer_jax.train.checkpoint"}, (name, up)
+    for name in _under("transformer_jax.train"):
+        if name != "transformer_jax.train.loop":
+            assert not any(d.startswith("transformer_jax.tasks") for d in GRAPH[name]), name
+    assert not any("transformer_jax.cli" in deps for deps in GRAPH.values())
+    assert GRAPH["transformer_jax.losses"] <= {"transformer_jax.errors"}
+    above = set(_under("transformer_jax.tasks")) | set(_under("transformer_jax.models")) | {
+        "transformer_jax.train.loop", "transformer_jax.cli"}
+    assert not _reachable("transformer_jax.train.checkpoint") & above
 
 
 def _long_functions() -> list[str]:

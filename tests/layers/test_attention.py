@@ -44,8 +44,8 @@ def test_implementations_agree_forward_and_grad(impl, causal):
     def loss(impl, **chunks):
         return lambda q, k, v, b: jnp.sum(dot_product_attention(
             q, k, v, mask=mask, bias=b, causal=causal, implementation=impl, **chunks) * ct)
-    g_ref = jax.grad(loss("xla", q_chunk=q.shape[1]), argnums=(0, 1, 2, 3))(q, k, v, bias)
-    g = jax.grad(loss(impl, q_chunk=16, kv_chunk=16), argnums=(0, 1, 2, 3))(q, k, v, bias)
+    g_ref = jax.jit(jax.grad(loss("xla", q_chunk=q.shape[1]), argnums=(0, 1, 2, 3)))(q, k, v, bias)
+    g = jax.jit(jax.grad(loss(impl, q_chunk=16, kv_chunk=16), argnums=(0, 1, 2, 3)))(q, k, v, bias)
     for a, b in zip(g, g_ref):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 
@@ -74,7 +74,7 @@ def test_xla_causal_query_blocks_equal_the_whole_square(t, s):
         def f(q, k, v, b):
             out = dot_product_attention(q, k, v, mask=mask, bias=b, causal=True, q_chunk=block)
             return jnp.sum(out * ct), out
-        return jax.grad(f, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, bias)
+        return jax.jit(jax.grad(f, argnums=(0, 1, 2, 3), has_aux=True))(q, k, v, bias)
 
     g_ref, ref = run(t)             # one block: the whole square
     whole, _ = dot_product_attention(q, k, v, mask=mask, bias=bias, causal=True, return_weights=True)

@@ -9,25 +9,10 @@ from jax._src.array import ArrayImpl
 from transformer_jax.errors import UserError
 from transformer_jax.train import loop
 from transformer_jax.train.checkpoint import CheckpointManager
-from transformer_jax.train.config import ExperimentConfig, apply_overrides
 from transformer_jax.train.loop import NonFiniteLossError, Prefetcher, train
 from transformer_jax.train.monitor import read_metrics
 
-TINY = [
-    "model.num_layers=1", "model.d_model=32", "model.num_heads=2", "model.max_len=64",
-    "seq_len=32", "batch_size=4", "schedule=constant", "learning_rate=3e-3", "warmup_steps=2",
-    "log_every=1", "eval_every=5", "save_every=5", "eval_batches=2", "sample_tokens=8",
-]
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("tfds"))
-
-
-def tiny_cfg(data_dir, **extra) -> ExperimentConfig:
-    return apply_overrides(ExperimentConfig(), TINY + [f"data_dir={data_dir}"]
-                           + [f"{k}={v}" for k, v in extra.items()])
+from .tiny_run import tiny_cfg
 
 
 def train_rows(workdir) -> dict[int, dict]:

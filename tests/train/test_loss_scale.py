@@ -30,11 +30,6 @@ TINY16 = [
 ]
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("tfds"))
-
-
 def rows(workdir) -> dict[int, dict]:
     return {r["step"]: r for r in read_metrics(workdir) if "loss" in r}
 
@@ -164,21 +159,21 @@ def test_jit_and_pmap_on_four_devices_skip_together_and_match_one_device():
 
 @pytest.mark.slow
 def test_default_experiment_in_float16_tracks_float32(tmp_path, data_dir):
-    """experiments/stdlib_gpt.py, paused at step 24 (its own schedule: warmup to step 50),
+    """experiments/stdlib_gpt.py, paused at step 12 (its own schedule: warmup to step 50),
     once as it is and once with --set model.dtype=float16 (scaling on by itself). No step
     is skipped at the default initial scale; the training losses agree within 1e-3 nats at
-    every step (measured: at most 2.9e-4) and the eval loss at step 24 within 1e-3
-    (measured: 9e-5)."""
+    every step (measured: at most 2.9e-4) and the eval loss at step 12 within 1e-3
+    (measured: 9e-6), while both fall by more than 0.8 nats (measured: 0.95)."""
     base = apply_overrides(load_experiment("stdlib_gpt"), [
-        f"data_dir={data_dir}", "log_every=1", "eval_every=24", "eval_batches=4", "sample_tokens=0"])
-    f32 = train(base, tmp_path / "f32", progress=False, stop_at=24)
+        f"data_dir={data_dir}", "log_every=1", "eval_every=12", "eval_batches=4", "sample_tokens=0"])
+    f32 = train(base, tmp_path / "f32", progress=False, stop_at=12)
     f16 = train(apply_overrides(base, ["model.dtype=float16"]), tmp_path / "f16", progress=False,
-                stop_at=24)
+                stop_at=12)
     a, b = rows(tmp_path / "f32"), rows(tmp_path / "f16")
-    assert sorted(a) == sorted(b) == list(range(1, 25))
+    assert sorted(a) == sorted(b) == list(range(1, 13))
     assert all(b[s]["skipped"] == 0.0 and b[s]["loss_scale"] == 2.0 ** 15 for s in b)
     assert "loss_scale" not in a[1]
     diffs = [abs(a[s]["loss"] - b[s]["loss"]) for s in a]
     assert max(diffs) < 1e-3, diffs
-    assert a[24]["loss"] < a[1]["loss"] - 1.5                       # both learned
+    assert a[12]["loss"] < a[1]["loss"] - 0.8                       # both learned
     assert abs(f32["eval_loss"] - f16["eval_loss"]) < 1e-3

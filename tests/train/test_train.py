@@ -19,21 +19,7 @@ from transformer_jax.train.monitor import read_metrics
 from transformer_jax.train.optim import constant, make_optimizer
 from transformer_jax.train.step import create_train_state, make_train_step
 
-TINY = [
-    "model.num_layers=1", "model.d_model=32", "model.num_heads=2", "model.max_len=64",
-    "seq_len=32", "batch_size=4", "schedule=constant", "learning_rate=3e-3", "warmup_steps=2",
-    "log_every=1", "eval_every=5", "save_every=5", "eval_batches=2", "sample_tokens=8",
-]
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("tfds"))
-
-
-def tiny_cfg(data_dir, **extra) -> ExperimentConfig:
-    return apply_overrides(ExperimentConfig(), TINY + [f"data_dir={data_dir}"]
-                           + [f"{k}={v}" for k, v in extra.items()])
+from .tiny_run import TINY, tiny_cfg
 
 
 def losses(workdir) -> dict[int, float]:

@@ -103,6 +103,19 @@ def check_ids(name: str, ids: Any):
     return ids
 
 
+def check_decoder_inputs(decoder_input_ids, encoded, decoder_attention_mask, decode: bool):
+    """An encoder-decoder's ``decode`` inputs: checked target ids (B, T) that match the batch
+    of ``encoded`` (B, S, D), and no target padding mask while decoding from the cache."""
+    decoder_input_ids = check_ids("decoder_input_ids", decoder_input_ids)
+    if encoded.ndim != 3 or encoded.shape[0] != decoder_input_ids.shape[0]:
+        raise UserError(f"encoded must be (B, S, D) with B = {decoder_input_ids.shape[0]}; "
+                        f"got {tuple(encoded.shape)}")
+    if decode and decoder_attention_mask is not None:
+        raise UserError("decoder_attention_mask is not supported with decode=True (the cache "
+                        "masks positions that are not written yet)")
+    return decoder_input_ids
+
+
 def encode_then_decode(model: Any, input_ids, decoder_input_ids, attention_mask,
                        decoder_attention_mask, deterministic: bool):
     """An encoder-decoder's ``__call__``: checked ids, ``model.encode``, ``model.decode``."""

@@ -58,7 +58,8 @@ from ..layers.mlp import ACTIVATIONS
 from ..layers.norms import RMSNorm
 from ..layers.relative import relative_position_bias
 from ..layers.stack import layer_stack
-from .base import EncoderDecoderConfig, PresetConfig, check_ids, encode_then_decode
+from .base import (EncoderDecoderConfig, PresetConfig, check_decoder_inputs, check_ids,
+                   encode_then_decode)
 
 Array = jax.Array
 
@@ -293,16 +294,11 @@ class T5(nn.Module):
         tokens are appended to the KV cache (``decoder_attention_mask`` must then be None).
         """
         cfg = self.config
-        decoder_input_ids = check_ids("decoder_input_ids", decoder_input_ids)
-        if encoded.ndim != 3 or encoded.shape[0] != decoder_input_ids.shape[0]:
-            raise UserError(f"encoded must be (B, S, D) with B = {decoder_input_ids.shape[0]}; "
-                            f"got {tuple(encoded.shape)}")
+        decoder_input_ids = check_decoder_inputs(decoder_input_ids, encoded,
+                                                 decoder_attention_mask, decode)
         if attention_mask is not None and tuple(jnp.shape(attention_mask)) != encoded.shape[:2]:
             raise UserError(f"attention_mask must be (B, S) = {encoded.shape[:2]}, the source "
                             f"padding mask; got {tuple(jnp.shape(attention_mask))}")
-        if decode and decoder_attention_mask is not None:
-            raise UserError("decoder_attention_mask is not supported with decode=True (the cache "
-                            "masks positions that are not written yet)")
         decoder_attention_mask = _check_mask("decoder_attention_mask", decoder_attention_mask,
                                              decoder_input_ids, "decoder_input_ids")
         self_mask = None if decoder_attention_mask is None else key_padding_mask(decoder_attention_mask)

@@ -58,7 +58,8 @@ from ..layers.masks import key_padding_mask
 from ..layers.mlp import ACTIVATIONS
 from ..layers.norms import LayerNorm
 from ..layers.stack import layer_stack
-from .base import EncoderDecoderConfig, PresetConfig, check_ids, encode_then_decode
+from .base import (EncoderDecoderConfig, PresetConfig, check_decoder_inputs, check_ids,
+                   encode_then_decode)
 
 Array = jax.Array
 
@@ -261,13 +262,8 @@ class Transformer(nn.Module):
         ``attention_mask`` (B, S) is the *source* padding mask. With ``decode=True`` the
         tokens are appended to the KV cache (``decoder_attention_mask`` must then be None).
         """
-        decoder_input_ids = check_ids("decoder_input_ids", decoder_input_ids)
-        if encoded.ndim != 3 or encoded.shape[0] != decoder_input_ids.shape[0]:
-            raise UserError(f"encoded must be (B, S, D) with B = {decoder_input_ids.shape[0]}; "
-                            f"got {tuple(encoded.shape)}")
-        if decode and decoder_attention_mask is not None:
-            raise UserError("decoder_attention_mask is not supported with decode=True (the cache "
-                            "masks positions that are not written yet)")
+        decoder_input_ids = check_decoder_inputs(decoder_input_ids, encoded,
+                                                 decoder_attention_mask, decode)
         self_mask = _padding("decoder_attention_mask", decoder_attention_mask,
                              decoder_input_ids.shape)
         memory_mask = _padding("attention_mask", attention_mask, encoded.shape[:2])
