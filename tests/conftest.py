@@ -28,7 +28,10 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 @pytest.hookimpl(trylast=True)
 def pytest_configure(config):
-    base = config._tmp_path_factory.getbasetemp()
+    factory = getattr(config, "_tmp_path_factory", None)   # set by pytest's tmp_path plugin
+    if factory is None:
+        return
+    base = factory.getbasetemp()
     run_dir = base.parent if hasattr(config, "workerinput") else base   # xdist: popen-gwN/..
     settings = {
         "jax_compilation_cache_dir": str(run_dir / "jax_compilation_cache"),
