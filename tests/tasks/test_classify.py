@@ -11,7 +11,7 @@ import pytest
 from transformer_jax.data import ByteTokenizer
 from transformer_jax.tasks import classify, make_task
 from transformer_jax.tasks.classify import (LINE_CLASSES, ClassifyTask, classify_loss,
-                                            encode_example, line_role_examples)
+                                            encode_example, line_role_examples, line_roles)
 from transformer_jax.tasks.mlm import MLMVocab
 from transformer_jax.train.config import ExperimentConfig
 from transformer_jax.train.loop import evaluate
@@ -61,6 +61,15 @@ def test_line_role_examples_with_and_without_context():
         ('"""Doc', None, STRING), ('more."""', None, STRING), ("# note", None, COMMENT),
         ("x = 1  # set", None, CODE), ('y = """a', None, CODE), ('b"""', None, STRING),
         ("def f():", None, CODE), ("    # inner", None, COMMENT), ("    return 1", None, CODE)]
+
+
+def test_lines_are_numbered_as_tokenize_numbers_them():
+    """A form feed (common between sections of older modules) or another character at which
+    str.splitlines breaks is inside a line for tokenize; the roles must not shift after it."""
+    source = "x = 1\n\x0c\n# c\ny = 2  # \u2028 note\nz = 3\n"
+    assert line_roles(source) == [CODE, -1, COMMENT, CODE, CODE]
+    assert [(a, r) for a, _, r in line_role_examples([source], 0)] == [
+        ("x = 1", CODE), ("# c", COMMENT), ("y = 2  # \u2028 note", CODE), ("z = 3", CODE)]
 
 
 def test_encode_example_budget_cases():

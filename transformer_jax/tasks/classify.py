@@ -59,11 +59,18 @@ _STRING_TYPES = {tokenize.STRING} | {getattr(tokenize, n) for n in
 
 # ----------------------------------------------------------------------------- line roles
 
+def physical_lines(source: str) -> list[str]:
+    """The lines of ``source`` as ``tokenize`` numbers them: split at ``\n`` only (not at the
+    form feeds, ``\x1c``-``\x1e``, ``\x85`` or ``\u2028`` that ``str.splitlines`` also
+    breaks at), without their line ends."""
+    return [line.rstrip("\r\n") for line in io.StringIO(source).readlines()]
+
+
 def line_roles(source: str) -> list[int]:
     """The role of each physical line of Python ``source``: an index into ``LINE_CLASSES``,
     or -1 for a blank line. A line covered by a code token is ``code``; else by a string
     token ``string``; else by a comment ``comment``."""
-    lines = source.splitlines()
+    lines = physical_lines(source)
     code, string, comment = (np.zeros(len(lines) + 2, bool) for _ in range(3))
     try:
         for tok in tokenize.generate_tokens(io.StringIO(source).readline):
@@ -87,7 +94,7 @@ def line_roles(source: str) -> list[int]:
 def line_role_examples(texts, context_lines: int):
     """``(text_a, text_b | None, label)`` for every non-blank line of every document."""
     for text in texts:
-        lines = text.splitlines()
+        lines = physical_lines(text)
         for i, role in enumerate(line_roles(text)):
             if role < 0:
                 continue
