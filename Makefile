@@ -1,5 +1,5 @@
 # Two commands for a newcomer; each sets up its own virtual environment in .venv first.
-#   make train   train the default GPT on the embedded Python-stdlib corpus (~4 min on 2 CPU cores)
+#   make train   train the default GPT on the embedded Python-stdlib corpus (~3.5 min on 2 CPU cores)
 #   make test    run the test suite (what CI runs)
 #   make bench   the benchmark suite against PyTorch (~10 min; ARGS=--quick)
 PYTHON ?= python3

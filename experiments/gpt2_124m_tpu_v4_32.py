@@ -21,8 +21,8 @@ reads only its quarter of every batch (128 of the 512 sequences). Process 0 prep
 tokenizer and the dataset first (the others wait, then reuse them), and alone writes
 ``metrics.jsonl``, TensorBoard events, samples and ``loss.png``; all four write their shards
 of each orbax checkpoint. The workdir (and ``data_dir``) must be one directory every host
-sees (the loop writes its logs with local file I/O, so a ``gs://`` workdir does not work;
-a gcsfuse mount may, untested). Stop it with Ctrl-C or
+sees: a ``gs://`` bucket (every file of a run goes through ``transformer_jax/storage.py``;
+tested against a local GCS emulator, not real GCS) or a shared file system. Stop it with Ctrl-C or
 SIGTERM on all workers (they agree at the next log step, save, exit); add ``--resume`` to
 continue - on this slice, on a v3-8, or on one GPU (checkpoints restore onto any mesh).
 

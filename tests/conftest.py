@@ -10,6 +10,10 @@
   skips XLA's compile. It lives under pytest's temporary directory for this run (so every
   run starts empty and pytest removes old ones); a test that must see XLA compile drops
   ``JAX_COMPILATION_CACHE_DIR`` from its subprocess's environment.
+* The modules with tests marked ``slow`` run first, each module's tests kept together (their
+  module-scoped fixtures start subprocesses and train reference runs once): under
+  ``pytest-xdist --dist worksteal`` the fast modules then fill the gaps, and no long test is
+  left to run alone at the end.
 """
 import os
 
@@ -41,3 +45,11 @@ def pytest_configure(config):
     for name, value in settings.items():
         jax.config.update(name, value)
         os.environ[name.upper()] = str(value)        # for the subprocesses tests start
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    slow_modules = {item.module.__name__ for item in items
+                    if item.get_closest_marker("slow") is not None}
+    order = {id(item): i for i, item in enumerate(items)}
+    items.sort(key=lambda item: (item.module.__name__ not in slow_modules, order[id(item)]))

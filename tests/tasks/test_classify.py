@@ -182,6 +182,7 @@ def test_classify_loss_weights_examples():
     lse = np.log(np.exp(logits[:2].astype(np.float64)).sum(-1))
     assert float(loss_sum) == pytest.approx((lse[0] - 2.0) + (lse[1] - 0.0), rel=1e-6)
     assert float(sums["weight"]) == 2.0 and float(sums["correct"]) == 1.0     # row 0 right
+    jax.effects_barrier()                 # the debug callbacks have run
     assert all(np.array_equal(s, batch[k]) for s, k in
                zip(seen[0], ("input_ids", "token_type_ids", "attention_mask")))
 

@@ -104,6 +104,8 @@ def test_task_fixes_vocab_init_args_and_spec(tmp_path):
 V = 259
 TABLE = np.random.default_rng(0).normal(size=(V, V)).astype(np.float32)   # (V, V) bigram logits
 TABLE[0] = np.nan          # the model's output after a pad input; pads are never weighted
+for _a, _b in [(100, 101), (102, 103), (106, 107), (108, 109)]:
+    TABLE[_a, _b] += 10.0  # 4 of the stream's 13 next tokens predicted right, the rest wrong
 
 
 def bigram_apply(variables, inputs, deterministic=True, rngs=None):
@@ -133,6 +135,7 @@ def test_eval_metrics_equal_numpy_cross_entropy(tmp_path, eval_batches):
     assert got["eval_tokens"] == want["tokens"] == (13 if eval_batches > 2 else 12)
     assert got["eval_loss"] == pytest.approx(want["loss"], rel=1e-5)
     assert set(got) == {"eval_loss", "eval_accuracy", "eval_ppl", "eval_tokens"}
+    assert want["accuracy"] == (4 / 13 if eval_batches > 2 else 4 / 12)
     assert got["eval_accuracy"] == pytest.approx(want["accuracy"], abs=1e-7)
     assert got["eval_ppl"] == pytest.approx(math.exp(want["loss"]), rel=1e-5)
     assert all(np.isfinite(v) for v in got.values())

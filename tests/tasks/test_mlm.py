@@ -155,14 +155,16 @@ def test_default_rate_is_fifteen_percent(tmp_path):
 # ----------------------------------------------------------------------------- metrics
 
 TABLE = np.random.default_rng(0).normal(size=(V, V)).astype(np.float32)   # (V, V) logits per input id
+TABLE[np.arange(V), np.arange(V)] += 10.0   # predicts its input: right where the token was kept
 
 
-def numpy_mlm(batches) -> dict[str, float]:
-    """Cross-entropy and accuracy of ``TABLE[input_ids]`` at the selected positions (float64)."""
+def numpy_mlm(batches, logits_of=lambda b: TABLE[b["input_ids"]]) -> dict[str, float]:
+    """Cross-entropy and accuracy of ``logits_of(batch)`` (B, T, V) at the selected positions
+    (float64)."""
     nll, hits = [], []
     for b in batches:
         sel = b["weights"] > 0
-        logits = TABLE.astype(np.float64)[b["input_ids"][sel]]                 # (masked, V)
+        logits = np.asarray(logits_of(b), np.float64)[sel]                    # (masked, V)
         lse = np.log(np.exp(logits).sum(-1))
         nll += list(lse - logits[np.arange(len(logits)), b["targets"][sel]])
         hits += list(logits.argmax(-1) == b["targets"][sel])
@@ -175,6 +177,8 @@ def test_mlm_loss_counts_masked_positions_only(tmp_path):
     the ``{"mlm_logits": ...}`` dict of the pretraining head give the same sums."""
     batch = next(iter(mlm_task(tmp_path, seed=5).eval_batches(0, 1)))
     logits = TABLE[batch["input_ids"]]                                       # (B, T, V)
+    first = tuple(np.argwhere(batch["weights"] > 0)[0])                      # a masked position
+    logits[first + (batch["targets"][first],)] += 20.0                       # predicted right
     logits[batch["weights"] == 0] = np.nan
     seen = []
 
@@ -187,10 +191,11 @@ def test_mlm_loss_counts_masked_positions_only(tmp_path):
         return jax.jit(lambda p, b: mlm_loss(apply_fn, p, b, None, True, 0.0))
 
     loss_sum, sums = jitted(apply)({"out": logits}, batch)
-    want = numpy_mlm([batch])
+    want = numpy_mlm([batch], lambda b: logits)
     assert float(sums["weight"]) == want["tokens"] == 2
     assert float(loss_sum) == pytest.approx(want["loss"] * 2, rel=1e-5)
-    assert float(sums["correct"]) == want["accuracy"] * 2
+    assert want["accuracy"] >= 0.5 and float(sums["correct"]) == want["accuracy"] * 2
+    jax.effects_barrier()                 # the debug callbacks have run
     ids, mask = seen[0]
     np.testing.assert_array_equal(ids, batch["input_ids"])
     np.testing.assert_array_equal(mask, batch["attention_mask"])
@@ -208,6 +213,7 @@ def test_eval_metrics_are_per_masked_token(tmp_path):
 
     got = evaluate({"table": TABLE}, apply, task)
     want = numpy_mlm(list(task.eval_batches(0, 1))[:3])
+    assert 0.0 < want["accuracy"] < 0.3          # the kept tokens (~10%) and no others
     assert got["eval_tokens"] == want["tokens"]
     assert got["eval_loss"] == pytest.approx(want["loss"], rel=1e-5)
     assert got["eval_accuracy"] == pytest.approx(want["accuracy"], abs=1e-7)

@@ -114,6 +114,8 @@ def test_task_overrides_spec_and_sizes(tmp_path):
 
 V = 259
 TABLE = np.random.default_rng(0).normal(size=(V, V)).astype(np.float32)  # (V, V) logits per decoder input
+TABLE[0, b("q")[0]] += 10.0         # start -> "q": right for "qp" and "qq"
+TABLE[b("q")[0], b("p")[0]] += 10.0  # "q" -> "p": right in "qp", wrong in "qq" (twice)
 
 
 def bigram_decoder(variables, inputs, targets, input_mask, deterministic=True, rngs=None):
@@ -134,6 +136,7 @@ def test_eval_metrics_are_teacher_forced_per_target_token(tmp_path):
         nll += list(lse - logits[np.arange(len(logits)), labels[real]])
         hits += list(logits.argmax(-1) == labels[real])
     assert got["eval_tokens"] == len(nll) == 3 + 3 + 4 + 3 + 3
+    assert sum(hits) == 3                                                      # 3 of 16 right
     assert got["eval_loss"] == pytest.approx(np.mean(nll), rel=1e-5)
     assert got["eval_accuracy"] == pytest.approx(np.mean(hits), abs=1e-7)
     assert got["eval_ppl"] == pytest.approx(math.exp(np.mean(nll)), rel=1e-5)
@@ -149,6 +152,7 @@ def test_seq2seq_loss_feeds_source_decoder_input_and_mask(tmp_path):
 
     loss_fn = jax.jit(lambda p, b: seq2seq_loss(apply, p, b, None, True, 0.0))
     loss_sum, sums = loss_fn({"table": TABLE}, batch)
+    jax.effects_barrier()                 # the debug callbacks have run
     for got, key in zip(seen[0], ("inputs", "targets", "input_mask")):
         np.testing.assert_array_equal(got, batch[key])
     assert float(sums["weight"]) == 13 and float(sums["nll"]) == float(loss_sum)
