@@ -76,6 +76,18 @@ def alternate(fns: dict[str, Callable[[], Any]], rounds: int, warmup: int = 1,
     return times
 
 
+def round_ratios(peer_s: list[float], ours_s: list[float]) -> dict[str, Any]:
+    """Peer time / our time of each round (the two calls of a round ran seconds apart), and
+    their median and quartiles. A drift of the machine's speed over a run moves both calls
+    of a round alike, so these ratios spread less than the two sides' times do; the
+    quartiles say how far one run's ratio can be trusted."""
+    if len(peer_s) != len(ours_s) or not ours_s:
+        raise ValueError(f"need one time per round on each side, got {len(peer_s)} and {len(ours_s)}")
+    ratios = [p / o for p, o in zip(peer_s, ours_s)]
+    q1, med, q3 = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
+    return {"ratios": ratios, "median": med, "q1": q1, "q3": q3}
+
+
 def median(xs: list[float]) -> float:
     return statistics.median(xs)
 

@@ -115,10 +115,10 @@ def alternate(before, after, rounds: int) -> dict:
     """Median seconds of each side and the median and quartiles of each round's
     before/after ratio (``common.alternate``: calls alternating, the first one rotating)."""
     times = common.alternate({"before": before, "after": after}, rounds, warmup=0)
-    ratios = [b / a for b, a in zip(times["before"], times["after"])]
-    q1, med, q3 = statistics.quantiles(ratios, n=4, method="inclusive") if rounds > 1 else ratios * 3
+    r = common.round_ratios(times["before"], times["after"])
     return {"before_s": statistics.median(times["before"]),
-            "after_s": statistics.median(times["after"]), "ratio": med, "q1": q1, "q3": q3}
+            "after_s": statistics.median(times["after"]), "ratio": r["median"], "q1": r["q1"],
+            "q3": r["q3"]}
 
 
 def compare_train(old: str, case: str, rounds: int) -> dict:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
 import sys
 import tempfile
 import time
@@ -255,18 +254,6 @@ def hf_adamw(model):
                              eps=OPT["eps"], weight_decay=OPT["weight_decay"])
 
 
-def round_ratios(peer_s: list[float], ours_s: list[float]) -> dict[str, Any]:
-    """Peer time / our time of each round (the two calls of a round ran seconds apart), and
-    their median and quartiles. A drift of the machine's speed over a run moves both calls
-    of a round alike, so these ratios spread less than the two sides' times do; the
-    quartiles say how far one run's ratio can be trusted."""
-    if len(peer_s) != len(ours_s) or not ours_s:
-        raise ValueError(f"need one time per round on each side, got {len(peer_s)} and {len(ours_s)}")
-    ratios = [p / o for p, o in zip(peer_s, ours_s)]
-    q1, med, q3 = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
-    return {"ratios": ratios, "median": med, "q1": q1, "q3": q3}
-
-
 def run_case(case: Case, *, rounds: int, warmup: int, use_compile: bool,
              seed: int = 0) -> dict[str, Any]:
     """Time one case; ``run`` adds the MFU once the peak is known."""
@@ -306,7 +293,7 @@ def run_case(case: Case, *, rounds: int, warmup: int, use_compile: bool,
     for peer in ("hf_eager", "hf_compile"):
         if peer in record:
             record[f"speedup_vs_{peer}"] = record[peer]["step_s"] / ours_s
-            record[f"round_speedups_vs_{peer}"] = round_ratios(record[peer]["times_s"],
+            record[f"round_speedups_vs_{peer}"] = common.round_ratios(record[peer]["times_s"],
                                                                record["ours"]["times_s"])
     record["load_average"] = common.load_average()
     del ours, hf, fns

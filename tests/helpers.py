@@ -1,4 +1,5 @@
-"""Small helpers shared by test files: random arrays, tolerances, attention inputs."""
+"""Small helpers shared by test files: random arrays, tolerances, attention inputs, the
+smallest training run, lowered program text."""
 import jax
 
 FP32_TOL = dict(rtol=1e-5, atol=1e-5)
@@ -19,6 +20,21 @@ def attention_inputs(n=8, kv=2, t=37, s=53, h=16):
     mask = jax.random.bernoulli(jax.random.PRNGKey(3), 0.8, (2, 1, t, s))
     bias = rand(4, (1, n, t, s))
     return q, k, v, mask, bias
+
+
+# The smallest run the training-loop tests train: a 1-layer GPT of width 32 on the embedded corpus.
+TINY_RUN = [
+    "model.num_layers=1", "model.d_model=32", "model.num_heads=2", "model.max_len=64",
+    "seq_len=32", "batch_size=4", "schedule=constant", "learning_rate=3e-3", "warmup_steps=2",
+    "log_every=1", "eval_every=5", "save_every=5", "eval_batches=2", "sample_tokens=8",
+]
+
+
+def tiny_cfg(data_dir, **extra):
+    """TINY_RUN in ``data_dir``, with ``extra`` as further ``--set key=value`` overrides."""
+    from transformer_jax.train.config import ExperimentConfig, apply_overrides
+    return apply_overrides(ExperimentConfig(), TINY_RUN + [f"data_dir={data_dir}"]
+                           + [f"{k}={v}" for k, v in extra.items()])
 
 
 def lowered_text(fn, args, platform: str) -> str:

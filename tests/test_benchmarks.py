@@ -159,7 +159,7 @@ def test_benchmark_alternate_pauses_before_every_timed_call(monkeypatch):
 def test_benchmark_round_ratios_pair_the_calls_of_each_round():
     """Each round's peer/ours ratio, then their median and quartiles: a run in which the
     machine slows down halfway keeps ratios that its medians would blur."""
-    round_ratios = _benchmarks("train").round_ratios
+    round_ratios = _benchmarks("common").round_ratios
     ours = [1.0, 1.0, 2.0, 2.0, 2.0]                   # the machine halves its speed
     peer = [1.2, 1.1, 2.4, 2.6, 2.2]
     got = round_ratios(peer, ours)

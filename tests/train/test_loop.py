@@ -12,7 +12,7 @@ from transformer_jax.train.checkpoint import CheckpointManager
 from transformer_jax.train.loop import NonFiniteLossError, Prefetcher, train
 from transformer_jax.train.monitor import read_metrics
 
-from .tiny_run import tiny_cfg
+from ..helpers import tiny_cfg
 
 
 def train_rows(workdir) -> dict[int, dict]:

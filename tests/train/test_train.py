@@ -19,7 +19,7 @@ from transformer_jax.train.monitor import read_metrics
 from transformer_jax.train.optim import constant, make_optimizer
 from transformer_jax.train.step import create_train_state, make_train_step
 
-from .tiny_run import TINY, tiny_cfg
+from ..helpers import TINY_RUN, tiny_cfg
 
 
 def losses(workdir) -> dict[int, float]:
@@ -33,7 +33,7 @@ def cli(args, **kw):
 
 
 def cli_args(workdir, data_dir, steps, *extra):
-    sets = [x for s in TINY + [f"data_dir={data_dir}"] for x in ("--set", s)]
+    sets = [x for s in TINY_RUN + [f"data_dir={data_dir}"] for x in ("--set", s)]
     return ["train", "--workdir", str(workdir), "--steps", str(steps), "--no-progress", *sets, *extra]
 
 

@@ -131,7 +131,6 @@ class T5Config(EncoderDecoderConfig, PresetConfig):
     def mlp_features(self) -> int:
         return self.mlp_dim or 4 * self.d_model
 
-
     @property
     def inner_dim(self) -> int:
         """N H: the width of the concatenated heads (may differ from d_model)."""

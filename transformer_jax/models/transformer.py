@@ -128,7 +128,6 @@ class TransformerConfig(EncoderDecoderConfig, PresetConfig):
     def mlp_features(self) -> int:
         return self.mlp_dim or 4 * self.d_model
 
-
     def _layer_params(self) -> tuple[int, int]:
         d, f = self.d_model, self.mlp_features
         attn = 4 * (d * d + d)
