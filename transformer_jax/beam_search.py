@@ -51,6 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .errors import UserError
+from .models.base import check_id_range, check_special_id
 
 Array = jax.Array
 
@@ -99,11 +100,14 @@ def _reorder(cache, index: Array):
 
 def _prepare(module, input_ids, attention_mask, max_new_tokens, eos_id, pad_id, start_id):
     cfg = module.config
-    input_ids = jnp.asarray(input_ids)
+    given, input_ids = input_ids, jnp.asarray(input_ids)
     if input_ids.ndim != 2 or input_ids.shape[1] == 0:
         raise UserError(f"input_ids must be (B, S) with S >= 1; got shape {input_ids.shape}")
     if not jnp.issubdtype(input_ids.dtype, jnp.integer):
         raise UserError(f"input_ids must be integer token ids; got dtype {input_ids.dtype}")
+    vocab = getattr(cfg, "vocab_size", None) is not None
+    if vocab:        # on the host, before anything is compiled; padding included
+        check_id_range("input_ids", given if isinstance(given, np.ndarray) else input_ids, cfg)
     if attention_mask is None:
         attention_mask = jnp.ones(input_ids.shape, jnp.int32)
     attention_mask = jnp.asarray(attention_mask).astype(jnp.int32)
@@ -119,6 +123,8 @@ def _prepare(module, input_ids, attention_mask, max_new_tokens, eos_id, pad_id, 
     eos_id = getattr(cfg, "eos_token_id", None) if eos_id is None else eos_id
     pad_id = getattr(cfg, "pad_token_id", 0) if pad_id is None else pad_id
     start_id = getattr(cfg, "decoder_start_token_id", pad_id) if start_id is None else start_id
+    if vocab:
+        check_special_id("decoder_start_id", start_id, cfg, "every output starts from it")
     return input_ids.astype(jnp.int32), attention_mask, int(max_new_tokens), eos_id, pad_id, start_id
 
 
@@ -161,7 +167,9 @@ def greedy_search(module, params, input_ids, attention_mask=None, *, max_new_tok
 
     Equals HF's ``generate(do_sample=False, num_beams=1, max_new_tokens=...)`` minus the
     leading decoder start token. ``attention_mask`` (B, S): 1 = real source token. Special
-    ids default to the model config's.
+    ids default to the model config's. Source ids (padding included) and the decoder start
+    id outside the model's vocabulary are a UserError before anything runs (also for
+    :func:`beam_search`).
     """
     input_ids, mask, n, eos_id, pad_id, start_id = _prepare(
         module, input_ids, attention_mask, max_new_tokens, eos_id, pad_id, decoder_start_id)

@@ -1,6 +1,6 @@
 """``transformer-jax``: train, eval and generate from the command line.
 
-  transformer-jax train [--experiment NAME|FILE] [--workdir DIR] [--steps N] [--resume] [--set k=v ...]
+  transformer-jax train [--experiment NAME|FILE] [--workdir DIR] [--steps N] [--resume | --resume-from STEP] [--set k=v ...]
                         [--parallelism jit|pmap] [--mesh data=N,fsdp=N,tensor=N]
                         [--coordinator HOST:PORT --num-processes N --process-id I]
   transformer-jax eval --workdir DIR [--batches N]
@@ -9,12 +9,14 @@
 
 This module only parses flags; the work happens in ``transformer_jax.train.loop``.
 User mistakes (:class:`~transformer_jax.errors.UserError`: a bad flag, config or workdir,
-an empty dataset) are printed as one ``error:`` line with exit status 2, a non-finite loss
-with exit status 3; anything else is a bug and shows its traceback.
+an empty dataset) and file errors the user fixes (a full, read-only or forbidden disk) are
+printed as one ``error:`` line with exit status 2, a non-finite loss with exit status 3;
+anything else is a bug and shows its traceback.
 """
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import sys
@@ -29,6 +31,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--workdir", default=None, help="run directory (default: runs/<experiment name>)")
     t.add_argument("--steps", type=int, default=None, help="total training steps (overrides the config)")
     t.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --workdir")
+    t.add_argument("--resume-from", type=int, default=None, metavar="STEP",
+                   help="continue from checkpoint STEP (any kept one); later ones move to STEP.superseded")
     t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field; model fields as model.FIELD=VALUE (repeatable)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -83,7 +87,12 @@ def _train(args) -> int:
     if main:
         print(f"training {cfg.name}: {cfg.model}/{cfg.model_preset} on {cfg.dataset}, {cfg.steps} steps "
               f"-> {workdir}", flush=True)
-    summary = train(cfg, workdir, resume=args.resume, progress=not args.no_progress)
+    summary = train(cfg, workdir, resume=args.resume, progress=not args.no_progress,
+                    resume_from=args.resume_from)
+    if summary.get("nothing_to_do"):
+        if main:
+            print(summary["nothing_to_do"], file=sys.stderr)
+        return 0
     if main:
         print(json.dumps(summary, indent=2))
     if summary.get("interrupted"):
@@ -127,8 +136,10 @@ def main(argv: list[str] | None = None) -> int:
     tune_malloc_if_cpu()   # before JAX starts its threads; TRANSFORMER_JAX_TUNE_MALLOC=0 turns it off
     from .errors import UserError
     from .train.loop import NonFiniteLossError
+    from .train.checkpoint import CheckpointWriteError
 
     handlers = {"train": _train, "eval": _eval, "generate": _generate, "experiments": _experiments}
+    _quiet_background_errors()
     try:
         return handlers[args.command](args)
     except NonFiniteLossError as e:
@@ -136,7 +147,59 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     except UserError as e:
         print("error: " + " ".join(str(e).split()), file=sys.stderr)   # one line
+        if isinstance(e, CheckpointWriteError):
+            _silence_stderr_from_now_on()
         return 2
+    except OSError as e:
+        if e.errno not in _FILE_ERRNOS:
+            raise
+        print(f"error: cannot write {e.filename or 'a file'} ({e.strerror}); free space or fix "
+              "the permissions (or choose another --workdir); the last checkpoint is intact, "
+              "continue with --resume", file=sys.stderr)
+        return 2
+
+
+# errnos of file errors the user fixes: space, quota, read-only disk, permissions, file size
+_FILE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG)
+
+
+_CLOSED = "Event loop is closed"
+
+
+def _silence_stderr_from_now_on() -> None:
+    """After a failed checkpoint write has been reported: the writer threads it abandoned
+    fail once more as the interpreter shuts down (tracebacks of callbacks into a closed
+    event loop, printed from C++); they say nothing new, so they go to /dev/null."""
+    sys.stderr.flush()
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.close(devnull)
+
+
+def _quiet_background_errors() -> None:
+    """A failed checkpoint write or read is reported once, as an ``error:`` or ``warning:``
+    line: orbax's own ERROR logs of it (with tracebacks) and those of its abandoned writer
+    coroutines at exit are not shown; the exception that reaches the CLI says it all.
+    Orbax's warnings, and everything else, still show."""
+    import logging
+
+    class _NoOrbaxErrors(logging.Filter):
+        def filter(self, record):
+            return not (record.levelno >= logging.ERROR and "orbax" in record.pathname)
+
+    logging.getLogger("absl").addFilter(_NoOrbaxErrors())
+    default_unraisable, default_except = sys.unraisablehook, sys.excepthook
+
+    def unraisable(record):   # a failed write's coroutines, and its callbacks into the
+        closed = isinstance(record.exc_value, RuntimeError) and str(record.exc_value) == _CLOSED
+        if not (closed or "coroutine" in repr(record.object)):   # closed event loop
+            default_unraisable(record)
+
+    def excepthook(kind, value, tb):   # the same, where they reach sys.excepthook
+        if not (kind is RuntimeError and str(value) == _CLOSED):
+            default_except(kind, value, tb)
+
+    sys.unraisablehook, sys.excepthook = unraisable, excepthook
 
 
 if __name__ == "__main__":

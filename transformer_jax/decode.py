@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .errors import UserError
+from .models.base import ID_ADVICE, check_id_range, check_special_id, id_range_message
 
 Array = jax.Array
 
@@ -72,6 +73,29 @@ def sample_logits(logits: Array, rng: Array | None, *, temperature: float | Arra
         threshold = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
         logits = jnp.where(logits < threshold, neg, logits)
     return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
+
+
+def check_prompt_ids(module, prompt_ids, pad_id: int | None = None) -> None:
+    """Prompt ids in ``module.config``'s vocabulary, checked on the host (before anything
+    is compiled or run): a (B, T0) array, or ragged rows (the error's position ``[i, j]``
+    is ``prompt_ids[i][j]``), whose shorter rows are left-padded with ``pad_id``. A module
+    whose config has no ``vocab_size`` is not checked."""
+    config = getattr(module, "config", None)
+    if getattr(config, "vocab_size", None) is None:
+        return
+    if hasattr(prompt_ids, "shape"):
+        check_id_range("prompt_ids", prompt_ids, config)
+        return
+    rows = [np.asarray(r, np.int64).reshape(-1) for r in prompt_ids]
+    size = config.vocab_size
+    bad = [(i, int(j)) for i, r in enumerate(rows) for j in np.flatnonzero((r < 0) | (r >= size))]
+    if bad:
+        (i, j), total = bad[0], sum(r.size for r in rows)
+        raise UserError(id_range_message(
+            "prompt_ids", (i, j), int(rows[i][j]), len(bad), total, size,
+            f"{type(config).__name__}.vocab_size", ID_ADVICE["vocab_size"]))
+    if len({len(r) for r in rows}) > 1:
+        check_special_id("pad_id", pad_id, config, "it left-pads the shorter prompts")
 
 
 def init_cache(module, batch_size: int, max_len: int) -> Any:
@@ -132,7 +156,9 @@ def generate(module, params, prompt_ids: Array | Sequence[Sequence[int]], *, max
     Args:
       module, params: a decoder-only model (see the module docstring) and its parameters.
       prompt_ids: (B, T0) ints, or a list of token lists of different lengths (then they are
-        left-padded internally and the result is a list of lists).
+        left-padded internally and the result is a list of lists). An id outside
+        ``module.config.vocab_size`` is a UserError before anything runs
+        (:func:`check_prompt_ids`).
       max_new_tokens: how many tokens to add; T0 + max_new_tokens must fit ``max_len``.
       temperature: 0 = greedy; otherwise sample from softmax(logits / temperature).
       top_k, top_p: restrict sampling to the k most likely tokens / the nucleus of mass p.
@@ -163,6 +189,7 @@ def generate(module, params, prompt_ids: Array | Sequence[Sequence[int]], *, max
         if not rows or min(map(len, rows)) == 0:
             raise UserError("every prompt needs at least one token")
         t0 = max(map(len, rows))
+        check_prompt_ids(module, rows, pad_id)
         ids = np.full((len(rows), t0), pad_id, np.int32)
         pmask = np.zeros((len(rows), t0), np.int32)
         for i, r in enumerate(rows):
@@ -173,6 +200,8 @@ def generate(module, params, prompt_ids: Array | Sequence[Sequence[int]], *, max
         prompt = jnp.asarray(prompt_ids, jnp.int32)
         if prompt.ndim != 2 or prompt.shape[1] == 0:
             raise UserError(f"prompt_ids must be (B, T0) with T0 >= 1; got shape {prompt.shape}")
+        # the ids as given (before the int32 cast), padding under prompt_mask included
+        check_prompt_ids(module, prompt_ids if isinstance(prompt_ids, np.ndarray) else prompt)
         prompt_mask = (jnp.ones_like(prompt) if prompt_mask is None
                        else jnp.asarray(prompt_mask, jnp.int32))
         if prompt_mask.shape != prompt.shape:

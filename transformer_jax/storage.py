@@ -24,6 +24,7 @@ from __future__ import annotations
 import io
 import os
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -149,6 +150,33 @@ def makedirs(p: PathLike) -> epath.Path:
                         f"credentials); create it (gcloud storage buckets create {bucket}) "
                         "or choose a --workdir in a bucket you can write to")
     return p
+
+
+def check_workdir(p: PathLike) -> None:
+    """A UserError unless ``p`` is a directory this process can write to, or can be created:
+    names a path that is a file, or the OS error of a read-only, full or forbidden disk.
+    Checked before a run writes anything (it writes, then removes, one unnamed temporary
+    file). Buckets are checked by :func:`makedirs`."""
+    p = path(p)
+    if is_remote(p):
+        return
+    if p.exists() and not p.is_dir():
+        raise UserError(f"--workdir {p} is a file, not a directory; give the path of a "
+                        "directory (it is created if missing)")
+    existing = p
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UserError(f"--workdir {p} cannot be created: {existing} is a file; choose a path "
+                        "under a directory")
+    try:
+        with tempfile.TemporaryFile(dir=os.fspath(existing)) as probe:
+            probe.write(b"x")
+            probe.flush()
+            os.fsync(probe.fileno())
+    except OSError as e:
+        raise UserError(f"cannot write to {existing} ({e.strerror}); choose a --workdir on a "
+                        "writable disk with free space, or fix its permissions") from None
 
 
 # ----------------------------------------------------------------------------- whole files

@@ -356,3 +356,121 @@ def test_sigkill_mid_save_keeps_previous_checkpoint(tmp_path, kill_when):
     _assert_trees_equal(state, new)
     assert config == {"model": "retry"} and data == {"offset": 200}
     assert not [n for n in os.listdir(directory) if "orbax-checkpoint-tmp" in n]
+
+
+# ---------------------------------------------------------------------------
+# Fallback past unreadable steps
+# ---------------------------------------------------------------------------
+
+
+def _truncate(path, keep=10):
+    path.write_bytes(path.read_bytes()[:keep])
+
+
+def _largest_array_file(step_dir):
+    files = [p for p in (step_dir / "state" / "ocdbt.process_0" / "d").iterdir()]
+    return max(files, key=lambda p: p.stat().st_size)
+
+
+# (how to break step 20, what the warning names)
+CORRUPTIONS = {
+    "array data truncated": (lambda d: _truncate(_largest_array_file(d), 1000),
+                             "state/ (the array params.big): Requested byte range"),
+    "array data deleted": (lambda d: _largest_array_file(d).unlink(),
+                           "state/ (the array params.big)"),
+    "state metadata": (lambda d: _truncate(d / "state" / "_METADATA"),
+                       "state/_METADATA: not valid JSON"),
+    "state metadata deleted": (lambda d: (d / "state" / "_METADATA").unlink(),
+                               "state/_METADATA: missing"),
+    "array metadata": (lambda d: _truncate(d / "state" / "array_metadatas" / "process_0"),
+                       "state/array_metadatas/process_0: not valid JSON"),
+    "data-iterator state": (lambda d: _truncate(d / "data" / "metadata"),
+                            "data/metadata: not valid JSON"),
+    "config": (lambda d: _truncate(d / "config" / "metadata"), "config/metadata: not valid JSON"),
+    "config deleted": (lambda d: (d / "config" / "metadata").unlink(), "config/metadata: missing"),
+}
+
+
+def _two_steps(directory):
+    """Steps 10 and 20 of a state with one array large enough for its own data file."""
+    states = {}
+    with CheckpointManager(directory, save_every=10, keep=None) as ckpt:
+        for step in (10, 20):
+            big = np.random.default_rng(step).normal(size=(64, 64)).astype(np.float32)
+            state = {"params": {"big": jnp.asarray(big), "b": jnp.arange(3.0) + step}}
+            ckpt.maybe_save(step, state, config={"step": step}, data_state={"offset": step})
+            states[step] = state
+    return states
+
+
+@pytest.mark.parametrize("kind", sorted(CORRUPTIONS))
+def test_an_unreadable_latest_step_falls_back_and_is_moved_aside(tmp_path, kind):
+    directory = tmp_path / "ckpt"
+    states = _two_steps(directory)
+    corrupt, named = CORRUPTIONS[kind]
+    corrupt(directory / "20")
+    warnings = []
+    # eval/generate: read-only, nothing moves
+    with CheckpointManager(directory, read_only=True) as reader:
+        step, state, config, data = reader.restore_readable(warn=warnings.append)
+    assert (step, config, data) == (10, {"step": 10}, {"offset": 10})
+    _assert_trees_equal(state, states[10])
+    assert sorted(p.name for p in directory.iterdir()) == ["10", "20"]
+    # a resumed run: the bad step moves to 20.corrupt
+    with CheckpointManager(directory, read_only=True) as reader:
+        step, *_ = reader.restore_readable(warn=warnings.append, set_aside=True)
+        assert step == 10 and reader.all_steps() == [10]
+    assert sorted(p.name for p in directory.iterdir()) == ["10", "20.corrupt"]
+    prefix = f"checkpoint step 20 in {directory} is unreadable: "
+    assert warnings[0].startswith(prefix + named) and warnings[0].endswith("; restoring step 10 instead")
+    assert warnings[1].startswith(prefix + named)
+    assert warnings[1].endswith(f"; moved it to {directory}/20.corrupt; restoring step 10 instead")
+    # a writer resumes from 10 and saves 20 again beside the kept 20.corrupt
+    with CheckpointManager(directory, save_every=10) as ckpt:
+        assert ckpt.latest_step() == 10
+        assert ckpt.maybe_save(20, states[20], config={"step": 20}, data_state={"offset": 20})
+    assert sorted(p.name for p in directory.iterdir()) == ["10", "20", "20.corrupt"]
+
+
+def test_an_explicit_unreadable_step_and_no_readable_step_are_one_error(tmp_path):
+    directory = tmp_path / "ckpt"
+    _two_steps(directory)
+    _truncate(directory / "20" / "data" / "metadata")
+    with CheckpointManager(directory, read_only=True) as reader:
+        with pytest.raises(UserError, match=r"checkpoint step 20 in .* is unreadable: step 20 "
+                           r"\(data/metadata: not valid JSON .*\); pick another step \(10, 20\)"):
+            reader.restore_readable(20)
+    _truncate(directory / "10" / "config" / "metadata")
+    warnings = []
+    with CheckpointManager(directory, read_only=True) as reader:
+        with pytest.raises(UserError, match=r"no checkpoint in .* reads: step 20 \(data/metadata: "
+                           r"not valid JSON .*\); step 10 \(config/metadata: not valid JSON .*\)"):
+            reader.restore_readable(warn=warnings.append)
+    assert len(warnings) == 2
+    assert warnings[1].endswith("config/metadata: not valid JSON (Expecting ',' delimiter: line 1 "
+                                "column 11 (char 10))")
+
+
+def test_a_state_that_does_not_fit_the_target_is_refused_not_moved(tmp_path):
+    directory = tmp_path / "ckpt"
+    _two_steps(directory)
+    target = {"params": {"big": jnp.zeros((64, 64)), "b": jnp.zeros(3), "extra": jnp.zeros(2)}}
+    with CheckpointManager(directory, read_only=True) as reader:
+        with pytest.raises(UserError, match="the train state in checkpoint step 20 of .* does not "
+                           "fit this run's model and optimizer"):
+            reader.restore_readable(target=target, set_aside=True)
+    assert sorted(p.name for p in directory.iterdir()) == ["10", "20"]
+
+
+def test_check_config_refuses_before_the_state_is_read(tmp_path):
+    directory = tmp_path / "ckpt"
+    _two_steps(directory)
+    _truncate(_largest_array_file(directory / "20"), 1000)   # would fall back if it were read
+
+    def check(config):
+        raise UserError(f"config of step {config['step']} does not match")
+
+    with CheckpointManager(directory, read_only=True) as reader:
+        with pytest.raises(UserError, match="config of step 20 does not match"):
+            reader.restore_readable(check_config=check, set_aside=True)
+    assert sorted(p.name for p in directory.iterdir()) == ["10", "20"]

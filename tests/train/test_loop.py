@@ -145,7 +145,7 @@ def test_nan_between_log_steps_is_caught_before_the_next_save(tmp_path, data_dir
     there, names step 8 and keeps step 6 as the last (finite) checkpoint."""
     _poison_after(7, monkeypatch)
     cfg = tiny_cfg(data_dir, steps=20, log_every=5, save_every=3, eval_every=100)
-    with pytest.raises(NonFiniteLossError, match=r"loss became nan at step 8;.*last good checkpoint is step 6"):
+    with pytest.raises(NonFiniteLossError, match=r"loss became nan at step 8; .* checkpoint step 6 in .* is from before the blow-up; .* --resume \(it restores step 6"):
         train(cfg, tmp_path, progress=False)
     assert saved_steps(tmp_path) == [3, 6]
     assert sorted(train_rows(tmp_path)) == [5]
@@ -157,7 +157,7 @@ def test_nan_between_log_steps_is_caught_before_the_next_save(tmp_path, data_dir
 def test_nan_is_caught_at_the_next_log_step_when_no_save_comes_first(tmp_path, data_dir, monkeypatch):
     _poison_after(6, monkeypatch)
     cfg = tiny_cfg(data_dir, steps=20, log_every=4, save_every=100, eval_every=100)
-    with pytest.raises(NonFiniteLossError, match=r"loss became nan at step 7;.*no checkpoint was saved yet"):
+    with pytest.raises(NonFiniteLossError, match=r"loss became nan at step 7; .* no checkpoint from before the blow-up exists;"):
         train(cfg, tmp_path, progress=False)
     assert sorted(train_rows(tmp_path)) == [4] and saved_steps(tmp_path) == []
 

@@ -35,14 +35,95 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
+from ..errors import UserError
 from . import hf_bert, hf_gpt2, hf_t5, hf_vit
-from .registry import family_for_config, family_for_model_type, register_hf_family, torch_tensors
+from .registry import (family_for_config, family_for_model_type, register_hf_family,
+                       supported_model_types, torch_tensors)
 
 for _family in (hf_gpt2.FAMILY, hf_bert.FAMILY, hf_t5.FAMILY, hf_vit.FAMILY):
     register_hf_family(_family)
 
 
 # ============================================================================ sources
+#
+# Every problem with the files of a save_pretrained directory is a UserError of one line
+# that names the file and what to do (a truncated or damaged file, JSON that is not what
+# HF writes, a shard the index names but the directory lacks): no raw traceback.
+
+_SAVE_AGAIN = "save the model again with save_pretrained(..., safe_serialization=True) or copy it anew"
+
+
+def _read_json(path: str, what: str) -> Any:
+    """The JSON value in ``path``, or a UserError naming it (``what``: what the file holds)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except OSError as e:
+        raise UserError(f"{path}: cannot read {what} ({e.strerror or e})") from None
+    except ValueError as e:          # JSONDecodeError, UnicodeDecodeError
+        raise UserError(f"{path}: not valid JSON ({e}), so not {what}; the file is damaged: "
+                        f"{_SAVE_AGAIN}") from None
+
+
+def _check_safetensors(path: str) -> None:
+    """The layout of a safetensors file (8-byte header length, JSON header, tensor data),
+    read from its header alone: a UserError naming ``path`` when it is missing, truncated
+    (in the header or the data) or damaged."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            header_len = int.from_bytes(head, "little")
+            raw = f.read(header_len) if len(head) == 8 and 8 + header_len <= size else b""
+    except OSError as e:
+        raise UserError(f"{path}: cannot read the safetensors file ({e.strerror or e}); "
+                        f"{_SAVE_AGAIN}") from None
+    if size < 8:
+        raise UserError(f"{path}: truncated safetensors file ({size} bytes, shorter than its "
+                        f"8-byte header length); {_SAVE_AGAIN}")
+    if 8 + header_len > size:
+        raise UserError(f"{path}: truncated safetensors file ({size} bytes; its header alone "
+                        f"needs {8 + header_len}); {_SAVE_AGAIN}")
+    try:
+        header = json.loads(raw)
+        end = max([e["data_offsets"][1] for k, e in header.items() if k != "__metadata__"],
+                  default=0)
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+        raise UserError(f"{path}: damaged safetensors file (its header is not the JSON "
+                        f"safetensors writes); {_SAVE_AGAIN}") from None
+    if 8 + header_len + end > size:
+        raise UserError(f"{path}: truncated safetensors file ({size} bytes; its tensors need "
+                        f"{8 + header_len + end}); {_SAVE_AGAIN}")
+
+
+def _open_safetensors(path: str):
+    """``safe_open(path)`` after :func:`_check_safetensors`; what it still refuses is a
+    UserError naming ``path``."""
+    from safetensors import safe_open
+
+    _check_safetensors(path)
+    try:
+        return safe_open(path, framework="numpy")
+    except Exception as e:           # safetensors_rust.SafetensorError and friends
+        raise UserError(f"{path}: damaged safetensors file ({e}); {_SAVE_AGAIN}") from None
+
+
+def _weight_map(index: str, directory: str) -> dict[str, str]:
+    """``{tensor name: shard path}`` from a ``model.safetensors.index.json``."""
+    content = _read_json(index, "a safetensors index")
+    weight_map = content.get("weight_map") if isinstance(content, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str)
+                                                   for v in weight_map.values()):
+        raise UserError(f"{index}: no \"weight_map\" object (tensor name -> shard file name) "
+                        f"as save_pretrained writes; {_SAVE_AGAIN}")
+    files = {k: os.path.join(directory, v) for k, v in weight_map.items()}
+    for name in sorted(set(weight_map.values())):
+        if not os.path.isfile(os.path.join(directory, name)):
+            raise UserError(f"{index} names the shard {name!r}, which is not in {directory}; "
+                            "copy every shard the index names into the directory, or "
+                            f"{_SAVE_AGAIN}")
+    return files
+
 
 class _SafetensorsDir(Mapping):
     """Lazy ``{key: np.ndarray}`` over the safetensors file(s) of a ``save_pretrained`` dir.
@@ -50,35 +131,34 @@ class _SafetensorsDir(Mapping):
     Reads ``model.safetensors`` or, for sharded checkpoints, every shard named in
     ``model.safetensors.index.json``. Tensors load on access, with ``safetensors.numpy``
     except bfloat16 ones (numpy has no bf16), which are read from the file by the offsets
-    in its JSON header.
+    in its JSON header. Every file is checked when the directory is opened (the JSON, the
+    shards named, each file's length against its header): problems are UserErrors.
     """
 
     def __init__(self, directory: str):
-        from safetensors import safe_open
-
         index = os.path.join(directory, "model.safetensors.index.json")
         single = os.path.join(directory, "model.safetensors")
         if os.path.exists(index):
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-            files = {k: os.path.join(directory, v) for k, v in weight_map.items()}
+            files = _weight_map(index, directory)
         elif os.path.exists(single):
             files = None
         else:
             present = sorted(os.listdir(directory))
-            raise FileNotFoundError(
+            raise UserError(
                 f"{directory}: no model.safetensors or model.safetensors.index.json (found "
                 f"{present}); save the HF model with save_pretrained(..., safe_serialization=True)")
         self._handles = {}
         if files is None:
-            self._handles[single] = safe_open(single, framework="numpy")
+            self._handles[single] = _open_safetensors(single)
             files = {k: single for k in self._handles[single].keys()}
         else:
             for path in sorted(set(files.values())):
-                self._handles[path] = safe_open(path, framework="numpy")
+                self._handles[path] = _open_safetensors(path)
             for key, path in files.items():
                 if key not in self._handles[path].keys():
-                    raise KeyError(f"{index} maps {key!r} to {path}, which does not contain it")
+                    raise UserError(f"{index} maps {key!r} to {path}, which does not contain "
+                                    f"it (the index and the shards are from different "
+                                    f"checkpoints?); {_SAVE_AGAIN}")
         self._files = files
 
     def __getitem__(self, key: str) -> np.ndarray:
@@ -105,16 +185,27 @@ def _read_bf16(path: str, key: str) -> np.ndarray:
         start, end = entry["data_offsets"]
         f.seek(8 + header_len + start)
         data = f.read(end - start)
+    if len(data) != end - start:     # cut after it was opened
+        raise UserError(f"{path}: truncated safetensors file (tensor {key!r} needs bytes "
+                        f"{8 + header_len + start}..{8 + header_len + end}); {_SAVE_AGAIN}")
     return np.frombuffer(data, dtype=ml_dtypes.bfloat16).reshape(entry["shape"])
 
 
 def _load_local_dir(directory: str) -> tuple[dict, Mapping[str, np.ndarray]]:
     config_path = os.path.join(directory, "config.json")
     if not os.path.isfile(config_path):
-        raise FileNotFoundError(f"{directory}: no config.json; expected a directory written by "
-                                "save_pretrained")
-    with open(config_path) as f:
-        config = json.load(f)
+        raise UserError(f"{directory}: no config.json; expected a directory written by "
+                        "save_pretrained")
+    config = _read_json(config_path, "a Hugging Face config")
+    if not isinstance(config, dict):
+        raise UserError(f"{config_path}: a JSON {type(config).__name__}, not the JSON object of "
+                        f"a Hugging Face config; {_SAVE_AGAIN}")
+    if "model_type" not in config:
+        raise UserError(f"{config_path}: no \"model_type\", so the model family is unknown; "
+                        f"add it (one of {supported_model_types()}) or {_SAVE_AGAIN}")
+    if config["model_type"] not in supported_model_types():
+        raise UserError(f"{config_path}: unsupported Hugging Face model_type "
+                        f"{config['model_type']!r}; supported: {supported_model_types()}")
     return config, _SafetensorsDir(directory)
 
 
@@ -142,13 +233,16 @@ def from_hf(model_or_local_dir: Any, **overrides: Any) -> tuple[Any, Any]:
       UserError (a ``ValueError``): an unsupported ``model_type`` (the message lists the
         supported ones) or config option (named); ``ConversionError`` (a ``UserError``) for
         an unexpected or missing state-dict key (named) or a shape mismatch (key, expected
-        and actual shape).
+        and actual shape); a UserError of one line naming the file and what to do for every
+        problem with a directory's files: no config.json or weights, malformed JSON, a
+        config without ``model_type``, a truncated or damaged safetensors file, an index
+        whose shards are missing.
     """
     if isinstance(model_or_local_dir, (str, os.PathLike)):
         directory = os.fspath(model_or_local_dir)
         if not os.path.isdir(directory):
-            raise FileNotFoundError(f"{directory!r} is not a directory; from_hf takes a live HF "
-                                    "model or a local save_pretrained directory (no hub downloads)")
+            raise UserError(f"{directory!r} is not a directory; from_hf takes a live HF model "
+                            "or a local save_pretrained directory (no hub downloads)")
         config, state_dict = _load_local_dir(directory)
     elif hasattr(model_or_local_dir, "config") and hasattr(model_or_local_dir, "state_dict"):
         config = model_or_local_dir.config.to_dict()

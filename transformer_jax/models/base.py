@@ -1,11 +1,19 @@
-"""Frozen-dataclass configs with named presets, shared by every model family."""
+"""Frozen-dataclass configs with named presets, shared by every model family, and the
+input checks of the models' entry points (token ids: see ``check_ids`` and ``checked``)."""
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import difflib
-from typing import Any, ClassVar, TypeVar
+import functools
+import math
+import numbers
+from typing import Any, Callable, ClassVar, TypeVar
 
+import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.experimental import checkify
 
 from ..errors import UserError
 from ..layers.attention import IMPLEMENTATIONS, resolve_implementation
@@ -13,6 +21,37 @@ from ..layers.dense import canonical_dtype
 from ..layers.stack import REMAT_POLICIES, convert_layout
 
 C = TypeVar("C", bound="PresetConfig")
+
+
+class RelationError(UserError):
+    """Config fields that are each valid but disagree (``d_model`` not divisible by
+    ``num_heads``, a token id outside ``vocab_size``); ``fields`` names all of them.
+    ``ExperimentConfig`` reads it to tell which mistakes it can report before the task
+    fixes the fields its data decides (``vocab_size``, ``image_size`` ...)."""
+
+    def __init__(self, message: str, fields: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.fields = tuple(fields)
+
+
+def _number_rule(integer: bool, minimum, maximum, exclusive_min: bool, exclusive_max: bool) -> str:
+    """``"an integer >= 1"``, ``"a number in [0, 1)"``, ``"a number > 0"`` ..."""
+    kind = "an integer" if integer else "a number"
+    if minimum is not None and maximum is not None:
+        return (f"{kind} in {'(' if exclusive_min else '['}{minimum}, {maximum}"
+                f"{')' if exclusive_max else ']'}")
+    if minimum is not None:
+        return f"{kind} {'>' if exclusive_min else '>='} {minimum}"
+    if maximum is not None:
+        return f"{kind} {'<' if exclusive_max else '<='} {maximum}"
+    return kind
+
+
+def is_number(value: Any, integer: bool = False) -> bool:
+    """An int (``integer``) or a finite real number (an int counts); never a bool."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral if integer else numbers.Real):
+        return False
+    return isinstance(value, numbers.Integral) or math.isfinite(value)
 
 
 class PresetConfig:
@@ -35,13 +74,7 @@ class PresetConfig:
 
     @classmethod
     def from_dict(cls: type[C], values: dict[str, Any]) -> C:
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - names)
-        if unknown:
-            hints = {u: difflib.get_close_matches(u, names, n=1) for u in unknown}
-            detail = ", ".join(f"{u!r}" + (f" (did you mean {h[0]!r}?)" if h else "")
-                               for u, h in hints.items())
-            raise UserError(f"unknown {cls.__name__} field(s): {detail}; valid fields: {sorted(names)}")
+        cls.require_known_fields(values)
         return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:
@@ -51,62 +84,254 @@ class PresetConfig:
         return type(self).from_dict({**self.to_dict(), **changes})
 
     # -- validation helpers for ``__post_init__`` (errors name ``Config.field``) ----------
-    def _require_positive(self, *names: str) -> None:
+    # Each config checks every field on its own first (type, then range: a string or a
+    # float where an int belongs is a UserError, never a TypeError from a comparison), then
+    # the relations between fields (RelationError). bool is not an int here; an int is a
+    # number where a float belongs.
+    @classmethod
+    def require_known_fields(cls, values: dict[str, Any]) -> None:
+        """A UserError naming the keys of ``values`` that are not fields of ``cls``."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted((k for k in values if k not in names), key=repr)
+        if unknown:
+            hints = {u: difflib.get_close_matches(u, names, n=1) if isinstance(u, str) else []
+                     for u in unknown}
+            detail = ", ".join(f"{u!r}" + (f" (did you mean {h[0]!r}?)" if h else "")
+                               for u, h in hints.items())
+            raise UserError(f"unknown {cls.__name__} field(s): {detail}; valid fields: {sorted(names)}")
+
+    def _bad(self, name: str, allowed: str) -> UserError:
+        return UserError(f"{type(self).__name__}.{name} must be {allowed}, got "
+                         f"{getattr(self, name)!r}")
+
+    def _require_number(self, name: str, *, integer: bool = False, minimum=None, maximum=None,
+                        exclusive_min: bool = False, exclusive_max: bool = False,
+                        allow_none: bool = False, hint: str = "") -> None:
+        """``Config.name`` is an int (``integer``) or a finite real number, inside the bounds
+        (inclusive unless ``exclusive_*``), or None with ``allow_none``."""
+        value = getattr(self, name)
+        if value is None and allow_none:
+            return
+        ok = is_number(value, integer)
+        if ok and minimum is not None:
+            ok = value > minimum if exclusive_min else value >= minimum
+        if ok and maximum is not None:
+            ok = value < maximum if exclusive_max else value <= maximum
+        if not ok:
+            rule = _number_rule(integer, minimum, maximum, exclusive_min, exclusive_max)
+            if isinstance(value, float) and not math.isfinite(value):
+                rule = rule.replace("a number", "a finite number")
+            raise self._bad(name, rule + (" or None" if allow_none else "") + hint)
+
+    def _require_positive(self, *names: str, allow_none: bool = False) -> None:
+        """Integers >= 1 (counts and sizes); None too with ``allow_none`` (a default)."""
+        for name in names:
+            self._require_number(name, integer=True, minimum=1, allow_none=allow_none)
+
+    def _require_bools(self, *names: str, allow_none: bool = False) -> None:
         for name in names:
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise UserError(f"{type(self).__name__}.{name} must be an integer >= 1, got "
-                                f"{value!r}")
+            if not (isinstance(value, bool) or (allow_none and value is None)):
+                raise self._bad(name, "True or False" + (" or None" if allow_none else ""))
 
-    def _require_divisible(self, name: str, by: str) -> None:
-        if getattr(self, name) % getattr(self, by):
-            raise UserError(f"{type(self).__name__}: {name}={getattr(self, name)} is not divisible "
-                            f"by {by}={getattr(self, by)}")
-
-    def _require_model_settings(self) -> None:
-        """The fields every family shares: attention implementation, layer stack, dtypes."""
-        self._require_choice("attention_impl", IMPLEMENTATIONS)
-        self._require_choice("remat_policy", REMAT_POLICIES)
-        for name in ("dtype", "param_dtype"):
-            try:
-                canonical_dtype(getattr(self, name))
-            except ValueError as e:
-                raise UserError(f"{type(self).__name__}.{name}: {e}") from None
+    def _require_str(self, name: str, *, allow_none: bool = False) -> None:
+        """A non-empty string (or None with ``allow_none``)."""
+        value = getattr(self, name)
+        if not ((isinstance(value, str) and value) or (allow_none and value is None)):
+            raise self._bad(name, "a non-empty string" + (" or None" if allow_none else ""))
 
     def _require_choice(self, name: str, choices, hint: str = "") -> None:
         value = getattr(self, name)
-        if value not in choices:
+        if not isinstance(value, str) or value not in choices:
             raise UserError(f"{type(self).__name__}.{name}={value!r} is unknown; choose one of "
                             f"{sorted(choices)}{hint}")
 
-    def _require_rates(self, *names: str) -> None:
+    def _require_rates(self, *names: str, allow_none: bool = False) -> None:
+        """Dropout rates: numbers in [0, 1) (or None with ``allow_none``)."""
         for name in names:
             value = getattr(self, name)
-            numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
-            if not numeric or not 0.0 <= value < 1.0:
-                raise UserError(f"{type(self).__name__}.{name} must be in [0, 1), got {value!r}")
+            if allow_none and value is None:
+                continue
+            if not is_number(value) or not 0.0 <= value < 1.0:
+                raise UserError(f"{type(self).__name__}.{name} must be in [0, 1)"
+                                f"{' or None' if allow_none else ''}, got {value!r}")
 
-    def _require_token_ids(self, *names: str) -> None:
+    def _require_model_settings(self) -> None:
+        """The fields every family shares: layer stack, attention implementation, dtypes."""
+        self._require_bools("scan_layers", "remat", "cpu_tuning")
+        self._require_choice("attention_impl", IMPLEMENTATIONS)
+        self._require_choice("remat_policy", REMAT_POLICIES)
+        for name in ("dtype", "param_dtype"):
+            value = getattr(self, name)
+            if not isinstance(value, str):
+                raise self._bad(name, "a dtype name such as 'float32' or 'bfloat16'")
+            try:
+                dtype = canonical_dtype(value)
+            except ValueError as e:
+                raise UserError(f"{type(self).__name__}.{name}: {e}") from None
+            if not jnp.issubdtype(dtype, jnp.floating):
+                raise UserError(f"{type(self).__name__}.{name}={value!r} is not a floating-point "
+                                "dtype; use e.g. 'float32' or 'bfloat16'")
+
+    # relations: checked after every field on its own, so the values are well typed
+    def _require_relation(self, ok: bool, fields: tuple[str, ...], text: str) -> None:
+        """A RelationError ``Config.<fields[0]>=<value> <text>`` unless ``ok``."""
+        if not ok:
+            raise RelationError(f"{type(self).__name__}.{fields[0]}={getattr(self, fields[0])!r} "
+                                f"{text}", fields)
+
+    def _require_divisible(self, name: str, by: str) -> None:
+        self._require_relation(getattr(self, name) % getattr(self, by) == 0, (name, by),
+                               f"is not divisible by {by}={getattr(self, by)!r}")
+
+    def _require_token_ids(self, *names: str, allow_none: bool = False) -> None:
+        """Integers >= 0 (or None with ``allow_none``), then inside [0, vocab_size)."""
         for name in names:
-            if not 0 <= getattr(self, name) < self.vocab_size:
-                raise UserError(f"{type(self).__name__}.{name}={getattr(self, name)} is outside the "
-                                f"vocabulary [0, {self.vocab_size})")
+            self._require_number(name, integer=True, minimum=0, allow_none=allow_none)
+        for name in names:
+            value = getattr(self, name)
+            self._require_relation(value is None or value < self.vocab_size, (name, "vocab_size"),
+                                   f"is outside the vocabulary [0, {self.vocab_size}) "
+                                   "(vocab_size)")
 
-
-def check_ids(name: str, ids: Any):
-    """Token ids as a (B, length) integer array, or a UserError naming ``name``."""
+def check_ids(name: str, ids: Any, config: Any = None, field: str = "vocab_size"):
+    """Token ids as a (B, length) integer array, or a UserError naming ``name``; with a
+    ``config``, also every id in [0, ``config.<field>``) (:func:`check_id_values`)."""
+    given = ids
     ids = jnp.asarray(ids)
     if ids.ndim != 2:
         raise UserError(f"{name} must be (B, length) token ids; got shape {ids.shape}")
     if not jnp.issubdtype(ids.dtype, jnp.integer):
         raise UserError(f"{name} must be integer token ids; got dtype {ids.dtype}")
+    if config is not None:      # host values as given: no round trip through the device
+        check_id_values(name, ids if isinstance(given, jax.Array) else given, config, field)
     return ids
 
 
-def check_decoder_inputs(decoder_input_ids, encoded, decoder_attention_mask, decode: bool):
-    """An encoder-decoder's ``decode`` inputs: checked target ids (B, T) that match the batch
-    of ``encoded`` (B, S, D), and no target padding mask while decoding from the cache."""
-    decoder_input_ids = check_ids("decoder_input_ids", decoder_input_ids)
+# ----------------------------------------------------------------------------- id ranges
+#
+# XLA does not fail on an id outside its table: the embedding lookup returns NaN rows (which
+# attention spreads to every position) and -1 wraps to the last row. The entry points check
+# their ids when the ids are concrete (``model.apply`` outside jit): on the host, a
+# UserError. Traced ids (under ``jax.jit``) are checked only inside :func:`checked`, with
+# ``checkify``; otherwise the compiled program is exactly the unchecked one.
+
+#: what the ids index, by the config field that sizes the table (the error's wording)
+_TABLES = {"vocab_size": "vocabulary", "type_vocab_size": "token types",
+           "max_len": "positions", "num_classes": "classes"}
+#: what to do about ids outside the table, by that field
+ID_ADVICE = {
+    "vocab_size": "token ids must come from the tokenizer the model was built for (whose ids "
+                  "fit the config's vocab_size), and padding such as -1 or -100 must be "
+                  "replaced by a real pad id",
+    "type_vocab_size": "token type ids number the segments 0 .. type_vocab_size - 1",
+    "max_len": "positions run from 0 to max_len - 1: shorten the input or use a config with "
+               "a larger max_len",
+    "num_classes": "labels must be class indices 0 .. num_classes - 1",
+}
+
+_TRACED_ID_CHECKS = contextvars.ContextVar("transformer_jax_traced_id_checks", default=False)
+
+
+def id_range_message(name: str, position, value, bad, total: int, size: int, owner: str,
+                     advice: str) -> str:
+    """``input_ids[1, 7] = 50300 is outside the vocabulary [0, 50257) of GPTConfig.vocab_size
+    (bad ids in input_ids: 2 of 16); <advice>``. ``position`` (one entry per axis),
+    ``value`` and ``bad`` may be ``"{}"``: the template of the checkify message."""
+    field = owner.rsplit(".", 1)[-1]
+    where = f"{name}[{', '.join(map(str, position))}]" if len(position) else name
+    return (f"{where} = {value} is outside the {_TABLES.get(field, 'range')} [0, {size}) of "
+            f"{owner} (bad ids in {name}: {bad} of {total}); {advice}")
+
+
+def _table(config: Any, field: str) -> tuple[int, str, str]:
+    """(size, owner such as ``"GPTConfig.vocab_size"``, advice) of ``config.<field>``."""
+    return (int(getattr(config, field)), f"{type(config).__name__}.{field}",
+            ID_ADVICE.get(field, f"ids must lie in [0, {field})"))
+
+
+def check_id_range(name: str, ids: Any, config: Any, field: str = "vocab_size", *,
+                   advice: str | None = None) -> None:
+    """On the host: a UserError when an id of ``ids`` lies outside [0, ``config.<field>``),
+    naming the first such id (row-major), its position, how many there are, the table
+    (``GPTConfig.vocab_size``) and what to do (``advice``, default by field). Costs a
+    min and a max over ``ids`` when they are all valid."""
+    ids = np.asarray(ids)
+    size, owner, default = _table(config, field)
+    if ids.size == 0 or (ids.min() >= 0 and ids.max() < size):
+        return
+    bad = (ids < 0) | (ids >= size)
+    flat = int(np.argmax(bad))
+    position = [int(p) for p in np.unravel_index(flat, ids.shape)]
+    raise UserError(id_range_message(name, position, ids.reshape(-1)[flat].item(),
+                                     int(bad.sum()), ids.size, size, owner, advice or default))
+
+
+def check_special_id(name: str, value: Any, config: Any, why: str) -> None:
+    """On the host: a UserError when a special id the model is fed (``pad_id``,
+    ``decoder_start_id``) lies outside [0, ``config.vocab_size``); ``why`` says where it goes."""
+    size, owner, _ = _table(config, "vocab_size")
+    if value is not None and not 0 <= int(value) < size:
+        raise UserError(f"{name}={value} is outside the vocabulary [0, {size}) of {owner}: "
+                        f"{why}; pass an id the model has")
+
+
+def _checkify_id_range(name: str, ids: Any, config: Any, field: str) -> None:
+    """``check_id_range`` as a ``checkify.check`` on traced ids (same message)."""
+    if ids.size == 0:
+        return
+    size, owner, advice = _table(config, field)
+    bad = (ids < 0) | (ids >= size)
+    flat = jnp.argmax(bad.reshape(-1))
+    position = jnp.unravel_index(flat, ids.shape)
+    template = id_range_message(name, ["{}"] * ids.ndim, "{}", "{}", ids.size, size, owner, advice)
+    checkify.check(~jnp.any(bad), template, *position, ids.reshape(-1)[flat], jnp.sum(bad))
+
+
+def check_id_values(name: str, ids: Any, config: Any, field: str = "vocab_size") -> None:
+    """Ids outside [0, ``config.<field>``): concrete ids raise a UserError now
+    (:func:`check_id_range`); traced ids get a ``checkify.check`` inside :func:`checked` and
+    no check otherwise (plain ``jax.jit``: the compiled program stays unchecked). None: no ids."""
+    if ids is None:
+        return
+    if not isinstance(ids, jax.core.Tracer):
+        check_id_range(name, ids, config, field)
+    elif _TRACED_ID_CHECKS.get():
+        _checkify_id_range(name, ids, config, field)
+
+
+def checked(fn: Callable, errors: Any = checkify.user_checks) -> Callable:
+    """``fn`` with the models' id checks on traced ids too: ``checked(fn)(*args, **kwargs)``
+    -> ``(error, fn(*args, **kwargs))``, as ``checkify.checkify``.
+
+    Every model entry point ``fn`` calls (``model.apply``, ``method="encode"``, ...) adds a
+    ``checkify.check`` per id input, so under ``jax.jit`` ``error.throw()`` raises the
+    message a concrete call raises as a UserError::
+
+        err, logits = jax.jit(checked(model.apply))(variables, input_ids)
+        err.throw()   # input_ids[1, 7] = 50300 is outside the vocabulary [0, 50257) ...
+
+    Jit the checked function, not the other way round: a function jitted before it was
+    checked keeps the program it compiled without the checks. ``errors`` adds checkify's
+    other error sets (e.g. ``checkify.nan_checks``); user checks are always on.
+    """
+    def with_id_checks(*args, **kwargs):
+        token = _TRACED_ID_CHECKS.set(True)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _TRACED_ID_CHECKS.reset(token)
+
+    return functools.wraps(fn)(checkify.checkify(with_id_checks,
+                                                 errors=errors | checkify.user_checks))
+
+
+def check_decoder_inputs(decoder_input_ids, encoded, decoder_attention_mask, decode: bool,
+                         config: Any = None):
+    """An encoder-decoder's ``decode`` inputs: checked target ids (B, T) (in ``config``'s
+    vocabulary) that match the batch of ``encoded`` (B, S, D), and no target padding mask
+    while decoding from the cache."""
+    decoder_input_ids = check_ids("decoder_input_ids", decoder_input_ids, config)
     if encoded.ndim != 3 or encoded.shape[0] != decoder_input_ids.shape[0]:
         raise UserError(f"encoded must be (B, S, D) with B = {decoder_input_ids.shape[0]}; "
                         f"got {tuple(encoded.shape)}")

@@ -58,7 +58,7 @@ from ..layers.masks import key_padding_mask
 from ..layers.mlp import ACTIVATIONS
 from ..layers.norms import LayerNorm
 from ..layers.stack import layer_stack
-from .base import PresetConfig
+from .base import PresetConfig, check_id_values
 
 Array = jax.Array
 
@@ -98,19 +98,19 @@ class BertConfig(PresetConfig):
     }
 
     def __post_init__(self):
+        """Every field on its own (base.py's helpers), then the relations between them."""
         self._require_positive("vocab_size", "max_len", "type_vocab_size", "num_layers",
                                "num_heads", "d_model", "num_classes")
-        self._require_divisible("d_model", "num_heads")
-        if self.mlp_dim is not None:
-            self._require_positive("mlp_dim")
+        self._require_positive("mlp_dim", allow_none=True)                  # None: 4 * d_model
         self._require_choice("head", HEADS)
         self._require_choice("activation", ACTIVATIONS)
+        self._require_number("norm_eps", minimum=0, exclusive_min=True)
         self._require_rates("dropout_rate", "attention_dropout_rate")
-        if self.classifier_dropout_rate is not None:
-            self._require_rates("classifier_dropout_rate")
-        if self.pad_token_id is not None:
-            self._require_token_ids("pad_token_id")
+        self._require_rates("classifier_dropout_rate", allow_none=True)    # None: dropout_rate
+        self._require_number("initializer_range", minimum=0)
         self._require_model_settings()
+        self._require_divisible("d_model", "num_heads")
+        self._require_token_ids("pad_token_id", allow_none=True)           # None: no pad row
 
     @property
     def mlp_features(self) -> int:
@@ -214,6 +214,13 @@ class BertEncoder(nn.Module):
             if x is not None and jnp.shape(x) != (b, t):
                 raise UserError(f"{name} must have the shape of input_ids {(b, t)}; got "
                                 f"{jnp.shape(x)}")
+        if not jnp.issubdtype(input_ids.dtype, jnp.integer):
+            raise UserError(f"input_ids must be integer token ids; got dtype {input_ids.dtype}")
+        # ids outside their tables: a UserError when concrete (models/base.py)
+        for name, ids, field in (("input_ids", input_ids, "vocab_size"),
+                                 ("token_type_ids", token_type_ids, "type_vocab_size"),
+                                 ("position_ids", position_ids, "max_len")):
+            check_id_values(name, ids, cfg, field)
         init = nn.initializers.normal(cfg.initializer_range)
         token_type_ids = (jnp.zeros((b, t), jnp.int32) if token_type_ids is None
                           else jnp.asarray(token_type_ids))

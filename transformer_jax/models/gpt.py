@@ -28,7 +28,7 @@ from ..layers.masks import key_padding_mask
 from ..layers.mlp import ACTIVATIONS
 from ..layers.norms import make_norm
 from ..layers.stack import layer_stack
-from .base import PresetConfig
+from .base import PresetConfig, check_id_values, check_ids
 
 Array = jax.Array
 
@@ -70,18 +70,25 @@ class GPTConfig(PresetConfig):
     }
 
     def __post_init__(self):
+        """Every field on its own (base.py's helpers), then the relations between them."""
         self._require_positive("vocab_size", "max_len", "num_layers", "num_heads", "d_model")
-        self._require_divisible("d_model", "num_heads")
-        if self.num_kv_heads is not None:
-            self._require_positive("num_kv_heads")
-            self._require_divisible("num_heads", "num_kv_heads")
-        if self.mlp_dim is not None:
-            self._require_positive("mlp_dim")
+        self._require_positive("num_kv_heads", "mlp_dim", allow_none=True)   # None: the default
         self._require_choice("activation", ACTIVATIONS)
         self._require_choice("norm", ("layernorm", "rmsnorm"))
+        self._require_number("norm_eps", minimum=0, exclusive_min=True)
         self._require_choice("position", ("learned", "rope"))
+        self._require_number("rope_base", minimum=0, exclusive_min=True)
+        self._require_bools("gated_mlp", "use_bias", "tie_embeddings")
         self._require_rates("dropout_rate", "attention_dropout_rate")
+        self._require_number("initializer_range", minimum=0)
         self._require_model_settings()
+        self._require_divisible("d_model", "num_heads")
+        if self.num_kv_heads is not None:
+            self._require_divisible("num_heads", "num_kv_heads")
+        self._require_relation(self.position != "rope" or self.head_dim % 2 == 0,
+                               ("position", "d_model", "num_heads"),
+                               f"needs an even head_dim = d_model / num_heads, got "
+                               f"{self.d_model} / {self.num_heads} = {self.head_dim}")
 
     @property
     def mlp_features(self) -> int:
@@ -135,10 +142,16 @@ class GPT(nn.Module):
         (a KV cache in the ``cache`` collection), ``attention_mask`` covers the whole cache
         length S_max and the attention layers add the causal part themselves;
         ``position_ids`` default to the running cache position.
+
+        Concrete ids outside [0, vocab_size) (learned positions: [0, max_len)) raise a
+        UserError; under jit only inside ``models.checked`` (see ``models/__init__.py``).
         """
         cfg = self.config
         dtype, param_dtype = canonical_dtype(cfg.dtype), canonical_dtype(cfg.param_dtype)
         b, t = self._check_inputs(input_ids, attention_mask, decode)
+        input_ids = check_ids("input_ids", input_ids, cfg)     # in [0, vocab_size) (base.py)
+        if cfg.position == "learned":
+            check_id_values("position_ids", position_ids, cfg, "max_len")
         init = nn.initializers.normal(cfg.initializer_range)
         wte = Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=param_dtype,
                     embedding_init=init, cpu_tuning=cfg.cpu_tuning, name="wte")

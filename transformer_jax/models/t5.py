@@ -109,23 +109,28 @@ class T5Config(EncoderDecoderConfig, PresetConfig):
     }
 
     def __post_init__(self):
-        self._require_positive("vocab_size", "d_model", "num_heads", "head_dim", "num_layers")
-        for name in ("mlp_dim", "num_decoder_layers"):     # None: the default
-            if getattr(self, name) is not None:
-                self._require_positive(name)
+        """Every field on its own (base.py's helpers), then the relations between them."""
+        self._require_positive("vocab_size", "d_model", "num_heads", "head_dim", "num_layers",
+                               "relative_attention_max_distance")
+        self._require_positive("mlp_dim", "num_decoder_layers", allow_none=True)  # None: default
+        even = " and even (half of them per direction in the encoder)"
+        self._require_number("relative_attention_num_buckets", integer=True, minimum=4, hint=even)
         r = self.relative_attention_num_buckets
-        if r < 4 or r % 2:
-            raise UserError(f"T5Config.relative_attention_num_buckets must be even and >= 4 (half "
-                            f"of them per direction in the encoder), got {r}")
-        if self.relative_attention_max_distance <= r // 2:
-            raise UserError(f"T5Config.relative_attention_max_distance="
-                            f"{self.relative_attention_max_distance} must exceed the {r // 2} exact "
-                            f"buckets of the decoder (relative_attention_num_buckets // 2)")
+        if r % 2:
+            raise self._bad("relative_attention_num_buckets", "an integer >= 4" + even)
         self._require_choice("activation", ACTIVATIONS,
                              " (v1.0: 'relu'; v1.1: 'gelu_tanh' with gated_mlp=True)")
+        self._require_bools("gated_mlp", "tie_embeddings")
+        self._require_bools("scale_decoder_output", allow_none=True)      # None: tie_embeddings
+        self._require_number("norm_eps", minimum=0, exclusive_min=True)
         self._require_rates("dropout_rate")
-        self._require_token_ids("pad_token_id", "eos_token_id", "decoder_start_token_id")
+        self._require_number("initializer_factor", minimum=0)
         self._require_model_settings()
+        self._require_relation(self.relative_attention_max_distance > r // 2,
+                               ("relative_attention_max_distance", "relative_attention_num_buckets"),
+                               f"must exceed the {r // 2} exact buckets of the decoder "
+                               "(relative_attention_num_buckets // 2)")
+        self._require_token_ids("pad_token_id", "eos_token_id", "decoder_start_token_id")
 
     @property
     def mlp_features(self) -> int:
@@ -277,7 +282,7 @@ class T5(nn.Module):
     def encode(self, input_ids: Array, attention_mask: Array | None = None, *,
                deterministic: bool = True) -> Array:
         """input_ids (B, S) -> encoder output (B, S, D)."""
-        input_ids = check_ids("input_ids", input_ids)
+        input_ids = check_ids("input_ids", input_ids, self.config)   # in [0, vocab_size)
         attention_mask = _check_mask("attention_mask", attention_mask, input_ids, "input_ids")
         mask = None if attention_mask is None else key_padding_mask(attention_mask)
         x = self.shared(input_ids)
@@ -294,7 +299,7 @@ class T5(nn.Module):
         """
         cfg = self.config
         decoder_input_ids = check_decoder_inputs(decoder_input_ids, encoded,
-                                                 decoder_attention_mask, decode)
+                                                 decoder_attention_mask, decode, self.config)
         if attention_mask is not None and tuple(jnp.shape(attention_mask)) != encoded.shape[:2]:
             raise UserError(f"attention_mask must be (B, S) = {encoded.shape[:2]}, the source "
                             f"padding mask; got {tuple(jnp.shape(attention_mask))}")

@@ -100,21 +100,23 @@ class TransformerConfig(EncoderDecoderConfig, PresetConfig):
     }
 
     def __post_init__(self):
+        """Every field on its own (base.py's helpers), then the relations between them."""
         self._require_positive("vocab_size", "max_len", "num_layers", "d_model", "num_heads")
-        for name in ("mlp_dim", "num_decoder_layers"):     # None: the default
-            if getattr(self, name) is not None:
-                self._require_positive(name)
-        self._require_divisible("d_model", "num_heads")
+        self._require_positive("mlp_dim", "num_decoder_layers", allow_none=True)  # None: default
         if self.d_model % 2:
-            raise UserError(f"TransformerConfig: sinusoidal positions need an even d_model, "
-                            f"got {self.d_model}")
+            raise self._bad("d_model", "an even integer (sinusoidal positions need an even d_model)")
         self._require_choice("activation", ACTIVATIONS)
         self._require_rates("dropout_rate", "attention_dropout_rate", "mlp_dropout_rate")
-        if self.pre_norm and self.final_norm is False:
-            raise UserError("TransformerConfig: pre_norm=True needs final_norm (the residual "
-                            "stream is never normalised otherwise); leave final_norm=None")
-        self._require_token_ids("pad_token_id", "eos_token_id", "decoder_start_token_id")
+        self._require_number("norm_eps", minimum=0, exclusive_min=True)
+        self._require_bools("pre_norm", "tie_embeddings")
+        self._require_bools("final_norm", allow_none=True)                 # None: pre_norm
         self._require_model_settings()
+        self._require_divisible("d_model", "num_heads")
+        self._require_relation(not (self.pre_norm and self.final_norm is False),
+                               ("final_norm", "pre_norm"),
+                               "is refused: pre_norm=True needs final_norm (the residual stream "
+                               "is never normalised otherwise); leave final_norm=None")
+        self._require_token_ids("pad_token_id", "eos_token_id", "decoder_start_token_id")
 
     @property
     def has_final_norm(self) -> bool:
@@ -249,7 +251,7 @@ class Transformer(nn.Module):
     def encode(self, input_ids: Array, attention_mask: Array | None = None, *,
                deterministic: bool = True) -> Array:
         """input_ids (B, S) -> encoder output (B, S, D)."""
-        input_ids = check_ids("input_ids", input_ids)
+        input_ids = check_ids("input_ids", input_ids, self.config)   # in [0, vocab_size)
         mask = _padding("attention_mask", attention_mask, input_ids.shape)
         return self.encoder(self._embed(input_ids), mask, deterministic=deterministic)
 
@@ -262,7 +264,7 @@ class Transformer(nn.Module):
         tokens are appended to the KV cache (``decoder_attention_mask`` must then be None).
         """
         decoder_input_ids = check_decoder_inputs(decoder_input_ids, encoded,
-                                                 decoder_attention_mask, decode)
+                                                 decoder_attention_mask, decode, self.config)
         self_mask = _padding("decoder_attention_mask", decoder_attention_mask,
                              decoder_input_ids.shape)
         memory_mask = _padding("attention_mask", attention_mask, encoded.shape[:2])

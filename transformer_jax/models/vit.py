@@ -108,21 +108,21 @@ class ViTConfig(PresetConfig):
     }
 
     def __post_init__(self):
+        """Every field on its own (base.py's helpers), then the relations between them."""
         self._require_positive("image_size", "patch_size", "num_channels", "num_layers",
                                "num_heads", "d_model")
-        if isinstance(self.num_classes, bool) or not isinstance(self.num_classes, int) \
-                or self.num_classes < 0:
-            raise UserError(f"ViTConfig.num_classes must be an integer >= 0 (0 = no head), got "
-                            f"{self.num_classes!r}")
-        if self.image_size % self.patch_size:
-            raise UserError(f"ViTConfig: image_size={self.image_size} is not a multiple of "
-                            f"patch_size={self.patch_size}; pick sizes whose patches tile the image")
-        self._require_divisible("d_model", "num_heads")
-        if self.mlp_dim is not None:
-            self._require_positive("mlp_dim")
+        self._require_number("num_classes", integer=True, minimum=0, hint=" (0 = no head)")
+        self._require_positive("mlp_dim", allow_none=True)                  # None: 4 * d_model
         self._require_choice("activation", ACTIVATIONS)
+        self._require_number("norm_eps", minimum=0, exclusive_min=True)
         self._require_rates("dropout_rate", "attention_dropout_rate")
+        self._require_number("initializer_range", minimum=0)
+        self._require_bools("head_zeroinit")
         self._require_model_settings()
+        self._require_divisible("d_model", "num_heads")
+        self._require_relation(self.image_size % self.patch_size == 0, ("image_size", "patch_size"),
+                               f"is not a multiple of patch_size={self.patch_size}; pick sizes "
+                               "whose patches tile the image")
 
     @property
     def mlp_features(self) -> int:

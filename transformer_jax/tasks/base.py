@@ -11,18 +11,67 @@ from __future__ import annotations
 
 import abc
 import difflib
+import reprlib
 from pathlib import Path
 from typing import Any, ClassVar, Iterable
 
 from .. import storage
 from ..errors import UserError
 from ..losses import LossFn
+from ..models import FAMILIES
+from ..models.base import check_id_range
+
+#: what to do when the data's ids do not fit the model, by the config field they index
+DATA_ADVICE = {
+    "vocab_size": "the tokenizer{tokenizer} yields ids the model does not have: the tokenizer and "
+                  "the model's vocab_size disagree (the model must be built for this tokenizer: "
+                  "drop a model.vocab_size override that is too small, or fix a tokenizer whose "
+                  "vocab_size undercounts its ids)",
+    "type_vocab_size": "the data's token type ids and the model's type_vocab_size disagree",
+    "num_classes": "the dataset's labels and the model's num_classes disagree (drop a "
+                   "model.num_classes override, or relabel the data)",
+}
+
+
+class CheckedBatches:
+    """The batches of ``batches`` (an iterator, e.g. with ``get_state``/``set_state``,
+    which pass through), each checked on the host before it is handed out: the arrays
+    under ``limits``' keys must hold ids inside the model's tables (``Task.ID_FIELDS``)."""
+
+    def __init__(self, batches: Iterable[dict], limits: dict[str, tuple[Any, str, str]],
+                 describe: str):
+        self.batches, self.limits, self.describe = batches, limits, describe
+        self._it = iter(batches)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        batch = next(self._it)
+        for key, (config, field, advice) in self.limits.items():
+            if key in batch:
+                try:      # a min and a max per array when all is well
+                    check_id_range(key, batch[key], config, field, advice=advice)
+                except UserError as e:
+                    raise UserError(f"{self.describe}: {e}") from None
+        return batch
+
+    def __getattr__(self, name: str):
+        if name in ("batches", "limits", "describe", "_it"):
+            raise AttributeError(name)
+        return getattr(self.batches, name)
 
 
 class Task(abc.ABC):
     """Base class; subclasses set ``name``, ``OPTIONS`` and implement the data methods."""
     name: ClassVar[str] = ""
     OPTIONS: ClassVar[dict[str, Any]] = {}   # option name -> default
+    #: batch keys that hold ids -> the model config field that sizes their table
+    #: ("vocab_size", "type_vocab_size", "num_classes"). ``train_iterator`` and
+    #: ``eval_batches`` check every batch against the model the run builds (on the host,
+    #: before the batch reaches a device): an id outside is a UserError naming the
+    #: dataset, split, batch key, position, id and table size.
+    ID_FIELDS: ClassVar[dict[str, str]] = {}
 
     def __init__(self, cfg, workdir: str | Path, *, spec: dict | None = None):
         self.cfg = cfg
@@ -54,12 +103,58 @@ class Task(abc.ABC):
         with ``get_state()`` / ``set_state()``; otherwise one finite pass."""
 
     def train_iterator(self, process_index: int, process_count: int):
-        """Endless iterator of numpy batches with ``get_state()`` / ``set_state()``."""
-        return self.make_iterator("train", process_index, process_count, train=True)
+        """Endless iterator of numpy batches with ``get_state()`` / ``set_state()``, their
+        ids checked (``ID_FIELDS``)."""
+        return self.checked_batches(
+            self.make_iterator("train", process_index, process_count, train=True), "train")
 
     def eval_batches(self, process_index: int, process_count: int) -> Iterable[dict]:
-        """A finite iterable of eval batches (at most ``cfg.eval_batches`` are used)."""
-        return self.make_iterator(self.cfg.eval_split, process_index, process_count, train=False)
+        """A finite iterable of eval batches (at most ``cfg.eval_batches`` are used), their
+        ids checked (``ID_FIELDS``)."""
+        split = self.cfg.eval_split
+        return self.checked_batches(
+            self.make_iterator(split, process_index, process_count, train=False), split)
+
+    # -- id checks ------------------------------------------------------------------
+    def run_model_config(self):
+        """The model config the run builds from this config (preset, then the task's
+        ``model_overrides``, then the experiment's, which win), or None for an unknown family."""
+        family = FAMILIES.get(self.cfg.model)
+        if family is None:
+            return None
+        overrides = {**self.model_overrides(), **self.cfg.model_overrides}
+        return family[0].preset(self.cfg.model_preset, **overrides)
+
+    def id_advice(self, field: str) -> str:
+        """What to do when the data's ids do not fit ``field`` (``DATA_ADVICE``)."""
+        spec = getattr(self, "tokenizer_spec", None)
+        tokenizer = f" ({spec!r})" if isinstance(spec, str) else ""
+        return DATA_ADVICE.get(field, "the data and the model disagree").format(tokenizer=tokenizer)
+
+    def checked_batches(self, batches: Iterable[dict], split: str):
+        """``batches`` with every batch's ``ID_FIELDS`` checked against the run's model.
+        Unchecked when this config builds no model (a run stops earlier, in the loop's
+        ``build``, with that error; a task on its own still gives its batches)."""
+        try:
+            config = self.run_model_config() if self.ID_FIELDS else None
+        except UserError:
+            config = None
+        limits = {key: (config, field, self.id_advice(field))
+                  for key, field in self.ID_FIELDS.items()
+                  if getattr(config, field, None) is not None}
+        if not limits:
+            return batches
+        dataset = self.cfg.dataset
+        shown = repr(dataset) if isinstance(dataset, str) else reprlib.repr(dataset)
+        describe = f"task {self.name!r}, dataset {shown}, split {split!r}"
+        return CheckedBatches(batches, limits, describe)
+
+    def check_prompt_ids(self, ids, model_config) -> None:
+        """The token ids of a prompt (B, T) against ``model_config.vocab_size``, on the host
+        before anything runs; the error names the tokenizer. Unchecked for a config
+        without ``vocab_size``."""
+        if getattr(model_config, "vocab_size", None) is not None:
+            check_id_range("prompt", ids, model_config, advice=self.id_advice("vocab_size"))
 
     @abc.abstractmethod
     def init_args(self) -> tuple:

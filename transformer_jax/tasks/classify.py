@@ -177,6 +177,8 @@ class ClassifyTask(Task):
     OPTIONS = {"pretrained": None, "context_lines": 2, "text_key": "sentence",
                "text_b_key": None, "label_key": "label", "num_classes": None}
     loss_fn = staticmethod(classify_loss)
+    ID_FIELDS = {"input_ids": "vocab_size", "token_type_ids": "type_vocab_size",
+                 "labels": "num_classes"}
 
     def __init__(self, cfg, workdir, *, spec=None):
         super().__init__(cfg, workdir, spec=spec)

@@ -56,6 +56,7 @@ class ImageClassificationTask(Task):
     OPTIONS = {"image_size": None, "augment": False, "flip": None, "test_fraction": 0.2,
                "split_seed": 0, "num_samples": 8, "pretrained": None}
     loss_fn = staticmethod(image_classification_loss)
+    ID_FIELDS = {"labels": "num_classes"}
 
     def __init__(self, cfg, workdir, *, spec=None):
         super().__init__(cfg, workdir, spec=spec)

@@ -17,6 +17,7 @@ class LMTask(Task):
     name = "lm"
     OPTIONS = {}
     loss_fn = staticmethod(lm_loss)
+    ID_FIELDS = {"inputs": "vocab_size", "targets": "vocab_size"}
 
     def __init__(self, cfg, workdir, *, spec=None):
         super().__init__(cfg, workdir, spec=spec)
@@ -63,6 +64,7 @@ class LMTask(Task):
                       top_k=40, top_p=None, seed=0) -> str:
         tok = self.tokenizer
         ids = tok.encode(prompt) or [tok.eos_id]
+        self.check_prompt_ids([ids], model.config)       # before anything is compiled
         room = model.config.max_len - len(ids)
         if room < 1:
             raise UserError(f"the prompt is {len(ids)} tokens; the model's max_len is {model.config.max_len}")

@@ -294,6 +294,7 @@ class MLMTask(Task):
     name = "mlm"
     OPTIONS = {"mask_prob": 0.15, "mask_token_prob": 0.8, "random_token_prob": 0.1}
     loss_fn = staticmethod(mlm_loss)
+    ID_FIELDS = {"input_ids": "vocab_size", "targets": "vocab_size"}
 
     def __init__(self, cfg, workdir, *, spec=None):
         super().__init__(cfg, workdir, spec=spec)

@@ -252,6 +252,7 @@ class Seq2SeqTask(Task):
                "target_key": "en", "beam_size": 1, "length_penalty": 1.0, "decode_batches": 4,
                "bleu_tokenize": None}
     loss_fn = staticmethod(seq2seq_loss)
+    ID_FIELDS = {"inputs": "vocab_size", "targets": "vocab_size", "labels": "vocab_size"}
 
     def __init__(self, cfg, workdir, *, spec=None):
         super().__init__(cfg, workdir, spec=spec)
@@ -401,6 +402,7 @@ class Seq2SeqTask(Task):
         """Decode ``prompt`` as a source sentence (greedy or ``beam_size`` beams)."""
         tok = self.tokenizer
         ids = list(tok.encode(prompt))[: self.src_len - 1] + [tok.eos_id]
+        self.check_prompt_ids([ids], model.config)       # before anything is compiled
         inputs = np.full((1, self.src_len), tok.pad_id, np.int32)
         inputs[0, : len(ids)] = ids
         n = self.tgt_len if max_new_tokens is None else max(1, int(max_new_tokens))

@@ -36,17 +36,29 @@ Guarantees relied on (verified by ``tests/test_checkpoint.py``):
 * **Retention.** The last ``keep`` steps are kept, plus (``keep_best``) the
   step with the lowest ``metrics[best_metric]``; everything else is deleted
   after each successful save.
+* **Fallback.** :meth:`CheckpointManager.restore_readable` restores the newest
+  step that reads: a step with a broken file (array data, metadata, the
+  data-iterator state, the config) is reported in one line naming the step and
+  the file, and optionally moved aside to ``<step>.corrupt`` (orbax lists only
+  integer-named directories, so moved steps are kept but never restored).
+* **Failed saves.** A save that cannot be written (a full or read-only disk)
+  raises :class:`CheckpointWriteError` naming the path and the OS error; orbax
+  has then written only ``<step>.orbax-checkpoint-tmp``, so the previous
+  checkpoint is intact and is what ``--resume`` restores.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import logging
 import math
 import os
 import pathlib
-from typing import Any, Optional
+import re
+import sys
+from typing import Any, Callable, Optional
 
 import jax
 import numpy as np
@@ -57,11 +69,23 @@ from orbax.checkpoint import checkpoint_managers as ocp_policies
 from .. import storage
 from ..errors import UserError
 
-__all__ = ["CheckpointManager", "read_config", "load_params"]
+__all__ = ["CheckpointManager", "CheckpointWriteError", "UnreadableCheckpoint", "describe_unreadable",
+           "read_config", "load_params"]
 
 logger = logging.getLogger(__name__)
 
 _STATE, _CONFIG, _DATA = "state", "config", "data"
+
+
+class _NoReadOnlyNotice(logging.Filter):
+    """Orbax warns "Given directory is read only" for every read-only manager; reading a
+    run's checkpoints read-only is deliberate here (eval, generate, the resume check)."""
+
+    def filter(self, record):
+        return "Given directory is read only" not in record.getMessage()
+
+
+logging.getLogger("absl").addFilter(_NoReadOnlyNotice())
 
 
 def _json_default(obj: Any) -> Any:
@@ -90,6 +114,84 @@ def _to_json(obj: Any, what: str) -> dict:
         return json.loads(json.dumps(obj, default=_json_default))
     except (TypeError, ValueError) as e:
         raise TypeError(f"{what} must be JSON-serializable: {e}") from None
+
+
+class CheckpointWriteError(UserError):
+    """A checkpoint could not be written (disk full, read-only, no permission); the previous
+    checkpoints are intact."""
+
+
+class UnreadableCheckpoint(UserError):
+    """Every candidate checkpoint failed to read; the message names each step and its file."""
+
+
+# Files of a step that are JSON: a missing or unparsable one is a broken checkpoint.
+_JSON_FILES = ("config/metadata", "data/metadata", "state/_METADATA", "state/_sharding")
+_OS_ERROR = re.compile(r"\[os_error_code='(\d+)'\]")
+_READING = re.compile(r'Error reading "([^"/]+)[^"]*" in OCDBT')
+
+
+def _json_problem(p: epath.Path) -> str | None:
+    if not p.exists():
+        return "missing"
+    try:
+        json.loads(p.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        return f"not valid JSON ({e})"
+    return None
+
+
+def describe_unreadable(step_dir: os.PathLike | str, exc: BaseException) -> str | None:
+    """Which file of the checkpoint ``step_dir`` broke ``exc`` (a failed restore), as
+    ``"<file>: <reason>"``; None when nothing points at a broken file (the failure is then
+    a mismatch or a bug, not corruption, and the checkpoint must not be moved aside)."""
+    step_dir = _as_path(step_dir)
+    files = list(_JSON_FILES)
+    meta = step_dir / "state" / "array_metadatas"
+    if meta.is_dir():
+        files += [f"state/array_metadatas/{p.name}" for p in meta.iterdir()]
+    for name in files:
+        if name == "state/_sharding" and not (step_dir / "state").is_dir():
+            continue
+        problem = _json_problem(step_dir / name)
+        if problem is not None:
+            return f"{name}: {problem}"
+    chain, seen = [], exc
+    while seen is not None and len(chain) < 8:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    for e in chain:
+        text = str(e)
+        match = _READING.search(text)
+        if match:
+            reason = text.rsplit(": ", 1)[-1].strip()
+            return f"state/ (the array {match.group(1)}): {reason[:160]}"
+        if isinstance(e, (FileNotFoundError, json.JSONDecodeError)) or "DATA_LOSS" in text:
+            filename = getattr(e, "filename", None)
+            return f"{filename or 'a file'}: {text.splitlines()[0][:160]}"
+    return None
+
+
+def _os_reason(exc: BaseException) -> str:
+    """The OS error inside a failed write (orbax/tensorstore wrap it in text), e.g.
+    "No space left on device"."""
+    seen, depth = exc, 0
+    while seen is not None and depth < 8:
+        if isinstance(seen, OSError) and seen.strerror:
+            return seen.strerror
+        match = _OS_ERROR.search(str(seen))
+        if match:
+            return os.strerror(int(match.group(1)))
+        seen, depth = seen.__cause__ or seen.__context__, depth + 1
+    return str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+
+
+# errnos of a write that the user fixes (space, quota, read-only disk, permissions, file size)
+_WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG)
+
+
+def _warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 def _as_path(directory: os.PathLike | str) -> epath.Path:
@@ -148,6 +250,7 @@ class CheckpointManager:
         self._keep_best = keep_best
         self._best_metric = best_metric
         self._read_only = read_only
+        self._pending: Optional[int] = None   # the step an async save is writing
 
         policies: list[Any] = [ocp_policies.LatestN(n=keep)]
         if keep_best:
@@ -280,8 +383,28 @@ class CheckpointManager:
             force=True,
         )
         if saved:
+            self._pending = step
             logger.info("Started checkpoint save of step %d to %s", step, self._directory)
         return bool(saved)
+
+    def _write_error(self, exc: BaseException) -> BaseException:
+        """``exc`` from a background save as a :class:`CheckpointWriteError` when an OS error
+        (a full or read-only disk, no permission) caused it; other errors stay as they are."""
+        reason = _os_reason(exc)
+        if not any(os.strerror(code) == reason for code in _WRITE_ERRNOS):
+            return exc
+        step, self._pending = self._pending, None
+        try:
+            self._manager.reload()
+            intact = [s for s in self.all_steps() if s != step]
+        except Exception:  # noqa: BLE001 - the directory itself may be unreadable now
+            intact = []
+        kept = (f"the previous checkpoint, step {intact[-1]}, is intact: free space (or choose a "
+                "--workdir on a disk with room) and continue with --resume" if intact else
+                "no earlier checkpoint exists: free space (or choose another --workdir) and "
+                "start again")
+        return CheckpointWriteError(f"could not write the checkpoint of step {step} to "
+                                    f"{self._directory} ({reason}); {kept}")
 
     # -- restoring -----------------------------------------------------------
 
@@ -344,6 +467,92 @@ class CheckpointManager:
         )
         return restored[_STATE], restored[_CONFIG], restored[_DATA]
 
+    def restore_readable(
+        self,
+        step: Optional[int] = None,
+        *,
+        target: Any = None,
+        check_config: Optional[Callable[[dict], None]] = None,
+        set_aside: bool = False,
+        warn: Callable[[str], None] = _warn,
+    ) -> tuple[int, Any, dict, dict]:
+        """``(step, state, config, data_state)`` of the newest step that reads (or of ``step``).
+
+        A step whose files do not read (see :func:`describe_unreadable`) is reported with
+        one ``warn`` line naming the step and the file, moved to ``<step>.corrupt`` when
+        ``set_aside``, and the next older step is tried. ``check_config(config)`` runs on
+        each candidate's config before its state is read (it raises to refuse). With an
+        explicit ``step`` nothing else is tried.
+
+        Raises:
+          UserError: no checkpoint, or the train state does not fit ``target``.
+          UnreadableCheckpoint: no step reads.
+        """
+        self.wait()
+        steps = [self._resolve_step(step)] if step is not None else self.all_steps()[::-1]
+        if not steps:
+            self._resolve_step(None)   # raises: no checkpoint
+        failures = []
+        for i, candidate in enumerate(steps):
+            try:
+                config = self.restore_config(candidate)
+                if check_config is not None:
+                    check_config(config)
+                state, _, data_state = self.restore(candidate, target=target)
+                return candidate, state, config, data_state
+            except UserError:
+                raise
+            except Exception as e:  # noqa: BLE001 - sorted into corruption, mismatch or bug
+                reason = self._unreadable(candidate, e)
+            failures.append(f"step {candidate} ({reason})")
+            if step is not None:
+                break
+            moved = ""
+            if set_aside:
+                moved = f"; moved it to {self.set_aside(candidate, 'corrupt')}"
+            following = (f"; restoring step {steps[i + 1]} instead" if i + 1 < len(steps)
+                         else "")
+            warn(f"checkpoint step {candidate} in {self._directory} is unreadable: {reason}"
+                 f"{moved}{following}")
+        if step is not None:
+            raise UnreadableCheckpoint(
+                f"checkpoint step {step} in {self._directory} is unreadable: {failures[0]}; "
+                f"pick another step ({', '.join(map(str, self.all_steps()))})")
+        raise UnreadableCheckpoint(
+            f"no checkpoint in {self._directory} reads: {'; '.join(failures)}. The run cannot "
+            "continue from them; start again in a new --workdir")
+
+    def _unreadable(self, step: int, exc: Exception) -> str:
+        """Why ``step`` failed to restore, when a broken file explains it; re-raises otherwise
+        (a train state that does not fit the target is a UserError, anything else a bug)."""
+        reason = describe_unreadable(self._directory / str(step), exc)
+        if reason is not None:
+            return reason
+        if "tree structures do not match" in str(exc):
+            raise UserError(
+                f"the train state in checkpoint step {step} of {self._directory} does not fit "
+                "this run's model and optimizer (their parameter trees differ, e.g. clip_norm "
+                "or weight_decay switched on or off); resume with the config the run was "
+                "started with, or start in a new --workdir") from exc
+        raise exc
+
+    def set_aside(self, step: int, suffix: str) -> epath.Path:
+        """Renames step ``step`` to ``<step>.<suffix>`` (kept, but no longer a step orbax
+        lists or restores) and returns the new path. Allowed on a ``read_only`` manager too:
+        it is how a run that only reads so far moves a broken step out of its way."""
+        self.wait()
+        target = self._directory / f"{step}.{suffix}"
+        n = 1
+        while target.exists():
+            target, n = self._directory / f"{step}.{suffix}{n}", n + 1
+        (self._directory / str(step)).rename(target)
+        self._manager.reload()
+        return target
+
+    def reload(self) -> None:
+        """Re-reads the list of steps (after another process moved some aside)."""
+        self._manager.reload()
+
     def restore_config(self, step: Optional[int] = None) -> dict:
         """The ``config`` dict of ``step`` (default: latest), without the state."""
         step = self._resolve_step(step)
@@ -382,12 +591,24 @@ class CheckpointManager:
 
         Re-raises an error of a failed background save.
         """
-        self._manager.wait_until_finished()
-        self._manager.check_for_errors()
+        self._finishing(lambda: (self._manager.wait_until_finished(),
+                                 self._manager.check_for_errors()))
+        self._pending = None
 
     def close(self) -> None:
         """Waits for pending saves, then releases orbax's resources."""
-        self._manager.close()
+        self._finishing(self._manager.close)
+
+    def _finishing(self, finish: Callable[[], Any]) -> None:
+        """``finish()``, with the OS error of a failed background save raised as a
+        :class:`CheckpointWriteError` (other errors as they are)."""
+        try:
+            finish()
+        except Exception as e:  # noqa: BLE001 - sorted by _write_error
+            error = self._write_error(e)
+            if error is e:
+                raise
+            raise error from e
 
     def __enter__(self) -> "CheckpointManager":
         return self
@@ -425,7 +646,9 @@ def load_params(workdir: os.PathLike | str, step: Optional[int] = None) -> tuple
 
     ``run_config`` is the dict the run stored with it (``family``, ``model``,
     ``experiment``, ``task_spec``); ``params`` are arrays on the first local device. This is
-    how tasks and tools read a finished run without importing the training loop.
+    how tasks and tools read a finished run without importing the training loop. An
+    unreadable latest step is reported in one warning line and the newest readable one is
+    used; nothing in the workdir is moved.
     """
     ckpt_dir = _as_path(workdir) / "checkpoints"
     if not ckpt_dir.is_dir():
@@ -436,8 +659,7 @@ def load_params(workdir: os.PathLike | str, step: Optional[int] = None) -> tuple
         if manager.latest_step() is None:
             raise UserError(f"{ckpt_dir} holds no complete checkpoint; let the run save one "
                             "(it saves every save_every steps and at the end)")
-        run_config = manager.restore_config(step)
-        state, _, _ = manager.restore(step)
+        _, state, run_config, _ = manager.restore_readable(step)
     finally:
         manager.close()
     return run_config, jax.tree_util.tree_map(jax.numpy.asarray, state["params"])

@@ -15,10 +15,21 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from ..errors import UserError
-from ..models.base import PresetConfig
+from ..models import FAMILIES
+from ..models.base import PresetConfig, RelationError
 from ..sharding import parse_mesh
+from .optim import SCHEDULES
 
 Field = dataclasses.field
+
+#: Model fields a task may fix from its data (``Task.model_overrides``: the tokenizer's
+#: vocabulary and special ids, the classes, the image size and channels, BERT's head). A
+#: model relation that involves one of them, unless ``model.FIELD`` sets it, is checked when
+#: the run builds the model after making the task; every other model mistake when the
+#: ExperimentConfig is made.
+TASK_MODEL_FIELDS = frozenset({"vocab_size", "pad_token_id", "eos_token_id",
+                               "decoder_start_token_id", "num_classes", "num_channels",
+                               "image_size", "head"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,29 +82,125 @@ class ExperimentConfig(PresetConfig):
     eval_batches: int = 16
     save_every: int = 100
     keep: int = 2
+    # a checkpoint is saved only while the loss is healthy: finite, and not above
+    # loss_spike_factor x the median of the last loss_spike_window healthy losses (and one
+    # nat above it); None: only non-finite losses block saves. See train/health.py.
+    loss_spike_factor: float | None = 3.0
+    loss_spike_window: int = 100
     sample_prompt: str = "def "
     sample_tokens: int = 96
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {}
 
     def __post_init__(self):
-        for name in ("steps", "seq_len", "batch_size", "accum_steps", "log_every", "eval_every",
-                     "save_every", "loss_scale_growth_interval"):
-            if getattr(self, name) < 1:
-                raise UserError(f"ExperimentConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.parallelism not in ("jit", "pmap"):
-            raise UserError(f"ExperimentConfig.parallelism must be 'jit' or 'pmap', got {self.parallelism!r}")
-        parse_mesh(self.mesh)   # syntax only; the device count is checked when the run starts
-        if self.batch_size % self.accum_steps:
-            raise UserError(f"batch_size={self.batch_size} is not divisible by "
-                            f"accum_steps={self.accum_steps}; choose a batch_size that is a multiple of it")
-        if not 0.0 <= self.label_smoothing <= 1.0:
-            raise UserError(f"label_smoothing={self.label_smoothing} must be in [0, 1]")
-        if self.loss_scale not in ("auto", "dynamic", "none"):
+        """Every field on its own, then the relations between fields, then the model as far
+        as it is known before the task fixes the fields its data decides (:meth:`_check_model`).
+        Each mistake is a UserError naming ``ExperimentConfig.FIELD``, the value and what is
+        allowed."""
+        self._check_fields()
+        self._check_relations()
+        self._check_model()
+
+    def _check_fields(self) -> None:
+        for name in ("name", "task", "eval_split", "model_preset"):
+            self._require_str(name)
+        if not (isinstance(self.dataset, (str, list, tuple)) and self.dataset):   # name or documents
+            raise self._bad("dataset", "a dataset name (a non-empty string) or a non-empty "
+                                       "list/tuple of in-memory documents")
+        self._require_str("data_dir", allow_none=True)
+        if not isinstance(self.sample_prompt, str):
+            raise self._bad("sample_prompt", "a string")
+        for name in ("task_options", "model_overrides"):
+            value = getattr(self, name)
+            if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+                raise self._bad(name, "a dict whose keys are names (str)")
+        self._require_choice("model", FAMILIES)
+        self._check_tokenizer()
+        self._require_number("sentencepiece_vocab_size", integer=True, minimum=300,
+                             hint=" (256 byte pieces + specials)")
+        self._require_positive("seq_len", "batch_size", "steps", "accum_steps", "log_every",
+                               "eval_every", "eval_batches", "save_every", "keep",
+                               "loss_scale_growth_interval", "loss_spike_window")
+        self._require_choice("schedule", SCHEDULES)
+        self._require_number("learning_rate", minimum=0, exclusive_min=True,
+                             hint=" (the peak; noam: its scale factor)")
+        self._require_number("warmup_steps", integer=True, minimum=0)
+        self._require_number("end_learning_rate", minimum=0)
+        for name in ("b1", "b2"):
+            self._require_number(name, minimum=0, maximum=1, exclusive_max=True)
+        self._require_number("eps", minimum=0, exclusive_min=True)
+        self._require_number("weight_decay", minimum=0)
+        self._require_number("clip_norm", minimum=0, exclusive_min=True, allow_none=True,
+                             hint=" (None: no clipping)")
+        self._require_number("label_smoothing", minimum=0, maximum=1)
+        self._require_number("seed", integer=True, minimum=0, maximum=2 ** 63 - 1)
+        if not isinstance(self.loss_scale, str) or self.loss_scale not in ("auto", "dynamic", "none"):
             raise UserError(f"loss_scale={self.loss_scale!r} is unknown; choose 'auto' (dynamic "
                             "for model.dtype=float16), 'dynamic' or 'none'")
+        self._require_number("loss_scale_init")             # a finite number, and then > 0:
         if not self.loss_scale_init > 0:
-            raise UserError(f"loss_scale_init={self.loss_scale_init} must be > 0 (e.g. 2**15)")
+            raise UserError(f"ExperimentConfig.loss_scale_init={self.loss_scale_init!r} must be > 0 "
+                            "(e.g. 2**15)")
+        self._require_number("loss_spike_factor", minimum=1, allow_none=True,
+                             hint=" (None: no spike detection)")
+        if not isinstance(self.parallelism, str) or self.parallelism not in ("jit", "pmap"):
+            raise UserError(f"ExperimentConfig.parallelism must be 'jit' or 'pmap', got {self.parallelism!r}")
+        parse_mesh(self.mesh)   # syntax only; the device count is checked when the run starts
+        self._require_number("sample_tokens", integer=True, minimum=0, hint=" (0: no samples)")
+
+    def _check_tokenizer(self) -> None:
+        """The forms ``data.get_tokenizer`` reads, and "sentencepiece" (trained into the workdir)."""
+        tok = self.tokenizer
+        prefix, _, path = tok.partition(":") if isinstance(tok, str) else ("", "", "")
+        if not isinstance(tok, str) or not (tok in ("byte", "bytes", "byt5", "sentencepiece")
+                                            or (prefix in ("sentencepiece", "spm") and path)
+                                            or tok.endswith(".model")):
+            raise UserError(f"ExperimentConfig.tokenizer={tok!r} is unknown; use 'byte', "
+                            "'sentencepiece' (trained into the workdir), 'sentencepiece:PATH' or "
+                            "the path of a SentencePiece .model file")
+
+    def _check_relations(self) -> None:
+        """Batch vs micro-batches; warm-up and end rate vs the schedule.
+
+        Warm-up vs steps: a warm-up longer than the run is fine for "constant",
+        "warmup_rsqrt" and "noam" (the run ends on the ramp: a short probe, or a run resumed
+        later with more steps). "warmup_cosine" needs warmup_steps < steps, but that is
+        left to ``optim.warmup_cosine`` when the run builds its schedule (a UserError before
+        config.json or a checkpoint is written): configs are made with the default
+        warmup_steps and a small ``steps``, then given their warmup_steps by ``replace``
+        (colab/02_train_gpt.ipynb does)."""
+        self._require_relation(self.batch_size % self.accum_steps == 0, ("batch_size", "accum_steps"),
+                               f"is not divisible by accum_steps={self.accum_steps}; choose a "
+                               "batch_size that is a multiple of it")
+        if self.schedule in ("noam", "warmup_rsqrt"):
+            self._require_relation(self.warmup_steps >= 1, ("warmup_steps", "schedule"),
+                                   f"must be >= 1 for schedule={self.schedule!r} (its decay is "
+                                   "relative to the end of the warm-up)")
+        if self.schedule == "warmup_cosine":
+            self._require_relation(self.end_learning_rate <= self.learning_rate,
+                                   ("end_learning_rate", "learning_rate"),
+                                   f"must be <= learning_rate={self.learning_rate!r} (the cosine "
+                                   "decays from learning_rate to end_learning_rate)")
+
+    def _check_model(self) -> None:
+        """The family's preset, each ``model.FIELD`` value and the model's relations, unless
+        a relation involves a field that the task may still fix from its data
+        (:data:`TASK_MODEL_FIELDS`) and ``model_overrides`` does not set; and seq_len against
+        the model's max_len. Names the family does not have are left to the run (which
+        refuses them when it builds the model): tasks are made from such configs."""
+        config_cls = FAMILIES[self.model][0]
+        names = {f.name for f in dataclasses.fields(config_cls)}
+        known = {k: v for k, v in self.model_overrides.items() if k in names}
+        try:
+            model_cfg = config_cls.preset(self.model_preset, **known)
+        except RelationError as e:
+            if set(e.fields) & (TASK_MODEL_FIELDS - set(known)):
+                return            # checked again when the run builds the model
+            raise
+        max_len = getattr(model_cfg, "max_len", None)
+        self._require_relation(max_len is None or self.seq_len <= max_len, ("seq_len",),
+                               f"exceeds the model's max_len={max_len}; lower seq_len or set "
+                               f"model.max_len>={self.seq_len}")
 
     def dynamic_loss_scale(self, compute_dtype: str) -> bool:
         """Whether the run scales its loss: ``loss_scale``, with "auto" on for float16 only."""
@@ -110,10 +217,8 @@ class ExperimentConfig(PresetConfig):
             return dict(peak_lr=self.learning_rate, warmup_steps=self.warmup_steps)
         if self.schedule == "noam":
             return dict(d_model=d_model, warmup_steps=self.warmup_steps, scale=self.learning_rate)
-        if self.schedule == "constant":
-            return dict(lr=self.learning_rate, warmup_steps=self.warmup_steps)
-        raise UserError(f"unknown schedule {self.schedule!r}; choose warmup_cosine, "
-                        "warmup_rsqrt, noam or constant")
+        # "constant": construction refuses a name that optim.SCHEDULES does not have
+        return dict(lr=self.learning_rate, warmup_steps=self.warmup_steps)
 
 
 # ----------------------------------------------------------------------------- overrides
@@ -165,9 +270,13 @@ def apply_overrides(cfg: ExperimentConfig, overrides: list[str] | dict[str, Any]
     model_overrides = dict(cfg.model_overrides)
     task_options = dict(cfg.task_options)
     names = {f.name for f in dataclasses.fields(ExperimentConfig)}
+    model_keys: list[str] = []          # the model fields named here: refused now if unknown
     for key, value in items:
+        if not isinstance(key, str):
+            raise UserError(f"override key {key!r} is not a field name (str)")
         if key.startswith("model."):
             model_overrides[key[len("model."):]] = value
+            model_keys.append(key[len("model."):])
         elif key.startswith("task."):
             task_options[key[len("task."):]] = value
         elif key in ("model_overrides", "task_options"):
@@ -176,6 +285,7 @@ def apply_overrides(cfg: ExperimentConfig, overrides: list[str] | dict[str, Any]
                                 f"{value!r}; or set one entry as "
                                 f"{'model.FIELD' if key == 'model_overrides' else 'task.OPTION'}=value")
             (model_overrides if key == "model_overrides" else task_options).update(value)
+            model_keys += list(value) if key == "model_overrides" else []
         elif key in names:
             _check_type(key, value)
             changes[key] = value
@@ -183,6 +293,9 @@ def apply_overrides(cfg: ExperimentConfig, overrides: list[str] | dict[str, Any]
             hint = difflib.get_close_matches(key, names, n=1)
             raise UserError(f"unknown config field {key!r}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
                             + "; model fields are set as model.FIELD=value, task options as task.OPTION=value")
+    family = changes.get("model", cfg.model)
+    if model_keys and isinstance(family, str) and family in FAMILIES:
+        FAMILIES[family][0].require_known_fields(dict.fromkeys(model_keys))
     return cfg.replace(**changes, model_overrides=model_overrides, task_options=task_options)
 
 

@@ -34,7 +34,12 @@ mesh, another device count or the other parallelism.
 Reliability: SIGTERM/SIGINT finish the current step, save a checkpoint and stop;
 ``resume=True`` restores the latest checkpoint, including the data position, the dropout
 key and the loss scale, so the resumed run computes exactly the losses the uninterrupted
-run would have.
+run would have (``resume_from=STEP``: any kept checkpoint). A step is saved only while the
+loss is healthy (finite, no spike: ``train/health.py``); a non-finite loss stops the run
+and moves the checkpoints saved as the loss rose to ``<step>.diverged``, so that a resume
+starts from before the blow-up. An unreadable checkpoint is moved to ``<step>.corrupt``
+and the newest readable one restored. A run that is refused (bad workdir, checkpoint of
+another config, nothing left to do) writes nothing.
 """
 from __future__ import annotations
 
@@ -44,6 +49,7 @@ import dataclasses
 import json
 import math
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -51,6 +57,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.multihost_utils import sync_global_devices
 
 from .. import storage
 from ..errors import UserError
@@ -61,6 +68,7 @@ from .checkpoint import CheckpointManager, load_params
 from .config import ExperimentConfig
 from .distributed import (Placement, any_process, broadcast_json, gather_data_state, is_main,
                           local_data_state, main_first, make_placement)
+from .health import LossWatch, last_good_step
 from .monitor import MetricsWriter, peak_flops_per_device, plot_loss
 from .optim import make_optimizer, make_schedule
 from .step import LossScale, create_train_state, eval_step, make_train_step
@@ -259,18 +267,10 @@ class Run:
     tokens_per_step: int
     flops_per_step: float
     peak_flops: tuple[float, str]
+    watch: LossWatch
+    spike_warned: int | None = None   # the run of spikes whose skipped save was reported
     main: bool = dataclasses.field(default_factory=is_main)
     multi: bool = dataclasses.field(default_factory=lambda: jax.process_count() > 1)
-
-
-def _open_checkpoints(cfg: ExperimentConfig, workdir: Path, resume: bool) -> CheckpointManager:
-    ckpt = CheckpointManager(workdir / "checkpoints", save_every=cfg.save_every, keep=cfg.keep)
-    latest = ckpt.latest_step()
-    if latest is not None and not resume:
-        ckpt.close()
-        raise UserError(f"{workdir} already holds checkpoints (latest step {latest}); pass "
-                        "--resume to continue that run, or choose another --workdir")
-    return ckpt
 
 
 def _describe_placement(placement: Placement) -> None:
@@ -286,10 +286,27 @@ def _platform() -> str:
     return backend if backend in ("gpu", "tpu") else "cpu"
 
 
+class NothingToDo(Exception):
+    """``--resume`` of a run whose checkpoint is already at (or past) ``cfg.steps``."""
+
+    def __init__(self, message: str, step: int):
+        super().__init__(message)
+        self.step = step
+
+
 def setup(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
-          progress: bool = True) -> Run:
-    """Everything a run needs: task, model, placement, checkpoints, state, compiled steps."""
+          progress: bool = True, resume_from: int | None = None,
+          stop_at: int | None = None) -> Run:
+    """Everything a run needs: task, model, placement, checkpoints, state, compiled steps.
+
+    Everything that can refuse the run (the workdir, the config, the checkpoint's
+    compatibility, ``--steps`` against the checkpoint) is checked before the run writes
+    anything into ``workdir``; :class:`NothingToDo` when the checkpoint is already done.
+    """
     workdir = storage.path(workdir)
+    resume = resume or resume_from is not None
+    storage.check_workdir(workdir)
+    make_schedule(cfg.schedule, **cfg.schedule_kwargs(d_model=1))   # refuses e.g. warmup >= steps early
     placement = make_placement(cfg.parallelism, cfg.mesh, cfg.batch_size, cfg.accum_steps)
     # with several processes, process 0 prepares first (tokenizer, dataset), the others reuse it
     task = main_first(lambda: make_task(cfg, workdir), "transformer_jax:task")
@@ -302,47 +319,101 @@ def setup(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
                   "attention": plan}
     if is_main():
         print(describe_attention_plan(plan, model_cfg), flush=True)
-    ckpt = _open_checkpoints(cfg, workdir, resume)
-    try:
-        if is_main():
-            _write_config(workdir, run_config)
-        train_it = main_first(lambda: task.train_iterator(placement.data_index, placement.data_count),
-                              "transformer_jax:data")
-        state, start = _initial_state(cfg, placement, task, model, tx, loss_scale, ckpt, train_it,
-                                      run_config, progress)
-    except BaseException:
-        ckpt.close()
-        raise
+    train_it = main_first(lambda: task.train_iterator(placement.data_index, placement.data_count),
+                          "transformer_jax:data")
+    rng = jax.random.PRNGKey(cfg.seed)
+    init_args = task.init_args()
+    create_state = lambda: create_train_state(model, tx, rng, *init_args, loss_scale=loss_scale)  # noqa: E731
+    placement.setup(create_state, lambda: model.init(rng, *init_args))
+    restored = _restore(workdir, placement, run_config, resume, resume_from)
+    start = 0 if restored is None else restored[0]
+    if start >= cfg.steps:
+        raise NothingToDo(f"nothing to do: the checkpoint in {workdir / 'checkpoints'} is at step "
+                          f"{start}, and steps={cfg.steps}; give --steps above {start} to train "
+                          "further", start)
+    if stop_at is not None and stop_at <= start:
+        raise UserError(f"stop_at={stop_at} is not after the step this run starts from "
+                        f"({start}); give a later step")
+    # ---- nothing was written before this line
+    if is_main() and placement.notes and progress:
+        _describe_placement(placement)
+    if restored is None:
+        state = placement.init_state(create_state, tx, task.init_params)
+    else:
+        _, state, data_state = restored
+        train_it.set_state(local_data_state(data_state))
+        state = placement.from_checkpoint(state)
+        if resume_from is not None:
+            _set_aside_newer(workdir, resume_from)
+    if is_main():
+        _write_config(workdir, run_config)
+    ckpt = CheckpointManager(workdir / "checkpoints", save_every=cfg.save_every, keep=cfg.keep)
     train_step = placement.compile(make_train_step(
         loss_fn=task.loss_fn, label_smoothing=cfg.label_smoothing, accum_steps=cfg.accum_steps,
         schedule=schedule, axis_name=placement.axis_name))
-    resumed = ckpt.latest_step() is not None
+    resumed = restored is not None
     return Run(cfg=cfg, workdir=workdir, placement=placement, task=task, model=model,
                run_config=run_config, ckpt=ckpt, batches=Prefetcher(train_it, placement.put_batch),
                train_step=train_step,
                eval_fn=placement.eval_fn(lambda p, b: eval_step(p, b, model.apply, task.loss_fn)),
                writer=MetricsWriter(workdir, resume_step=start if resumed else None, enabled=is_main()),
                state=state, start=start, resumed=resumed, tokens_per_step=task.tokens_per_step(),
-               flops_per_step=task.flops_per_step(model_cfg), peak_flops=peak_flops_per_device())
+               flops_per_step=task.flops_per_step(model_cfg), peak_flops=peak_flops_per_device(),
+               watch=LossWatch(cfg.loss_spike_factor, cfg.loss_spike_window, warn=_warn))
 
 
-def _initial_state(cfg, placement, task, model, tx, loss_scale, ckpt, train_it, run_config,
-                   progress: bool):
-    """``(state, start step)``: the latest checkpoint's, restored into this run's shardings
-    (a checkpoint moves between meshes) with the data position, or a fresh one."""
-    rng = jax.random.PRNGKey(cfg.seed)
-    init_args = task.init_args()
-    create_state = lambda: create_train_state(model, tx, rng, *init_args, loss_scale=loss_scale)  # noqa: E731
-    placement.setup(create_state, lambda: model.init(rng, *init_args))
-    if is_main() and placement.notes and progress:
-        _describe_placement(placement)
-    if ckpt.latest_step() is None:
-        return placement.init_state(create_state, tx, task.init_params), 0
-    _check_resume_compatible(ckpt.restore_config(), run_config)
-    state, _, data_state = ckpt.restore(target=placement.restore_target())
-    train_it.set_state(local_data_state(data_state))
-    state = placement.from_checkpoint(state)
-    return state, placement.step_of(state)
+def _warn(message: str) -> None:
+    if is_main():
+        print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def _restore(workdir: Path, placement: Placement, run_config: dict, resume: bool,
+             resume_from: int | None):
+    """``(step, state, data_state)`` of the checkpoint a run continues from, or None for a
+    fresh run. Refuses checkpoints without ``resume`` and ones that do not match the
+    config; an unreadable step is moved aside (``<step>.corrupt``) and the next older one
+    restored. Only reads, unless a step is unreadable."""
+    directory = workdir / "checkpoints"
+    reader = CheckpointManager(directory, read_only=True) if storage.is_dir(directory) else None
+    try:
+        steps = reader.all_steps() if reader is not None else []
+        if not steps:
+            if resume_from is not None:
+                raise UserError(f"--resume-from {resume_from}: {directory} holds no checkpoint; "
+                                "give the --workdir of a run that saved one")
+            if resume:
+                _warn(f"--resume: {workdir} holds no checkpoint, so this run starts from step 0 "
+                      "(check the --workdir if you meant to continue a run)")
+            return None
+        if not resume:
+            raise UserError(f"{workdir} already holds checkpoints (latest step {steps[-1]}); pass "
+                            "--resume to continue that run, or choose another --workdir")
+        step, state, _, data_state = reader.restore_readable(
+            resume_from, target=placement.restore_target(),
+            check_config=lambda saved: _check_resume_compatible(saved, run_config),
+            set_aside=is_main(), warn=_warn)
+    finally:
+        if reader is not None:
+            reader.close()
+    if jax.process_count() > 1:   # process 0 may have moved unreadable steps aside
+        sync_global_devices("transformer_jax:restored")
+    return step, state, data_state
+
+
+def _set_aside_newer(workdir: Path, step: int) -> None:
+    """``--resume-from STEP``: the steps after it move to ``<step>.superseded`` (kept; the
+    resumed run saves its own)."""
+    if is_main():
+        manager = CheckpointManager(workdir / "checkpoints", read_only=True)
+        try:
+            newer = [s for s in manager.all_steps() if s > step]
+            moved = [str(manager.set_aside(s, "superseded")) for s in newer]
+        finally:
+            manager.close()
+        if moved:
+            _warn(f"--resume-from {step}: moved the later checkpoints aside: {', '.join(moved)}")
+    if jax.process_count() > 1:
+        sync_global_devices("transformer_jax:set_aside")
 
 
 # ----------------------------------------------------------------------------- metrics
@@ -396,6 +467,7 @@ class MetricsLog:
         for s, loss in zip(steps, np.asarray(losses).tolist()):
             if not math.isfinite(loss):
                 raise _non_finite(self.run, s, loss)
+            self.run.watch.add(s, loss)
         self.last_loss = float(losses[-1])
 
     def finish(self) -> None:
@@ -435,13 +507,30 @@ class MetricsLog:
 
 
 def _non_finite(run: Run, step: int, loss: float) -> NonFiniteLossError:
+    """The error that stops a run whose loss turned non-finite at ``step``. The checkpoints
+    saved after the blow-up began (the spikes before ``step``, see ``train/health.py``) move
+    to ``<step>.diverged``, so that ``--resume`` restores one from before it."""
     run.ckpt.wait()
-    good = run.ckpt.latest_step()
-    where = ("no checkpoint was saved yet — lower learning_rate or clip_norm and start again"
-             if good is None else f"the last good checkpoint is step {good} in "
-             f"{run.workdir / 'checkpoints'} — lower learning_rate or clip_norm and resume with "
-             "--resume")
-    return NonFiniteLossError(f"loss became {loss} at step {step}; the run stopped without "
+    blowup = run.watch.blowup_start() or step
+    rise = f" ({run.watch.describe_spike()})" if run.watch.blowup_start() else ""
+    good = last_good_step(run.ckpt.all_steps(), blowup)
+    later = [s for s in run.ckpt.all_steps() if good is None or s > good]
+    moved = ""
+    if later:
+        if run.main:
+            moved = ", ".join(str(run.ckpt.set_aside(s, "diverged")) for s in later)
+        else:
+            moved = ", ".join(f"{s}.diverged" for s in later)
+        moved = f"; the checkpoints saved as it rose were moved aside ({moved})"
+    directory = run.workdir / "checkpoints"
+    if good is None:
+        where = (f"no checkpoint from before the blow-up exists{moved}; lower learning_rate (or "
+                 "clip_norm) and start again: the same --workdir works, without --resume")
+    else:
+        where = (f"checkpoint step {good} in {directory} is from before the blow-up{moved}; "
+                 f"lower learning_rate (or clip_norm) and continue with --resume (it restores "
+                 f"step {good}; --resume-from {good} says the same)")
+    return NonFiniteLossError(f"loss became {loss} at step {step}{rise}; the run stopped without "
                               f"saving this state; {where}.")
 
 
@@ -477,6 +566,15 @@ def _save(run: Run, step: int, log: MetricsLog, metrics: dict | None, force: boo
     if not (force or run.ckpt.should_save(step)):
         return
     log.check()
+    if not run.watch.healthy:
+        if run.spike_warned != run.watch.blowup_start():   # once per run of spikes
+            run.spike_warned = run.watch.blowup_start()
+            latest = run.ckpt.latest_step()
+            _warn(f"step {step} not saved, nor any later step until the loss is healthy again: "
+                  f"{run.watch.describe_spike()}; "
+                  + ("no checkpoint was saved yet" if latest is None else
+                     f"checkpoint step {latest} stays the latest"))
+        return
     run.writer.flush()   # the rows up to this step are stored before the checkpoint that covers them
     position = run.batches.position()
     data_state = gather_data_state(position) if run.multi else position
@@ -501,12 +599,7 @@ def _progress_bar(run: Run, progress: bool):
 
 
 def _last_step(run: Run, stop_at: int | None) -> int:
-    if stop_at is None or stop_at >= run.cfg.steps:
-        return run.cfg.steps
-    if stop_at <= run.start:
-        raise UserError(f"stop_at={stop_at} is not after the step this run starts from "
-                        f"({run.start}); give a later step")
-    return stop_at
+    return run.cfg.steps if stop_at is None else min(stop_at, run.cfg.steps)
 
 
 def _summary(run: Run, end: int) -> dict[str, Any]:
@@ -519,14 +612,24 @@ def _summary(run: Run, end: int) -> dict[str, Any]:
 
 def train(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
           progress: bool = True, on_log: LogCallback | None = None,
-          on_eval: LogCallback | None = None, stop_at: int | None = None) -> dict[str, Any]:
+          on_eval: LogCallback | None = None, stop_at: int | None = None,
+          resume_from: int | None = None) -> dict[str, Any]:
     """Train (or resume) a run; returns a summary dict. See the module docstring.
 
     ``on_log(step, row)`` gets every logged row (also written to metrics.jsonl) and
     ``on_eval(step, metrics)`` every eval, on every process. ``stop_at``: save a
-    checkpoint at that step and return (``summary["paused"]``); ``resume=True`` continues.
+    checkpoint at that step and return (``summary["paused"]``); ``resume=True`` continues
+    from the latest checkpoint, ``resume_from=STEP`` from that one (the later ones move to
+    ``<step>.superseded``). A resumed run already at ``cfg.steps`` returns at once with
+    ``summary["nothing_to_do"]`` (a message) and writes nothing.
     """
-    run = setup(cfg, workdir, resume=resume, progress=progress)
+    try:
+        run = setup(cfg, workdir, resume=resume, progress=progress, resume_from=resume_from,
+                    stop_at=stop_at)
+    except NothingToDo as done:
+        return {"workdir": str(storage.path(workdir)), "start_step": done.step,
+                "final_step": done.step, "nothing_to_do": str(done), "interrupted": None,
+                "paused": False}
     bar = log = None
     step, eval_row, stop = run.start, None, _StopRequest()
     try:

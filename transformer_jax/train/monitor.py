@@ -14,6 +14,7 @@ import io
 import json
 import math
 import os
+import sys
 import time
 from typing import Any
 
@@ -75,8 +76,8 @@ class MetricsWriter:
             return
         kept = ""
         if resume_step is not None and self.path.exists():
-            kept = "".join(line + "\n" for line in storage.read_text(self.path).splitlines()
-                           if line.strip() and json.loads(line)["step"] <= resume_step)
+            rows = _parse_rows(self.path, storage.read_text(self.path))
+            kept = "".join(json.dumps(row) + "\n" for row in rows if row["step"] <= resume_step)
         self._log = TextLog(self.path, kept, flush_secs=flush_secs)
         try:
             from tensorboardX import SummaryWriter
@@ -174,7 +175,27 @@ def read_metrics(workdir: PathLike) -> list[dict[str, Any]]:
     path = storage.path(workdir) / "metrics.jsonl"
     if not path.exists():
         return []
-    return [json.loads(line) for line in storage.read_text(path).splitlines() if line.strip()]
+    return _parse_rows(path, storage.read_text(path))
+
+
+def _parse_rows(path, text: str, warn: bool = True) -> list[dict]:
+    """The JSON rows of a metrics.jsonl text. A line that does not parse (torn by a crash
+    mid-write, or edited) is skipped with one warning naming the file and the line."""
+    rows = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            row = None
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+            if warn:
+                print(f"warning: {path} line {number} is not a metrics row (torn by an "
+                      f"interrupted write?): {line[:60]!r}; skipped it", file=sys.stderr, flush=True)
+            continue
+        rows.append(row)
+    return rows
 
 
 def plot_loss(workdir: PathLike, out: PathLike | None = None):

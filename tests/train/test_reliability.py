@@ -1,0 +1,223 @@
+"""What happens when things go wrong, through the real CLI in subprocesses (issue 20).
+
+One run trained to step 10 (checkpoints 5 and 10) is copied into each test, which then
+breaks something: the learning rate, a checkpoint file, metrics.jsonl, the workdir, the
+disk. Each test asserts the lines the user sees and the state of the workdir afterwards.
+"""
+import ctypes
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import TINY_RUN
+
+pytestmark = pytest.mark.slow
+
+
+def cli(*args, preexec_fn=None, env=None):
+    """``transformer-jax ARGS`` in a subprocess: (exit status, stdout, the warning:/error: lines)."""
+    env = dict(os.environ if env is None else env, TF_CPP_MIN_LOG_LEVEL="2")
+    done = subprocess.run([sys.executable, "-m", "transformer_jax.cli", *args], capture_output=True,
+                          text=True, env=env, preexec_fn=preexec_fn, timeout=600,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert "Traceback" not in done.stderr, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.startswith(("warning:", "error:"))]
+    return done.returncode, done.stdout, lines
+
+
+def summary(stdout: str) -> dict:
+    return json.loads(stdout[stdout.index("\n{\n") + 1:])
+
+
+def train(workdir, *extra, steps):
+    return cli("train", "--workdir", str(workdir), "--no-progress", *[f"--set={s}" for s in TINY_RUN],
+               f"--steps={steps}", *extra)
+
+
+def losses(workdir) -> dict[int, float]:
+    rows = [json.loads(line) for line in (Path(workdir) / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def listing(workdir) -> list[str]:
+    return sorted(p.name for p in (Path(workdir) / "checkpoints").iterdir())
+
+
+def snapshot(workdir) -> dict[str, bytes]:
+    root = Path(workdir)
+    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else b"<dir>"
+            for p in sorted(root.rglob("*"))}
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory, data_dir):
+    """A run trained to step 10 (checkpoints 5 and 10), and its losses."""
+    workdir = tmp_path_factory.mktemp("base") / "run"
+    code, _, lines = train(workdir, f"--set=data_dir={data_dir}", steps=10)
+    assert code == 0 and lines == []
+    assert listing(workdir) == ["10", "5"]
+    return workdir, losses(workdir)
+
+
+@pytest.fixture
+def run(base, tmp_path):
+    workdir = tmp_path / "run"
+    shutil.copytree(base[0], workdir)
+    return workdir
+
+
+def test_divergence_names_a_checkpoint_from_before_it_and_its_advice_works(run, base, data_dir):
+    # a learning rate of 1e8 from step 11: the update of step 11 blows up the weights, so the
+    # loss of step 12 (of the weights after 11 updates) is a spike and step 13's is NaN
+    code, _, lines = train(run, "--resume", f"--set=data_dir={data_dir}", "--set=learning_rate=1e8",
+                           "--set=save_every=1", steps=40)
+    assert code == 3
+    ckpt = run / "checkpoints"
+    assert lines[0].startswith("warning: step 12 not saved, nor any later step until the loss is "
+                               "healthy again: the loss rose to ")
+    assert lines[0].endswith("; checkpoint step 11 stays the latest")
+    assert lines[1].startswith("error: loss became nan at step 13 (the loss rose to ")
+    assert lines[1].endswith(
+        f"the run stopped without saving this state; checkpoint step 10 in {ckpt} is from before "
+        f"the blow-up; the checkpoints saved as it rose were moved aside ({ckpt}/11.diverged); "
+        "lower learning_rate (or clip_norm) and continue with --resume (it restores step 10; "
+        "--resume-from 10 says the same).")
+    assert len(lines) == 2 and listing(run) == ["10", "11.diverged"]   # keep=2 dropped step 5
+    diverged = losses(run)
+    assert diverged[12] > 3 * diverged[11]
+    # the advice, literally: the learning rate back down, --resume
+    code, out, lines = train(run, "--resume", f"--set=data_dir={data_dir}", steps=14)
+    assert code == 0 and lines == [] and summary(out)["start_step"] == 10
+    resumed = losses(run)
+    assert sorted(resumed) == list(range(1, 15))
+    assert resumed[11] == diverged[11]   # the loss of the restored weights, before any update
+    assert all(resumed[s] < 6.0 for s in range(11, 15))
+
+
+def test_an_unreadable_checkpoint_and_a_torn_metrics_line_are_skipped(run, base, data_dir):
+    array = max((run / "checkpoints" / "10" / "state" / "ocdbt.process_0" / "d").iterdir(),
+                key=lambda p: p.stat().st_size)
+    array.write_bytes(array.read_bytes()[:1000])
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 11, "lo')
+    torn_line = len((run / "metrics.jsonl").read_text().splitlines())
+    unreadable = (f"warning: checkpoint step 10 in {run / 'checkpoints'} is unreadable: state/ "
+                  "(the array ")
+    # eval and generate use step 5 and move nothing
+    code, out, lines = cli("eval", "--workdir", str(run))
+    assert code == 0 and len(lines) == 1 and lines[0].startswith(unreadable)
+    assert lines[0].endswith("; restoring step 5 instead")
+    assert json.loads(out)["eval_loss"] > 0
+    code, out, lines = cli("generate", "--workdir", str(run), "--prompt", "def ", "--max-new-tokens", "4")
+    assert code == 0 and len(lines) == 1 and lines[0].startswith(unreadable) and out.startswith("def ")
+    assert listing(run) == ["10", "5"]
+    # a resumed run moves step 10 aside and continues from step 5, exactly as the first run did
+    code, out, lines = train(run, "--resume", f"--set=data_dir={data_dir}", steps=12)
+    assert code == 0 and summary(out)["start_step"] == 5
+    assert lines[0].startswith(unreadable)
+    assert lines[0].endswith(f"; moved it to {run / 'checkpoints'}/10.corrupt; restoring step 5 instead")
+    assert lines[1] == (f"warning: {run / 'metrics.jsonl'} line {torn_line} is not a metrics row "
+                        "(torn by an interrupted write?): '{\"step\": 11, \"lo'; skipped it")
+    assert len(lines) == 2 and listing(run) == ["10", "10.corrupt", "12"]
+    resumed = losses(run)
+    assert [resumed[s] for s in range(6, 11)] == [base[1][s] for s in range(6, 11)]
+
+
+def test_refused_runs_leave_the_workdir_as_it_was(run, data_dir):
+    before = snapshot(run)
+    ckpt = run / "checkpoints"
+    code, _, lines = train(run, "--resume", f"--set=data_dir={data_dir}", "--set=model.d_model=64", steps=20)
+    assert code == 2 and len(lines) == 1
+    assert lines[0].startswith("error: the checkpoint in this workdir does not match the config: "
+                               "model config differs (field: (checkpoint, now)) {'d_model': (32, 64)")
+    code, _, lines = train(run, "--resume", f"--set=data_dir={data_dir}", steps=10)
+    assert code == 0 and lines == []
+    code, _, lines = train(run, "--resume-from", "7", f"--set=data_dir={data_dir}", steps=20)
+    assert code == 2 and lines == [f"error: No checkpoint for step 7 in {ckpt}; available steps: "
+                                   "[5, 10]; pick one of them"]
+    code, _, lines = train(run, "--resume", f"--set=data_dir={data_dir}", "--set=model.num_layers=0",
+                           steps=20)
+    assert code == 2 and len(lines) == 1 and "num_layers" in lines[0] and "0" in lines[0]
+    assert snapshot(run) == before
+
+
+def test_nothing_to_do_says_so_and_writes_nothing(run, data_dir):
+    before = snapshot(run)
+    done = subprocess.run(
+        [sys.executable, "-m", "transformer_jax.cli", "train", "--workdir", str(run), "--resume",
+         "--no-progress", *[f"--set={s}" for s in TINY_RUN], f"--set=data_dir={data_dir}", "--steps=8"],
+        capture_output=True, text=True, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+    assert done.returncode == 0
+    assert done.stderr.splitlines()[-1] == (
+        f"nothing to do: the checkpoint in {run / 'checkpoints'} is at step 10, and steps=8; give "
+        "--steps above 10 to train further")
+    assert snapshot(run) == before
+
+
+def test_resume_from_any_kept_step_sets_the_later_ones_aside(run, base, data_dir):
+    code, out, lines = train(run, "--resume-from", "5", f"--set=data_dir={data_dir}", steps=7)
+    assert code == 0 and summary(out)["start_step"] == 5
+    assert lines == [f"warning: --resume-from 5: moved the later checkpoints aside: "
+                     f"{run / 'checkpoints'}/10.superseded"]
+    assert listing(run) == ["10.superseded", "5", "7"]
+    assert [losses(run)[s] for s in (6, 7)] == [base[1][6], base[1][7]]
+
+
+def test_resume_on_a_workdir_without_checkpoints_warns_and_starts_fresh(tmp_path, data_dir):
+    code, out, lines = train(tmp_path / "typo", "--resume", f"--set=data_dir={data_dir}", steps=2)
+    assert code == 0 and summary(out)["start_step"] == 0 and summary(out)["final_step"] == 2
+    assert lines == [f"warning: --resume: {tmp_path / 'typo'} holds no checkpoint, so this run "
+                     "starts from step 0 (check the --workdir if you meant to continue a run)"]
+
+
+def test_a_workdir_that_is_a_file_or_unwritable_is_one_line(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    code, _, lines = cli("train", "--workdir", str(tmp_path / "afile"))
+    assert code == 2 and lines == [f"error: --workdir {tmp_path / 'afile'} is a file, not a "
+                                   "directory; give the path of a directory (it is created if missing)"]
+    # a directory this process may not write to; root writes anywhere, so as root the CLI
+    # runs without the capabilities that override file permissions
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    code, _, lines = cli("train", "--workdir", str(locked / "run"), preexec_fn=_without_root_overrides)
+    locked.chmod(0o755)
+    assert code == 2 and lines == [f"error: cannot write to {locked} (Permission denied); choose "
+                                   "a --workdir on a writable disk with free space, or fix its "
+                                   "permissions"]
+    assert list(locked.iterdir()) == []
+
+
+def _without_root_overrides():
+    """In the child before exec: drop CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH from the
+    capability bounding set (prctl PR_CAPBSET_DROP), so file permissions apply to root too."""
+    if os.geteuid() != 0:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    for capability in (1, 2):
+        if libc.prctl(24, capability, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
+def test_a_checkpoint_cut_short_by_a_full_disk_keeps_the_previous_one(run, base, data_dir):
+    # files of at most 40 KiB: the rows and the config fit, the checkpoint's array data do not
+    def small_disk():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (40 * 1024, resource.RLIM_INFINITY))
+
+    code, _, lines = cli("train", "--workdir", str(run), "--no-progress", "--resume",
+                         *[f"--set={s}" for s in TINY_RUN], f"--set=data_dir={data_dir}", "--steps=15",
+                         preexec_fn=small_disk)
+    assert code == 2 and lines == [
+        f"error: could not write the checkpoint of step 15 to {run / 'checkpoints'} (File too "
+        "large); the previous checkpoint, step 10, is intact: free space (or choose a --workdir "
+        "on a disk with room) and continue with --resume"]
+    assert listing(run) == ["10", "15.orbax-checkpoint-tmp", "5"]
+    code, out, lines = train(run, "--resume", f"--set=data_dir={data_dir}", steps=15)
+    assert code == 0 and lines == [] and summary(out)["start_step"] == 10
+    assert listing(run) == ["10", "15"]
