@@ -1,5 +1,9 @@
 """Small helpers shared by test files: random arrays, tolerances, attention inputs, the
-smallest training run, lowered program text."""
+smallest training run, the numeric fields of a config and their probes, lowered program
+text."""
+import dataclasses
+import re
+
 import jax
 
 FP32_TOL = dict(rtol=1e-5, atol=1e-5)
@@ -35,6 +39,25 @@ def tiny_cfg(data_dir, **extra):
     from transformer_jax.train.config import ExperimentConfig, apply_overrides
     return apply_overrides(ExperimentConfig(), TINY_RUN + [f"data_dir={data_dir}"]
                            + [f"{k}={v}" for k, v in extra.items()])
+
+
+def numeric_fields(cls) -> dict[str, bool]:
+    """name -> whether it is an int field, for every field of the dataclass ``cls`` annotated
+    int or float (also ``int | None``)."""
+    out = {}
+    for f in dataclasses.fields(cls):
+        kinds = set(re.findall(r"\b(int|float)\b", str(f.type)))
+        if kinds:
+            out[f.name] = kinds == {"int"}
+    return out
+
+
+def probes(is_int: bool) -> dict[str, object]:
+    """The values a numeric config field is probed with: zero, a negative, a float where an
+    int belongs, a string."""
+    if is_int:
+        return {"zero": 0, "negative": -1, "float": 1.5, "string": "abc"}
+    return {"zero": 0.0, "negative": -0.5, "string": "abc"}
 
 
 def lowered_text(fn, args, platform: str) -> str:

@@ -18,6 +18,8 @@ from transformer_jax.models import (FAMILIES, BertConfig, GPTConfig, T5Config, T
                                     ViTConfig)
 from transformer_jax.models.base import RelationError
 
+from tests.helpers import numeric_fields, probes
+
 CONFIGS = [GPTConfig, BertConfig, T5Config, ViTConfig, TransformerConfig]
 
 # Which probes each numeric field accepts (on top of its preset "tiny"); every other probe
@@ -59,23 +61,6 @@ ALLOWED: dict[type, dict[str, set]] = {
         "pad_token_id": TOKEN_ID, "eos_token_id": TOKEN_ID, "decoder_start_token_id": TOKEN_ID,
     },
 }
-
-
-def numeric_fields(cls) -> dict[str, bool]:
-    """name -> whether it is an int field, for every field annotated int or float (also
-    ``int | None``)."""
-    out = {}
-    for f in dataclasses.fields(cls):
-        kinds = set(re.findall(r"\b(int|float)\b", str(f.type)))
-        if kinds:
-            out[f.name] = kinds == {"int"}
-    return out
-
-
-def probes(is_int: bool) -> dict[str, object]:
-    if is_int:
-        return {"zero": 0, "negative": -1, "float": 1.5, "string": "abc"}
-    return {"zero": 0.0, "negative": -0.5, "string": "abc"}
 
 
 def numeric_cases():

@@ -9,8 +9,6 @@ As in tests/models/test_config_validation.py, the numeric fields come from
 an int belongs, a string) each accepts; a numeric field missing from it fails the test.
 """
 import ast
-import dataclasses
-import re
 from pathlib import Path
 
 import pytest
@@ -20,6 +18,8 @@ from transformer_jax.errors import UserError
 from transformer_jax.models.base import RelationError
 from transformer_jax.train import loop, optim
 from transformer_jax.train.config import TASK_MODEL_FIELDS, ExperimentConfig, apply_overrides
+
+from tests.helpers import numeric_fields, probes
 
 ALLOWED: dict[str, set] = {
     "sentencepiece_vocab_size": set(), "seq_len": set(), "batch_size": set(), "steps": set(),
@@ -32,26 +32,14 @@ ALLOWED: dict[str, set] = {
 }
 
 
-def numeric_fields() -> dict[str, bool]:
-    """name -> whether it is an int field, for every field annotated int or float."""
-    out = {}
-    for f in dataclasses.fields(ExperimentConfig):
-        kinds = set(re.findall(r"\b(int|float)\b", str(f.type)))
-        if kinds:
-            out[f.name] = kinds == {"int"}
-    return out
-
-
 def numeric_cases():
-    for name, is_int in numeric_fields().items():
-        values = ({"zero": 0, "negative": -1, "float": 1.5, "string": "abc"} if is_int
-                  else {"zero": 0.0, "negative": -0.5, "string": "abc"})
-        for probe, value in values.items():
+    for name, is_int in numeric_fields(ExperimentConfig).items():
+        for probe, value in probes(is_int).items():
             yield pytest.param(name, probe, value, id=f"{name}={value!r}")
 
 
 def test_every_numeric_field_is_classified():
-    assert set(numeric_fields()) == set(ALLOWED)
+    assert set(numeric_fields(ExperimentConfig)) == set(ALLOWED)
 
 
 @pytest.mark.parametrize("name, probe, value", list(numeric_cases()))
