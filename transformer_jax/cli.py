@@ -16,7 +16,6 @@ anything else is a bug and shows its traceback.
 from __future__ import annotations
 
 import argparse
-import errno
 import json
 import os
 import sys
@@ -134,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     from .host_memory import tune_malloc_if_cpu
     tune_malloc_if_cpu()   # before JAX starts its threads; TRANSFORMER_JAX_TUNE_MALLOC=0 turns it off
+    from . import storage
     from .errors import UserError
     from .train.loop import NonFiniteLossError
     from .train.checkpoint import CheckpointWriteError
@@ -151,16 +151,12 @@ def main(argv: list[str] | None = None) -> int:
             _silence_stderr_from_now_on()
         return 2
     except OSError as e:
-        if e.errno not in _FILE_ERRNOS:
+        if e.errno not in storage.WRITE_ERRNOS:
             raise
         print(f"error: cannot write {e.filename or 'a file'} ({e.strerror}); free space or fix "
               "the permissions (or choose another --workdir); the last checkpoint is intact, "
               "continue with --resume", file=sys.stderr)
         return 2
-
-
-# errnos of file errors the user fixes: space, quota, read-only disk, permissions, file size
-_FILE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG)
 
 
 _CLOSED = "Event loop is closed"
@@ -184,10 +180,16 @@ def _quiet_background_errors() -> None:
     import logging
 
     class _NoOrbaxErrors(logging.Filter):
-        def filter(self, record):
-            return not (record.levelno >= logging.ERROR and "orbax" in record.pathname)
+        """orbax's ERROR records (absl), and asyncio's "Task exception was never retrieved"
+        for the sibling reads or writes of orbax's that failed with the one reported."""
 
-    logging.getLogger("absl").addFilter(_NoOrbaxErrors())
+        def filter(self, record):
+            if record.levelno < logging.ERROR:
+                return True
+            return not ("orbax" in record.pathname or "orbax" in record.getMessage())
+
+    for name in ("absl", "asyncio"):
+        logging.getLogger(name).addFilter(_NoOrbaxErrors())
     default_unraisable, default_except = sys.unraisablehook, sys.excepthook
 
     def unraisable(record):   # a failed write's coroutines, and its callbacks into the

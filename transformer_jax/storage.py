@@ -21,6 +21,7 @@ a path is made, so setting the variable before a run starts is enough.
 """
 from __future__ import annotations
 
+import errno
 import io
 import os
 import sys
@@ -150,6 +151,11 @@ def makedirs(p: PathLike) -> epath.Path:
                         f"credentials); create it (gcloud storage buckets create {bucket}) "
                         "or choose a --workdir in a bucket you can write to")
     return p
+
+
+# errnos of a failed write that the user fixes: space, quota, a read-only disk, permissions,
+# a file-size limit (the CLI prints them as one line; checkpoint saves name them)
+WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG)
 
 
 def check_workdir(p: PathLike) -> None:

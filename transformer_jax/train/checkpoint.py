@@ -50,7 +50,6 @@ Guarantees relied on (verified by ``tests/test_checkpoint.py``):
 from __future__ import annotations
 
 import dataclasses
-import errno
 import json
 import logging
 import math
@@ -184,10 +183,6 @@ def _os_reason(exc: BaseException) -> str:
             return os.strerror(int(match.group(1)))
         seen, depth = seen.__cause__ or seen.__context__, depth + 1
     return str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
-
-
-# errnos of a write that the user fixes (space, quota, read-only disk, permissions, file size)
-_WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG)
 
 
 def _warn(message: str) -> None:
@@ -391,7 +386,7 @@ class CheckpointManager:
         """``exc`` from a background save as a :class:`CheckpointWriteError` when an OS error
         (a full or read-only disk, no permission) caused it; other errors stay as they are."""
         reason = _os_reason(exc)
-        if not any(os.strerror(code) == reason for code in _WRITE_ERRNOS):
+        if not any(os.strerror(code) == reason for code in storage.WRITE_ERRNOS):
             return exc
         step, self._pending = self._pending, None
         try:
