@@ -2,7 +2,11 @@
 smallest training run, the numeric fields of a config and their probes, lowered program
 text."""
 import dataclasses
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 
@@ -39,6 +43,17 @@ def tiny_cfg(data_dir, **extra):
     from transformer_jax.train.config import ExperimentConfig, apply_overrides
     return apply_overrides(ExperimentConfig(), TINY_RUN + [f"data_dir={data_dir}"]
                            + [f"{k}={v}" for k, v in extra.items()])
+
+
+def cli(*args, preexec_fn=None, env=None):
+    """``transformer-jax ARGS`` in a subprocess: (exit status, stdout, the warning:/error: lines)."""
+    env = dict(os.environ if env is None else env, TF_CPP_MIN_LOG_LEVEL="2")
+    done = subprocess.run([sys.executable, "-m", "transformer_jax.cli", *args], capture_output=True,
+                          text=True, env=env, preexec_fn=preexec_fn, timeout=600,
+                          cwd=Path(__file__).resolve().parents[1])   # the repository
+    assert "Traceback" not in done.stderr, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.startswith(("warning:", "error:"))]
+    return done.returncode, done.stdout, lines
 
 
 def numeric_fields(cls) -> dict[str, bool]:

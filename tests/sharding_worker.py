@@ -31,6 +31,7 @@ from transformer_jax import sharding as sh  # noqa: E402
 from transformer_jax.models import GPT, GPTConfig, T5, T5Config  # noqa: E402
 from transformer_jax.train.distributed import JitPlacement, PmapPlacement  # noqa: E402
 from transformer_jax.losses import lm_loss, token_loss  # noqa: E402
+from transformer_jax.train.finetune import ParamSplit  # noqa: E402
 from transformer_jax.train.step import create_train_state, make_train_step  # noqa: E402
 
 MESHES = ["data=8", "data=2,fsdp=4", "data=2,fsdp=2,tensor=2", "tensor=8", "fsdp=8"]
@@ -64,8 +65,12 @@ def families():
     src = rng.integers(2, 512, (b, 12)).astype(np.int32)
     tgt = rng.integers(2, 512, (b, t + 1)).astype(np.int32)
     t5_batch = {"inputs": src, "decoder_inputs": tgt[:, :-1], "targets": tgt[:, 1:], "weights": w}
+    lora = GPT(gpt.config.replace(lora=dict(rank=4, targets="attn/|mlp/"), dropout_rate=0.0,
+                                  attention_dropout_rate=0.0))
     return {
         "gpt": (gpt, lm_loss, gpt_batch, (jnp.zeros((1, t), jnp.int32),)),
+        # LoRA: the adapters train (state.params), the base is state.frozen
+        "gpt_lora": (lora, lm_loss, gpt_batch, (jnp.zeros((1, t), jnp.int32),)),
         "t5": (t5, t5_loss, t5_batch, (jnp.zeros((1, 12), jnp.int32), jnp.zeros((1, t), jnp.int32))),
     }
 
@@ -94,7 +99,9 @@ def parity() -> dict:
     rng = jax.random.PRNGKey(0)
     out: dict = {"devices": jax.device_count()}
     for name, (model, loss_fn, batch, init_args) in families().items():
-        create = lambda: create_train_state(model, tx, rng, *init_args)  # noqa: E731
+        split = ParamSplit(lora=model.config.lora) if model.config.lora is not None else None
+        create = lambda: create_train_state(  # noqa: E731
+            model, tx, rng, *init_args, partition=split and split.split)
         init_vars = lambda: model.init(rng, *init_args)  # noqa: E731
         res: dict = {}
         for dropout in (True, False):
@@ -105,6 +112,8 @@ def parity() -> dict:
             # jit meshes match with dropout on; pmap draws per-device masks: dropout off
             cases = (["data=2,fsdp=2,tensor=2", "data=2,fsdp=2,tensor=2/accum2"] if dropout
                      else MESHES + ["pmap"])
+            if split is not None:          # adapters: one mesh and pmap suffice
+                cases = [] if dropout else ["data=2,fsdp=2,tensor=2", "pmap"]
             for case in cases:
                 spec, _, extra = case.partition("/")
                 accum = 2 if extra == "accum2" else 1
@@ -131,6 +140,9 @@ def parity() -> dict:
                 r["state_bytes_total"] = sum(x.nbytes for x in jax.tree_util.tree_leaves((state.params, state.opt_state)))
                 r["specs"] = {"/".join(sh._path(p)): str(x.sharding.spec)
                               for p, x in jax.tree_util.tree_flatten_with_path(state.params)[0]}
+                r["specs"].update({"frozen/" + "/".join(sh._path(p)): str(x.sharding.spec)
+                                   for p, x in jax.tree_util.tree_flatten_with_path(
+                                       state.frozen or {})[0]})
                 res[f"{case}{'' if dropout else ' (no dropout)'}"] = r
         out[name] = res
     return out

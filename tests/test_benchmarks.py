@@ -312,3 +312,53 @@ def test_compare_commits_imports_a_commit_beside_this_checkout(tmp_path):
     before, after = row["first_loss"]
     assert before == after and 3.0 < after < 5.0           # ~ln(64) at init
     assert row["before_s"] > 0 and row["after_s"] > 0 and row["q1"] <= row["ratio"] <= row["q3"]
+
+
+def test_finetune_memory_quick_lora_optimizer_state_is_a_sliver_of_full_fine_tuning(tmp_path):
+    """``benchmarks/finetune_memory.py --quick`` (a 2-layer GPT of width 256): LoRA's Adam
+    state is under 2% of full fine-tuning's, and every figure follows from the shapes: fp32
+    Adam keeps 2 x 4 bytes per trainable parameter plus its int32 step counts, LoRA (q, v;
+    rank 8) trains 2 layers x 2 projections x (256 x 8 + 8 x 256) parameters over a frozen
+    fp32 base, QLoRA stores that base smaller, and the compiled steps need less memory."""
+    fm = _benchmarks("finetune_memory")
+    out = tmp_path / "quick"
+    result = fm.main(["--quick", "--methods", "full,lora_qv,qlora_nf4", "--out", str(out)])
+    assert json.loads(out.with_suffix(".json").read_text()) == json.loads(
+        json.dumps(result, default=fm.common._json_default))
+    assert not result["timed"] and result["model_config"]["d_model"] == 256
+    records = {r["name"]: r for r in result["records"]}
+    assert all("error" not in r for r in records.values()), records
+    full, lora, qlora = records["full"], records["lora_qv"], records["qlora_nf4"]
+    n_model = fm.base_config(quick=True).num_params()
+    assert full["trainable_params"] == n_model and full["frozen_bytes"] == 0
+    assert lora["trainable_params"] == qlora["trainable_params"] == 2 * 2 * (256 * 8 + 8 * 256)
+    for r in records.values():
+        n = r["trainable_params"]
+        assert 8 * n < r["opt_state_bytes"] <= 8 * n + 64, r       # moments + step counts
+        assert r["trainable_bytes"] == 4 * n
+        assert 0 < r["peak_bytes"] and r["memory"]["alias"] > 0    # the state was donated
+    assert full["param_bytes"] == 4 * n_model
+    assert lora["param_bytes"] == 4 * (n_model + lora["trainable_params"])   # base kept fp32
+    assert qlora["frozen_bytes"] < lora["frozen_bytes"] / 2
+    ratio = result["ratios"]["lora_qv_over_full_opt"]
+    assert ratio == lora["opt_state_bytes"] / full["opt_state_bytes"] and ratio < 0.02
+    assert lora["peak_bytes"] < full["peak_bytes"]
+    assert "optimizer bytes / full fine-tuning's: 0.9" in out.with_suffix(".md").read_text()
+
+
+def test_quant_bytes_smoke_nf4_block_kernels_are_over_3_5x_smaller_than_bf16(tmp_path):
+    """``benchmarks/quant_bytes.py --smoke`` (tiny GPT): the block kernels' bytes in each
+    format are those of the arrays ``quantize_params`` returns (its eval_shape, checked
+    against really quantized ones); NF4 takes 4 + 32/64 = 4.5 bits a parameter, so bf16 /
+    NF4 = 3.56 (GPT-2 124M: the same, its kernels are whole blocks too)."""
+    qb = _benchmarks("quant_bytes")
+    out = tmp_path / "smoke"
+    result = qb.main(["--smoke", "--out", str(out)])
+    assert json.loads(out.with_suffix(".json").read_text())["ratios"] == result["ratios"]
+    assert result["checked_real_arrays"] == {"int8": True, "nf4": True, "nf4+dq": True}
+    bits = {r["format"]: r["bits_per_param"] for r in result["rows"]}
+    assert (bits["fp32"], bits["bf16"], bits["nf4"]) == (32, 16, 4.5)
+    assert 4.12 < bits["nf4+dq"] < 4.14 and 8 < bits["int8"] < 8.5
+    ratios = result["ratios"]
+    assert ratios["bf16_over_nf4"] >= 3.5 and ratios["bf16_over_nf4dq"] > ratios["bf16_over_nf4"]
+    assert "| nf4 | " in out.with_suffix(".md").read_text()

@@ -43,12 +43,13 @@ from jupyter_client.kernelspec import KernelSpecManager  # noqa: E402
 COLAB = Path(__file__).resolve().parents[1] / "colab"
 NOTEBOOKS = sorted(COLAB.glob("*.ipynb"))
 EXPECTED = {"01_attention_from_scratch", "02_train_gpt", "03_bert_t5_vit", "04_scaling_tpu",
-            "05_hf_pytorch_weights"}
+            "05_hf_pytorch_weights", "06_finetune"}
 # Notebooks that compare numbers with a reference (PyTorch, HF, another device layout).
 PARITY_NOTEBOOKS = {"01_attention_from_scratch", "02_train_gpt", "04_scaling_tpu",
-                    "05_hf_pytorch_weights"}
+                    "05_hf_pytorch_weights", "06_finetune"}
 # Notebooks that build a model and print what attention_impl="auto" runs on this platform.
-ATTENTION_NOTEBOOKS = {"02_train_gpt", "03_bert_t5_vit", "04_scaling_tpu", "05_hf_pytorch_weights"}
+ATTENTION_NOTEBOOKS = {"02_train_gpt", "03_bert_t5_vit", "04_scaling_tpu", "05_hf_pytorch_weights",
+                       "06_finetune"}
 ATTENTION_LINE = re.compile(r"^attention: auto -> xla \(cpu\)$", re.MULTILINE)
 # Notebook 02: one line per train() call, and one per compared loss.
 RUN_LINE = re.compile(r"^(?P<how>paused|finished|stopped) at step (?P<step>\d+) \(this call started at "

@@ -247,6 +247,19 @@ def test_meshes_and_pmap_give_single_device_loss_and_gradients(workers):
     assert specs["h_0/mlp/wo/kernel"] == "P('tensor', 'fsdp')"
     assert specs["wte/embedding"] == "P('tensor', 'fsdp')" and specs["ln_f/scale"] == "P()"
     assert out["t5"]["fsdp=8 (no dropout)"]["specs"]["encoder/relative_attention_bias"] == "P(None, 'tensor')"
+    # LoRA: the adapters' gradients match one device's; each adapter is split like its
+    # kernel's input axes (lora_a) or output axes (lora_b), the frozen base like the kernels
+    lora = out["gpt_lora"]
+    assert sorted(lora) == ["data=2,fsdp=2,tensor=2 (no dropout)", "pmap (no dropout)"]
+    for case, r in lora.items():
+        assert r["loss"] < 1e-6 and r["grad_norm"] < 1e-5 and r["grads"] < 1e-5, f"lora {case}: {r}"
+    specs = lora["data=2,fsdp=2,tensor=2 (no dropout)"]["specs"]
+    assert specs["frozen/h_0/self_attn/query/kernel"] == "P('fsdp', 'tensor')"
+    assert (specs["h_0/self_attn/query/lora_a"], specs["h_0/self_attn/query/lora_b"]) == \
+        ("P('fsdp',)", "P(None, 'tensor')")
+    assert specs["frozen/h_0/mlp/wo/kernel"] == "P('tensor', 'fsdp')"
+    assert (specs["h_0/mlp/wo/lora_a"], specs["h_0/mlp/wo/lora_b"]) == ("P('tensor',)", "P(None, 'fsdp')")
+    assert not any(k.startswith("frozen/") and k.endswith(("lora_a", "lora_b")) for k in specs)
 
 
 @pytest.mark.slow

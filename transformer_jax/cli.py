@@ -1,10 +1,12 @@
 """``transformer-jax``: train, eval and generate from the command line.
 
   transformer-jax train [--experiment NAME|FILE] [--workdir DIR] [--steps N] [--resume | --resume-from STEP] [--set k=v ...]
+                        [--init-from HF_DIR|WORKDIR]
                         [--parallelism jit|pmap] [--mesh data=N,fsdp=N,tensor=N]
                         [--coordinator HOST:PORT --num-processes N --process-id I]
   transformer-jax eval --workdir DIR [--batches N]
   transformer-jax generate --workdir DIR --prompt TEXT --max-new-tokens N [--temperature T] [--top-k K] [--top-p P] [--seed S]
+  transformer-jax export --workdir DIR --out DIR [--format hf|peft] [--merge]
   transformer-jax experiments
 
 This module only parses flags; the work happens in ``transformer_jax.train.loop``.
@@ -32,6 +34,9 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --workdir")
     t.add_argument("--resume-from", type=int, default=None, metavar="STEP",
                    help="continue from checkpoint STEP (any kept one); later ones move to STEP.superseded")
+    t.add_argument("--init-from", default=None, metavar="DIR",
+                   help="fine-tune: start from a Hugging Face save_pretrained directory or a "
+                        "transformer_jax workdir (its model config and tokenizer)")
     t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field; model fields as model.FIELD=VALUE (repeatable)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -61,6 +66,16 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=None)
     g.add_argument("--seed", type=int, default=0)
 
+    x = sub.add_parser("export", help="write a run as a Hugging Face directory (or its adapter "
+                                      "as a PEFT directory)")
+    x.add_argument("--workdir", required=True)
+    x.add_argument("--out", required=True, help="a new (or empty) directory")
+    x.add_argument("--format", choices=("hf", "peft"), default="hf",
+                   help="hf: safetensors + config.json + tokenizer (AutoModel*.from_pretrained); "
+                        "peft: the LoRA or prefix adapter (PeftModel.from_pretrained)")
+    x.add_argument("--merge", action="store_true",
+                   help="fold a LoRA run's adapters into the kernels (with --format hf)")
+
     sub.add_parser("experiments", help="list the experiments that --experiment accepts")
     return p
 
@@ -82,9 +97,12 @@ def _train(args) -> int:
     if args.mesh is not None:
         overrides.append(f"mesh={args.mesh}")
     cfg = apply_overrides(cfg, overrides)
+    if args.init_from is not None:
+        cfg = cfg.replace(init_from=args.init_from)
     workdir = args.workdir or os.path.join("runs", cfg.name)
     if main:
-        print(f"training {cfg.name}: {cfg.model}/{cfg.model_preset} on {cfg.dataset}, {cfg.steps} steps "
+        dataset = cfg.dataset if isinstance(cfg.dataset, str) else f"{len(cfg.dataset)} documents"
+        print(f"training {cfg.name}: {cfg.model}/{cfg.model_preset} on {dataset}, {cfg.steps} steps "
               f"-> {workdir}", flush=True)
     summary = train(cfg, workdir, resume=args.resume, progress=not args.no_progress,
                     resume_from=args.resume_from)
@@ -119,6 +137,13 @@ def _generate(args) -> int:
     return 0
 
 
+def _export(args) -> int:
+    from .train.export import export
+
+    print(json.dumps(export(args.workdir, args.out, fmt=args.format, merge=args.merge), indent=2))
+    return 0
+
+
 def _experiments(args) -> int:
     from .train.config import available_experiments, experiment_dirs
 
@@ -138,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     from .train.loop import NonFiniteLossError
     from .train.checkpoint import CheckpointWriteError
 
-    handlers = {"train": _train, "eval": _eval, "generate": _generate, "experiments": _experiments}
+    handlers = {"train": _train, "eval": _eval, "generate": _generate, "export": _export,
+                "experiments": _experiments}
     _quiet_background_errors()
     try:
         return handlers[args.command](args)

@@ -289,7 +289,9 @@ def train_state_shardings(create_state: Callable[[], Any], init_variables: Calla
     boxed = jax.eval_shape(init_variables)["params"]
     notes: list[str] = []
     p_sh = param_shardings(boxed, mesh, rules, notes)
-    return abstract, shardings_like_params(abstract, abstract.params, p_sh, mesh), notes
+    # matched against the whole model's parameters: a fine-tuning state splits them into
+    # ``params`` (what trains) and ``frozen``, each sharded like the model's leaf
+    return abstract, shardings_like_params(abstract, nn.meta.unbox(boxed), p_sh, mesh), notes
 
 
 def with_shardings(abstract: Any, shardings: Any) -> Any:

@@ -32,7 +32,7 @@ ALLOWED: dict[type, dict[str, set]] = {
         "vocab_size": COUNT, "max_len": COUNT, "num_layers": COUNT, "num_heads": COUNT,
         "num_kv_heads": COUNT, "d_model": COUNT, "mlp_dim": COUNT, "norm_eps": set(),
         "rope_base": set(), "dropout_rate": RATE, "attention_dropout_rate": RATE,
-        "initializer_range": {"zero"},
+        "initializer_range": {"zero"}, "prefix_tokens": {"zero"},
     },
     BertConfig: {
         "vocab_size": COUNT, "max_len": COUNT, "type_vocab_size": COUNT, "num_layers": COUNT,

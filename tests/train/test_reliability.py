@@ -15,20 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import TINY_RUN
+from tests.helpers import TINY_RUN, cli
 
 pytestmark = pytest.mark.slow
-
-
-def cli(*args, preexec_fn=None, env=None):
-    """``transformer-jax ARGS`` in a subprocess: (exit status, stdout, the warning:/error: lines)."""
-    env = dict(os.environ if env is None else env, TF_CPP_MIN_LOG_LEVEL="2")
-    done = subprocess.run([sys.executable, "-m", "transformer_jax.cli", *args], capture_output=True,
-                          text=True, env=env, preexec_fn=preexec_fn, timeout=600,
-                          cwd=Path(__file__).resolve().parents[2])
-    assert "Traceback" not in done.stderr, done.stderr
-    lines = [line for line in done.stderr.splitlines() if line.startswith(("warning:", "error:"))]
-    return done.returncode, done.stdout, lines
 
 
 def summary(stdout: str) -> dict:

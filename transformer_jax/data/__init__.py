@@ -1,4 +1,5 @@
-"""Data: tokenizers, the embedded ``python_stdlib`` TFDS dataset, LM batches.
+"""Data: tokenizers (bytes, SentencePiece, a Hugging Face checkpoint's own ``hf:DIR``), the
+embedded ``python_stdlib`` TFDS dataset, LM batches.
 
 Importing this package is cheap: it imports neither TensorFlow nor TFDS.  TFDS
 is imported when a dataset is opened, and :mod:`.stdlib_corpus` (which defines
@@ -24,12 +25,16 @@ from transformer_jax.data.pipeline import (
     pack_documents,
     permutation,
 )
+from transformer_jax.data.hf_tokenizer import HFTokenizer
 from transformer_jax.data.tokenizers import (
     ByteTokenizer,
     SentencePieceTokenizer,
+    SpecialIdsView,
     Tokenizer,
+    canonical_spec,
     get_tokenizer,
     train_sentencepiece,
+    with_special_ids,
 )
 
 # Names served lazily from .stdlib_corpus, whose import pulls in TFDS.
@@ -44,9 +49,12 @@ _STDLIB_NAMES = (
 __all__ = [
     "Batch",
     "ByteTokenizer",
+    "HFTokenizer",
     "LMIterator",
     "SentencePieceTokenizer",
+    "SpecialIdsView",
     "Tokenizer",
+    "canonical_spec",
     "default_data_dir",
     "get_tokenizer",
     "load_texts",
@@ -55,6 +63,7 @@ __all__ = [
     "pack_documents",
     "permutation",
     "train_sentencepiece",
+    "with_special_ids",
     *_STDLIB_NAMES,
 ]
 

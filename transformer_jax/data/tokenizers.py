@@ -9,23 +9,30 @@ Every tokenizer has:
 * ``decode(ids) -> str``: the text of a sequence of ids (a list, a NumPy or a
   JAX array).  Pad and eos ids are dropped, as are ids outside the vocabulary,
   so a padded or packed row can be decoded as it is.
-* ``vocab_size``, ``pad_id`` (always 0), ``eos_id`` (always 1), ``unk_id``.
+* ``vocab_size``, ``pad_id``, ``eos_id``, ``unk_id`` (byte and SentencePiece: 0, 1, 2).
+* ``bos_id``, ``cls_id``, ``sep_id``, ``mask_id``, ``decoder_start_id``: the
+  tokenizer's own special ids, None where it has none (byte and SentencePiece
+  have none), and ``sentinel_ids`` (T5's ``<extra_id_N>``; ``()`` without).
+  Tasks use them when present (see tasks/lm.py, mlm.py, seq2seq.py).
 * ``cache_key``: a short string that identifies the tokenizer's exact mapping,
   used to key cached token streams.
 
-Two tokenizers are provided:
+Three tokenizers are provided:
 
 * :class:`ByteTokenizer` (the default): UTF-8 bytes with the ByT5 convention:
   pad 0, eos 1, unk 2, byte ``b`` -> ``b + 3``, ``vocab_size`` 259.
 * :class:`SentencePieceTokenizer`: a SentencePiece model, e.g. one trained
   locally on a corpus with :func:`train_sentencepiece` (pad 0, eos 1, unk 2).
+* :class:`~transformer_jax.data.hf_tokenizer.HFTokenizer`: the tokenizer a
+  Hugging Face checkpoint was saved with (``"hf:DIR"``: its tokenizer.json or
+  spiece.model, and its special tokens).
 
-:func:`get_tokenizer` builds either from a short spec string.
+:func:`get_tokenizer` builds any of them from a short spec string;
+:func:`with_special_ids` gives a tokenizer other eos/pad ids (what a task packs with).
 """
 
 from __future__ import annotations
 
-import abc
 import hashlib
 import io
 import os
@@ -35,53 +42,19 @@ from typing import Any
 import numpy as np
 
 from transformer_jax import storage
+from transformer_jax.data.tokenizer_base import Tokenizer, _ids_as_list
 from transformer_jax.errors import UserError
 
 __all__ = [
     "Tokenizer",
     "ByteTokenizer",
     "SentencePieceTokenizer",
+    "SpecialIdsView",
+    "canonical_spec",
     "get_tokenizer",
     "train_sentencepiece",
+    "with_special_ids",
 ]
-
-
-def _ids_as_list(ids: Any) -> list[int]:
-    """Converts a list, tuple, NumPy or JAX array of ids into a flat list."""
-    return np.asarray(ids, dtype=np.int64).reshape(-1).tolist()
-
-
-class Tokenizer(abc.ABC):
-    """The interface shared by all tokenizers (see the module docstring)."""
-
-    pad_id: int = 0
-    eos_id: int = 1
-    unk_id: int = 2
-
-    @property
-    @abc.abstractmethod
-    def vocab_size(self) -> int:
-        """Number of ids; every id produced by ``encode`` is below it."""
-
-    @property
-    @abc.abstractmethod
-    def cache_key(self) -> str:
-        """A short string identifying this tokenizer's exact id mapping."""
-
-    @abc.abstractmethod
-    def encode(self, text: str | bytes, add_eos: bool = False) -> list[int]:
-        """Returns the ids of ``text``, followed by ``eos_id`` if ``add_eos``."""
-
-    @abc.abstractmethod
-    def decode(self, ids: Any) -> str:
-        """Returns the text of ``ids``, dropping pad, eos and unknown ids."""
-
-    def encode_array(self, text: str | bytes, add_eos: bool = False) -> np.ndarray:
-        """Returns ``encode(text, add_eos)`` as a 1-D int32 array."""
-        return np.asarray(self.encode(text, add_eos=add_eos), dtype=np.int32)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(vocab_size={self.vocab_size})"
 
 
 class ByteTokenizer(Tokenizer):
@@ -295,13 +268,87 @@ def train_sentencepiece(
     return SentencePieceTokenizer(model_path)
 
 
+#: the special-id attributes a tokenizer has (``Tokenizer``'s class attributes)
+SPECIAL_ID_ATTRS = ("pad_id", "eos_id", "unk_id", "bos_id", "cls_id", "sep_id", "mask_id",
+                    "decoder_start_id")
+
+
+class SpecialIdsView(Tokenizer):
+    """``base`` with some special ids replaced; everything else is ``base``'s.
+
+    What a task packs a tokenizer's text with: e.g. BERT's WordPiece has no eos, so masked-LM
+    packing ends each document with its ``[SEP]``. ``encode(text, add_eos=True)`` appends
+    the view's eos. ``cache_key`` adds the eos when it differs (the cached token streams of
+    the data pipeline hold the encoded ids and eos, never a pad).
+    """
+
+    def __init__(self, base: Tokenizer, **ids: int | None):
+        unknown = sorted(set(ids) - set(SPECIAL_ID_ATTRS))
+        if unknown:
+            raise TypeError(f"not special-id attributes: {unknown}")
+        self.base = base
+        for name in SPECIAL_ID_ATTRS:
+            setattr(self, name, ids[name] if name in ids else getattr(base, name, None))
+        self.sentinel_ids = tuple(getattr(base, "sentinel_ids", ()))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.base.vocab_size
+
+    @property
+    def cache_key(self) -> str:
+        key = self.base.cache_key
+        return key if self.eos_id == self.base.eos_id else f"{key}-eos{self.eos_id}"
+
+    def encode(self, text: str | bytes, add_eos: bool = False) -> list[int]:
+        ids = list(self.base.encode(text))
+        return ids + [self.eos_id] if add_eos else ids
+
+    def encode_array(self, text: str | bytes, add_eos: bool = False) -> np.ndarray:
+        ids = self.base.encode_array(text)
+        return np.append(ids, np.int32(self.eos_id)).astype(np.int32) if add_eos else ids
+
+    def decode(self, ids: Any) -> str:
+        return self.base.decode(ids)
+
+    def __getattr__(self, name: str):
+        if name == "base":
+            raise AttributeError(name)
+        return getattr(self.base, name)
+
+    def __repr__(self) -> str:
+        changed = {n: getattr(self, n) for n in SPECIAL_ID_ATTRS
+                   if getattr(self, n) != getattr(self.base, n, None)}
+        return f"SpecialIdsView({self.base!r}, {changed})"
+
+
+def with_special_ids(tokenizer: Tokenizer, **ids: int | None) -> Tokenizer:
+    """``tokenizer`` itself when ``ids`` (e.g. ``eos_id=..., pad_id=...``) are its own, else a
+    :class:`SpecialIdsView` with them."""
+    if all(getattr(tokenizer, name, None) == value for name, value in ids.items()):
+        return tokenizer
+    base = tokenizer.base if isinstance(tokenizer, SpecialIdsView) else tokenizer
+    merged = {n: getattr(tokenizer, n, None) for n in SPECIAL_ID_ATTRS}
+    return SpecialIdsView(base, **{**merged, **ids})
+
+
+def canonical_spec(spec: str) -> str:
+    """``spec`` as a task records it: a local ``hf:DIR`` made absolute (a run is loaded again
+    from another working directory); every other spec as it is."""
+    if isinstance(spec, str) and spec.startswith("hf:") and not storage.is_remote(spec[3:]):
+        return "hf:" + os.path.abspath(os.path.expanduser(spec[3:]))
+    return spec
+
+
 def get_tokenizer(spec: str | Tokenizer | None = "byte") -> Tokenizer:
     """Returns a tokenizer from a spec.
 
     Args:
       spec: ``"byte"`` (the default; also ``None``, ``"bytes"``, ``"byt5"``),
         ``"sentencepiece:PATH"`` (or ``"spm:PATH"``), the path of an existing
-        ``.model`` file, or a :class:`Tokenizer`, returned as it is.
+        ``.model`` file, ``"hf:DIR"`` (a Hugging Face model or tokenizer directory:
+        :class:`~transformer_jax.data.hf_tokenizer.HFTokenizer`), or a
+        :class:`Tokenizer`, returned as it is.
     """
     if isinstance(spec, Tokenizer):
         return spec
@@ -312,10 +359,17 @@ def get_tokenizer(spec: str | Tokenizer | None = "byte") -> Tokenizer:
     for prefix in ("sentencepiece:", "spm:"):
         if spec.startswith(prefix):
             return SentencePieceTokenizer(spec[len(prefix) :])
+    if spec.startswith("hf:"):
+        if not spec[3:]:
+            raise UserError("tokenizer 'hf:' names no directory; use 'hf:DIR' with the "
+                            "directory a Hugging Face model or tokenizer was saved to")
+        from transformer_jax.data.hf_tokenizer import HFTokenizer
+
+        return HFTokenizer(spec[3:])
     if spec.endswith(".model") and storage.is_file(spec):
         return SentencePieceTokenizer(spec)
     raise UserError(
-        f"unknown tokenizer {spec!r}: use 'byte', 'sentencepiece:PATH' or the "
-        "path of a SentencePiece .model file."
+        f"unknown tokenizer {spec!r}: use 'byte', 'sentencepiece:PATH', 'hf:DIR' (a "
+        "Hugging Face model or tokenizer directory) or the path of a SentencePiece "
+        ".model file."
     )
-

@@ -7,7 +7,9 @@ transformer_jax.interop`` costs nothing and imports neither torch nor transforme
     tutorial modules and ``torch.nn``'s Transformer modules, both ways;
   * ``from_hf``, ``to_hf``, ``to_hf_numpy``, ``hf_config`` (:mod:`transformer_jax.interop.hf`):
     Hugging Face GPT-2, BERT, T5 and ViT, dispatching on the HF ``model_type`` (one file per
-    family, ``hf_gpt2`` ... ``hf_vit``, over the shared ``registry`` and ``_common``).
+    family, ``hf_gpt2`` ... ``hf_vit``, over the shared ``registry`` and ``_common``);
+  * ``to_peft``, ``load_peft`` (:mod:`transformer_jax.interop.peft`): LoRA adapters as
+    Hugging Face PEFT adapter directories, both ways (``from_hf(..., adapter=dir)`` too).
 """
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ _EXPORTS = {
     "to_hf": "hf",
     "to_hf_numpy": "hf",
     "hf_config": "hf",
+    "to_peft": "peft",
+    "load_peft": "peft",
 }
 
 __all__ = sorted(_EXPORTS)

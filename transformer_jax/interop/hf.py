@@ -4,6 +4,7 @@ Entry points::
 
     module, params = from_hf(hf_model)                  # a live transformers PyTorch model
     module, params = from_hf("/path/to/save_pretrained_dir", scan_layers=True)
+    module, params = from_hf("/path/to/base_dir", adapter="/path/to/peft_adapter")   # + PEFT LoRA
     state_dict = to_hf(module, params)                  # torch tensors, strict-loadable
     arrays = to_hf_numpy(module, params)                # the same, as numpy arrays (no torch)
     hf_cfg = hf_config(module.config)                   # e.g. transformers.GPT2Config
@@ -14,10 +15,13 @@ importing this module, and loading a ``save_pretrained`` directory (``config.jso
 
 Families. ``from_hf`` reads the HF config's ``model_type`` and dispatches through the
 registry (:mod:`transformer_jax.interop.registry`); ``to_hf``/``hf_config`` dispatch on the
-flax config's type. One file per family holds its key table and config mapping:
+flax config's type (a ``GPTConfig`` with Llama's settings, ``position="rope"``, ``norm="rmsnorm"``,
+``gated_mlp``, silu, no biases, goes to Llama; any other to GPT-2). One file per family holds
+its key table and config mapping:
 
     model_type   flax model   file
     gpt2         GPT          hf_gpt2.py   GPT2LMHeadModel, GPT2Model
+    llama        GPT          hf_llama.py  LlamaForCausalLM, LlamaModel
     bert         Bert         hf_bert.py   BertForPreTraining, BertForMaskedLM, BertModel,
                                            BertForSequenceClassification
     t5           T5           hf_t5.py     T5ForConditionalGeneration
@@ -36,11 +40,11 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 
 from ..errors import UserError
-from . import hf_bert, hf_gpt2, hf_t5, hf_vit
+from . import hf_bert, hf_gpt2, hf_llama, hf_t5, hf_vit
 from .registry import (family_for_config, family_for_model_type, register_hf_family,
                        supported_model_types, torch_tensors)
 
-for _family in (hf_gpt2.FAMILY, hf_bert.FAMILY, hf_t5.FAMILY, hf_vit.FAMILY):
+for _family in (hf_gpt2.FAMILY, hf_llama.FAMILY, hf_bert.FAMILY, hf_t5.FAMILY, hf_vit.FAMILY):
     register_hf_family(_family)
 
 
@@ -211,7 +215,8 @@ def _load_local_dir(directory: str) -> tuple[dict, Mapping[str, np.ndarray]]:
 
 # ============================================================================ public API
 
-def from_hf(model_or_local_dir: Any, **overrides: Any) -> tuple[Any, Any]:
+def from_hf(model_or_local_dir: Any, *, adapter: str | os.PathLike | None = None,
+            **overrides: Any) -> tuple[Any, Any]:
     """Convert a Hugging Face model to ``(flax_module, params)``.
 
     Args:
@@ -223,7 +228,13 @@ def from_hf(model_or_local_dir: Any, **overrides: Any) -> tuple[Any, Any]:
         ``remat=True``, ``dtype="bfloat16"``, ``param_dtype`` (the dtype the params are cast
         to) or ``dropout_rate``; ViT also takes ``image_size`` (the position table is
         resized), ``drop_pooler`` and ``pos_interpolation``. Fields that change the
-        architecture are rejected by the shape checks.
+        architecture are rejected by the shape checks. ``lora`` (a ``LoraConfig`` or its
+        dict) adds fresh LoRA adapters (B zero: the model is unchanged) to train.
+      adapter: the directory of a PEFT LoRA adapter for this model (``adapter_config.json``
+        and ``adapter_model.safetensors``, as ``PeftModel.save_pretrained`` writes): the
+        module's ``config.lora`` is set from ``adapter_config.json`` (rank, alpha,
+        dropout, use_rslora, targets from the modules it adapts) and the params get the
+        adapter's ``lora_a``/``lora_b`` (:func:`transformer_jax.interop.peft.load_peft`).
 
     Returns:
       The flax module (e.g. ``GPT``) and its params: a nested dict of jax arrays, the tree
@@ -236,7 +247,8 @@ def from_hf(model_or_local_dir: Any, **overrides: Any) -> tuple[Any, Any]:
         and actual shape); a UserError of one line naming the file and what to do for every
         problem with a directory's files: no config.json or weights, malformed JSON, a
         config without ``model_type``, a truncated or damaged safetensors file, an index
-        whose shards are missing.
+        whose shards are missing; for ``adapter``, what ``load_peft`` refuses (another
+        ``peft_type``, modules it cannot map, shapes, missing or pickled files).
     """
     if isinstance(model_or_local_dir, (str, os.PathLike)):
         directory = os.fspath(model_or_local_dir)
@@ -250,7 +262,16 @@ def from_hf(model_or_local_dir: Any, **overrides: Any) -> tuple[Any, Any]:
     else:
         raise TypeError(f"from_hf takes a transformers PyTorch model or a local directory path, "
                         f"got {type(model_or_local_dir).__name__}")
-    return from_hf_state_dict(config, state_dict, **overrides)
+    lora = overrides.pop("lora", None)       # adapters are added after the base converts
+    module, params = from_hf_state_dict(config, state_dict, **overrides)
+    if adapter is None and lora is None:
+        return module, params
+    from . import peft                       # lazy: hf <- peft
+    if adapter is None:
+        return peft.add_adapters(module, params, lora)
+    if lora is not None:                     # its quantize settings stay; the rest is the adapter's
+        module = module.clone(config=module.config.replace(lora=lora))
+    return peft.load_peft(module, params, adapter)
 
 
 def from_hf_state_dict(hf_config_: Any, state_dict: Mapping[str, Any], **overrides: Any):

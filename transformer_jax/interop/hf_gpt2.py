@@ -190,29 +190,59 @@ def _take_legacy_buffers(reader: StateDictReader, cfg: GPTConfig, prefix: str) -
             reader.take(f"{prefix}h.{i}.attn.masked_bias", ())
 
 
-def _gpt2_from_state_dict(config: Mapping[str, Any], state_dict: Mapping[str, Any],
-                          **overrides: Any) -> tuple[GPT, dict[str, Any]]:
-    """GPT-2 state dict (``GPT2LMHeadModel`` or ``GPT2Model`` naming) -> ``(GPT, params)``."""
-    reader = StateDictReader(state_dict, what="GPT-2 state dict")
-    base_model = "wte.weight" in reader and "transformer.wte.weight" not in reader
-    prefix = "" if base_model else "transformer."
-    if base_model:                       # GPT2Model: no LM head, read out through wte
+def causal_lm_from_state_dict(what: str, config_fn, tensor_maps, take_buffers,
+                              state_dict: Mapping[str, Any], overrides: dict[str, Any], *,
+                              embed_key: str, prefix: str) -> tuple[GPT, dict[str, Any]]:
+    """A decoder-only LM's HF state dict -> ``(GPT, params)``: GPT-2 and Llama alike.
+
+    ``what`` names the family in errors; ``config_fn(**overrides)`` makes the GPTConfig;
+    ``tensor_maps(cfg, prefix)`` is the family's table; ``take_buffers(reader, cfg,
+    prefix)`` checks and drops the buffers old checkpoints carry. The base model (no
+    ``prefix`` before ``embed_key``, no head) reads out through the tied embedding; a tied
+    ``lm_head.weight`` a live model lists must equal the embedding."""
+    reader = StateDictReader(state_dict, what=f"{what} state dict")
+    base_model = embed_key in reader and prefix + embed_key not in reader
+    prefix = "" if base_model else prefix
+    if base_model:                       # no LM head: read out through the embedding
         overrides = {"tie_embeddings": True, **overrides}
-    cfg = gpt_config_from_hf(config, **overrides)
-    maps = gpt2_tensor_maps(cfg, prefix)
-    check_table(maps, GPT(without_scan(cfg)), jnp.zeros((1, 1), jnp.int32), what="GPT-2")
+    cfg = config_fn(**overrides)
+    maps = tensor_maps(cfg, prefix)
+    check_table(maps, GPT(without_scan(cfg)), jnp.zeros((1, 1), jnp.int32), what=what)
     params = load_params(maps, reader, finish=False)
     if cfg.tie_embeddings and not base_model and "lm_head.weight" in reader:
         head = reader.take("lm_head.weight", (cfg.vocab_size, cfg.d_model))
         if not np.array_equal(head, params["wte"]["embedding"]):
-            raise ConversionError("'lm_head.weight' differs from 'transformer.wte.weight' although "
+            raise ConversionError(f"'lm_head.weight' differs from '{prefix}{embed_key}' although "
                                   "the config says tie_word_embeddings=True; pass "
                                   "tie_embeddings=False to keep a separate head")
-    _take_legacy_buffers(reader, cfg, prefix)
+    take_buffers(reader, cfg, prefix)
     reader.finish()
     params = to_layout(cast_params(params, cfg.param_dtype), cfg.layer_stacks,
                        scanned=cfg.scan_layers, what="GPT params")
     return GPT(cfg), params
+
+
+def causal_lm_to_state_dict(module: GPT, params: Any, check, tensor_maps,
+                            embed_key: str) -> dict[str, np.ndarray]:
+    """``(GPT, params)`` -> a decoder-only LM's HF state dict (``check(cfg)`` refuses what
+    the family cannot express; ``embed_key`` is the full key of the token embedding, which
+    a tied ``lm_head.weight`` shares)."""
+    cfg = module.config
+    check(cfg)
+    params = to_layout(plain_params(params), cfg.layer_stacks, scanned=False, what="GPT params")
+    out = dump_state_dict(tensor_maps(cfg), params, what="GPT params")
+    if cfg.tie_embeddings:
+        out["lm_head.weight"] = out[embed_key]
+    return out
+
+
+def _gpt2_from_state_dict(config: Mapping[str, Any], state_dict: Mapping[str, Any],
+                          **overrides: Any) -> tuple[GPT, dict[str, Any]]:
+    """GPT-2 state dict (``GPT2LMHeadModel`` or ``GPT2Model`` naming) -> ``(GPT, params)``."""
+    return causal_lm_from_state_dict(
+        "GPT-2", lambda **o: gpt_config_from_hf(config, **o), gpt2_tensor_maps,
+        _take_legacy_buffers, state_dict, overrides, embed_key="wte.weight",
+        prefix="transformer.")
 
 
 # ============================================================================ flax -> HF
@@ -224,13 +254,8 @@ def gpt2_to_state_dict(module: GPT, params: Any) -> dict[str, np.ndarray]:
     boxed (``nn.Partitioned``) or not, in either layout (``h_{i}`` or a scanned ``h``).
     A tied ``lm_head.weight`` is the same array as ``transformer.wte.weight``.
     """
-    cfg = module.config
-    _check_gpt2_compatible(cfg)
-    params = to_layout(plain_params(params), cfg.layer_stacks, scanned=False, what="GPT params")
-    out = dump_state_dict(gpt2_tensor_maps(cfg), params, what="GPT params")
-    if cfg.tie_embeddings:
-        out["lm_head.weight"] = out["transformer.wte.weight"]
-    return out
+    return causal_lm_to_state_dict(module, params, _check_gpt2_compatible, gpt2_tensor_maps,
+                                   "transformer.wte.weight")
 
 
 FAMILY = HFFamily(

@@ -1,9 +1,10 @@
 """What every Hugging Face family converter shares: the registry, activations, shapes, layouts.
 
-The family files (``hf_gpt2``, ``hf_bert``, ``hf_t5``, ``hf_vit``) each describe their
-checkpoint as one :class:`~transformer_jax.interop._common.TensorMap` table and export one
-:class:`HFFamily`; :mod:`transformer_jax.interop.hf` registers them and dispatches on the HF
-``model_type`` (HF -> flax) or on the flax config's type (flax -> HF). Imports go one way:
+The family files (``hf_gpt2``, ``hf_llama``, ``hf_bert``, ``hf_t5``, ``hf_vit``) each
+describe their checkpoint as one :class:`~transformer_jax.interop._common.TensorMap` table and
+export one :class:`HFFamily`; :mod:`transformer_jax.interop.hf` registers them and dispatches on
+the HF ``model_type`` (HF -> flax) or on the flax config (flax -> HF: its type, and for a type
+two families share, :attr:`HFFamily.matches`). Imports go one way:
 ``_common`` <- ``registry`` <- family files <- ``hf``.
 
 Every family converts the same way, with the helpers below:
@@ -39,6 +40,10 @@ class HFFamily:
         -> (flax_module, params); ``overrides`` replace fields of the flax config.
     to_state_dict(flax_module, params) -> dict[str, np.ndarray] in HF naming.
     make_hf_config(flax_config, **extra) -> a ``transformers`` config object.
+    matches(flax_config) -> bool, for families that share a ``config_type`` (GPT-2 and
+        Llama both convert a ``GPTConfig``): whether this family's checkpoints express
+        that config. ``None`` (the default): the family takes every config of its type
+        that no family with a predicate claims (see :func:`family_for_config`).
     """
     name: str
     model_types: tuple[str, ...]
@@ -46,6 +51,7 @@ class HFFamily:
     from_state_dict: Callable[..., tuple[Any, Any]]
     to_state_dict: Callable[[Any, Any], dict[str, np.ndarray]]
     make_hf_config: Callable[..., Any]
+    matches: Callable[[Any], bool] | None = None
 
 
 _FAMILIES: dict[str, HFFamily] = {}
@@ -70,10 +76,19 @@ def family_for_model_type(model_type: Any) -> HFFamily:
 
 
 def family_for_config(config: Any) -> HFFamily:
-    """The family whose flax config type ``config`` is."""
-    for family in _FAMILIES.values():
-        if isinstance(config, family.config_type):
+    """The family whose flax config type ``config`` is.
+
+    Where several families share that type, the first whose ``matches(config)`` holds,
+    else the one without a predicate (GPT-2 for a ``GPTConfig``), whose conversion then
+    names the options it cannot express.
+    """
+    candidates = [f for f in _FAMILIES.values() if isinstance(config, f.config_type)]
+    for family in candidates:
+        if family.matches is not None and family.matches(config):
             return family
+    fallback = [f for f in candidates if f.matches is None] or candidates
+    if fallback:
+        return fallback[0]
     raise TypeError(f"no Hugging Face converter for config type {type(config).__name__}; "
                     f"supported: {sorted({f.config_type.__name__ for f in _FAMILIES.values()})}")
 

@@ -502,6 +502,18 @@ class MultiHeadAttention(nn.Module):
     positions: a decode step then reads each head's keys as one contiguous (S, H) block and
     writes its new row in place (with (B, S, K, H), XLA:CPU copied the whole cache into
     that order at every step; measurements in docs/performance.md).
+
+    Prefix tuning (Li & Liang 2021; ``prefix_tokens`` = P > 0, self-attention only): two
+    more parameters ``prefix_key`` and ``prefix_value`` (P, K, H), logical axes (None,
+    'kv_heads', 'head_dim'), initialised N(0, 1) as PEFT's prefix embedding. They are
+    P extra keys and values in front of the real ones, which every query sees (padding and
+    causality apply to the real keys only): PEFT's ``PrefixTuningConfig`` with the prefix
+    as a length-P ``past_key_values``. As in that cache, the real tokens are numbered from
+    P: rotary positions default to P + 0, 1, ... (callers passing ``positions`` pass them
+    so numbered), and the prefix keys are used as stored, never rotated (HF caches hold
+    rotated keys; PEFT hands its prefix tensors over as they are). With a KV cache the
+    prefix is not stored in it: it is put in front of the cache's keys and values at
+    every step. Returned weights then cover (B, N, T, P + S).
     """
     num_heads: int
     num_kv_heads: int | None = None
@@ -521,6 +533,7 @@ class MultiHeadAttention(nn.Module):
     bias_init: Initializer = nn.initializers.zeros_init()
     precision: Any = None
     cpu_tuning: bool = True
+    prefix_tokens: int = 0                          # prefix tuning: P learned keys/values
 
     def _dims(self, d: int) -> tuple[int, int, int]:
         n = self.num_heads
@@ -571,7 +584,7 @@ class MultiHeadAttention(nn.Module):
             return q, k, v, mask, causal, rope
         idx, (b, t) = cache_index.value, q.shape[:2]
         if rope:                             # cached keys are stored rotated
-            pos = idx + jnp.arange(t) if positions is None else positions
+            pos = self.prefix_tokens + idx + jnp.arange(t) if positions is None else positions
             q, k = self._rope(q, pos), self._rope(k, pos)
         ck = jax.lax.dynamic_update_slice(
             cached_key.value, heads_first(k).astype(cached_key.value.dtype), (0, 0, idx, 0))
@@ -585,6 +598,28 @@ class MultiHeadAttention(nn.Module):
         if mask is not None:
             mask = check_broadcast(mask, "mask", (b, self.num_heads, t, s_max))
         return q, k, v, combine_masks(mask, filled), False, False
+
+    def _with_prefix(self, k, v, mask, bias, causal, t: int):
+        """Prefix tuning: the P learned keys/values in front of k, v (B, S, K, H), which
+        every query sees; the mask (and bias) grow by P leading columns, and causality
+        (queries aligned with the real keys, numbered from P) moves into the mask."""
+        p, (b, s, kh, h) = self.prefix_tokens, k.shape
+        init = nn.with_logical_partitioning(nn.initializers.normal(1.0),
+                                            (None, "kv_heads", "head_dim"))
+        front = [jnp.broadcast_to(self.param(name, init, (p, kh, h), self.param_dtype)
+                                  .astype(x.dtype)[None], (b, p, kh, h))
+                 for name, x in (("prefix_key", k), ("prefix_value", v))]
+        k, v = (jnp.concatenate([f, x], axis=1) for f, x in zip(front, (k, v)))
+        shape = (b, self.num_heads, t, s)
+        mask, bias = check_broadcast(mask, "mask", shape), check_broadcast(bias, "bias", shape)
+        if mask is not None:
+            mask = jnp.broadcast_to(mask.astype(bool), mask.shape[:3] + (s,))
+            mask = jnp.concatenate([jnp.ones(mask.shape[:3] + (p,), bool), mask], axis=-1)
+        if bias is not None and bias.shape[-1] != 1:
+            bias = jnp.concatenate([jnp.zeros(bias.shape[:3] + (p,), bias.dtype), bias], axis=-1)
+        if causal:                           # query i sees the prefix and real keys <= i
+            mask = combine_masks(mask, causal_mask(t, p + s, offset=p))
+        return k, v, mask, bias, False
 
     @nn.compact
     def __call__(self, inputs_q: Array, inputs_kv: Array | None = None, *,
@@ -619,8 +654,10 @@ class MultiHeadAttention(nn.Module):
         if decode and self_attention:
             q, k, v, mask, causal, rope = self._self_cache(q, k, v, mask, causal, positions, rope)
         if rope:
-            pos = jnp.arange(q.shape[1]) if positions is None else positions
+            pos = self.prefix_tokens + jnp.arange(q.shape[1]) if positions is None else positions
             q, k = self._rope(q, pos), self._rope(k, pos)
+        if self.prefix_tokens and self_attention:
+            k, v, mask, bias, causal = self._with_prefix(k, v, mask, bias, causal, q.shape[1])
 
         dropout_rng = None
         if not deterministic and self.dropout_rate > 0.0:

@@ -11,6 +11,8 @@ The fields cover the families' differences: LayerNorm or RMSNorm (``norm``), bia
 none (``use_bias``, ``norm_bias``), the attention ``attention_scale`` (T5: 1), rotary
 positions (``rope_base``), grouped-query heads, gated MLPs, and an initialiser for each
 kind of kernel. An additive logit bias (T5's relative positions) is a call argument.
+``prefix_tokens`` > 0 gives the self-attention (never the cross-attention) P learned
+prefix keys and values (prefix tuning; ``MultiHeadAttention``'s docstring).
 
 Each block sows its intermediates (``'intermediates'`` collection, when made mutable):
 ``+sa`` after self-attention, ``+ca`` after cross-attention, ``+mlp`` after the
@@ -65,6 +67,7 @@ class _BlockBase(nn.Module):
     mlp_out_kernel_init: Initializer | None = None  # feed-forward output; default out_kernel_init
     precision: Any = None
     cpu_tuning: bool = True
+    prefix_tokens: int = 0               # prefix tuning of the self-attention (0: none)
 
     def _attention(self, name: str, rope: bool) -> MultiHeadAttention:
         return MultiHeadAttention(
@@ -74,7 +77,8 @@ class _BlockBase(nn.Module):
             rope_base=self.rope_base if rope else None, dtype=self.dtype,
             param_dtype=self.param_dtype, kernel_init=self.kernel_init,
             query_kernel_init=self.query_kernel_init, out_kernel_init=self.out_kernel_init,
-            precision=self.precision, cpu_tuning=self.cpu_tuning, name=name)
+            precision=self.precision, cpu_tuning=self.cpu_tuning,
+            prefix_tokens=self.prefix_tokens if name == "self_attn" else 0, name=name)
 
     def _mlp(self) -> FeedForward:
         return FeedForward(

@@ -9,7 +9,9 @@ Dense layers flatten every leading axis into one before the matmul: ``(B, T, D) 
 (B*T, D)``, a free reshape on every backend, after which the matmul and its weight
 gradient are plain 2-D products. Their weight, and the tied read-out's, passes through
 ``cpu_tuning.matmul_weight`` (the orientation of the weight gradient on XLA:CPU; an
-identity elsewhere, or everywhere with ``cpu_tuning=False``).
+identity elsewhere, or everywhere with ``cpu_tuning=False``). A Dense that the model's
+LoRA config targets adds its low-rank update (``layers/lora.py``); one whose kernel is
+stored quantized (``kernel_q`` and its scales, ``layers/quant.py``) dequantizes it per call.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from ..errors import UserError
+from . import lora, quant
 from .cpu_tuning import matmul_weight
 
 Array = jax.Array
@@ -75,15 +78,23 @@ class Dense(nn.Module):
         axes = self.kernel_axes or (None,) * len(kernel_shape)
         if len(axes) != len(kernel_shape):
             raise UserError(f"{self.name}: kernel_axes {axes} do not match kernel shape {kernel_shape}")
-        kernel = self.param(
-            "kernel",
-            nn.with_logical_partitioning(_flat_init(self.kernel_init, in_shape, features), axes),
-            kernel_shape, self.param_dtype)
         dtype = canonical_dtype(self.dtype)
+        stored = quant.stored_kernel(self)     # a frozen base kernel stored quantized (QLoRA)
+        if stored is not None:                 # dequantized to the matmul's input dtype
+            kernel = quant.dequantize_kernel(stored, kernel_shape, dtype)
+        else:
+            kernel = self.param(
+                "kernel",
+                nn.with_logical_partitioning(_flat_init(self.kernel_init, in_shape, features), axes),
+                kernel_shape, self.param_dtype)
         lead = x.shape[:-self.in_axes]
         x2 = x.reshape((-1, math.prod(in_shape))).astype(dtype)
         w2 = kernel.reshape((math.prod(in_shape), math.prod(features))).astype(dtype)
         y = jnp.dot(x2, matmul_weight(w2, self.cpu_tuning), precision=self.precision)
+        delta = lora.adapter_delta(self, x2, in_shape, features, axes, self.in_axes, dtype,
+                                   self.param_dtype, self.precision)   # LoRA, where targeted
+        if delta is not None:
+            y = y + delta
         if self.use_bias:
             bias = self.param(
                 "bias", nn.with_logical_partitioning(self.bias_init, axes[self.in_axes:]),

@@ -18,6 +18,7 @@ from jax.experimental import checkify
 from ..errors import UserError
 from ..layers.attention import IMPLEMENTATIONS, resolve_implementation
 from ..layers.dense import canonical_dtype
+from ..layers.lora import LoraConfig
 from ..layers.stack import REMAT_POLICIES, convert_layout
 
 C = TypeVar("C", bound="PresetConfig")
@@ -157,7 +158,10 @@ class PresetConfig:
                                 f"{' or None' if allow_none else ''}, got {value!r}")
 
     def _require_model_settings(self) -> None:
-        """The fields every family shares: layer stack, attention implementation, dtypes."""
+        """The fields every family shares: layer stack, attention implementation, dtypes,
+        LoRA adapters (``lora``: its dict form, from ``config.json`` or ``--set
+        lora.rank=8``, becomes a :class:`~transformer_jax.layers.lora.LoraConfig`)."""
+        object.__setattr__(self, "lora", LoraConfig.from_value(self.lora))
         self._require_bools("scan_layers", "remat", "cpu_tuning")
         self._require_choice("attention_impl", IMPLEMENTATIONS)
         self._require_choice("remat_policy", REMAT_POLICIES)

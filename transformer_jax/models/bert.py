@@ -54,6 +54,7 @@ import jax.numpy as jnp
 from ..errors import UserError
 from ..layers.blocks import EncoderBlock
 from ..layers.dense import Dense, Embed, canonical_dtype
+from ..layers.lora import LoraConfig, with_lora
 from ..layers.masks import key_padding_mask
 from ..layers.mlp import ACTIVATIONS
 from ..layers.norms import LayerNorm
@@ -90,6 +91,7 @@ class BertConfig(PresetConfig):
     cpu_tuning: bool = True              # layers/cpu_tuning.py on XLA:CPU
     dtype: str = "float32"               # compute dtype
     param_dtype: str = "float32"
+    lora: LoraConfig | None = None       # LoRA adapters (layers/lora.py); a dict is converted
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
         "tiny": dict(vocab_size=512, max_len=128, num_layers=2, num_heads=4, d_model=64),
@@ -271,6 +273,7 @@ class Bert(nn.Module):
     """
     config: BertConfig
 
+    @with_lora
     @nn.compact
     def __call__(self, input_ids: Array, token_type_ids: Array | None = None,
                  attention_mask: Array | None = None, position_ids: Array | None = None, *,

@@ -6,10 +6,17 @@ Read top to bottom: config and presets -> the model.
     -> L x pre-norm DecoderBlock (causal self-attention, MLP; no cross-attention)
     -> final LayerNorm -> logits (B, T, V) through the tied embedding (fp32)
 
+The same module is a Llama with ``position="rope"`` (no wpe), ``norm="rmsnorm"``,
+``gated_mlp=True`` + ``activation="silu"`` (SwiGLU), ``num_kv_heads`` < ``num_heads``
+(grouped-query attention), ``use_bias=False`` and ``tie_embeddings=False`` (an ``lm_head``):
+the ``llama-*`` presets, which ``interop.hf`` converts to and from ``LlamaForCausalLM``.
+
 Parameter names (unscanned): ``wte``, ``wpe``, ``h_0`` ... ``h_{L-1}`` (each a
 ``DecoderBlock``: norm1, self_attn{query,key,value,out}, norm2, mlp{wi,wo}), ``ln_f`` and,
 when embeddings are untied, ``lm_head``. With ``scan_layers=True`` the blocks are one
 module ``h`` whose parameters carry a leading (L,) axis (logical axis ``layers``).
+Prefix tuning (``prefix_tokens`` = P > 0) adds ``prefix_key`` and ``prefix_value`` (P, K, H)
+to each ``self_attn`` (``interop.peft_prefix`` converts PEFT's saved prefix).
 """
 from __future__ import annotations
 
@@ -24,6 +31,7 @@ import jax.numpy as jnp
 from ..errors import UserError
 from ..layers.blocks import DecoderBlock
 from ..layers.dense import Dense, Embed, canonical_dtype
+from ..layers.lora import LoraConfig, with_lora
 from ..layers.masks import key_padding_mask
 from ..layers.mlp import ACTIVATIONS
 from ..layers.norms import make_norm
@@ -31,6 +39,12 @@ from ..layers.stack import layer_stack
 from .base import PresetConfig, check_id_values, check_ids
 
 Array = jax.Array
+
+#: What every llama-* preset sets (HF LlamaConfig: silu, no biases, rms_norm_eps 1e-5 in
+#: the Llama 2/3 and TinyLlama checkpoints, rope_theta 10000 unless the preset says).
+_LLAMA: dict[str, Any] = dict(
+    position="rope", norm="rmsnorm", norm_eps=1e-5, gated_mlp=True, activation="silu",
+    use_bias=False, tie_embeddings=False, dropout_rate=0.0, attention_dropout_rate=0.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,13 +74,30 @@ class GPTConfig(PresetConfig):
     cpu_tuning: bool = True              # layers/cpu_tuning.py on XLA:CPU
     dtype: str = "float32"               # compute dtype
     param_dtype: str = "float32"
+    lora: LoraConfig | None = None       # LoRA adapters (layers/lora.py); a dict is converted
+    prefix_tokens: int = 0               # prefix tuning: P learned keys/values per layer (0: none)
 
+    # The llama-* presets: the shapes of HF's config.json for each model (Llama has no
+    # embedding/residual/attention dropout: all 0). llama-3.2-1b has Meta's shapes and
+    # rope_theta, but plain RoPE: Llama 3.2 uses rope_scaling "llama3", which our RoPE
+    # cannot express (the converter refuses that checkpoint), so this preset is for
+    # training and sizing, with max_len 8192 (the context before the scaling) instead
+    # of HF's 131072.
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
         "tiny": dict(vocab_size=512, max_len=128, num_layers=2, num_heads=4, d_model=64),
         "gpt2": dict(),
         "gpt2-medium": dict(num_layers=24, num_heads=16, d_model=1024),
         "gpt2-large": dict(num_layers=36, num_heads=20, d_model=1280),
         "gpt2-xl": dict(num_layers=48, num_heads=25, d_model=1600),
+        "llama-tiny": dict(_LLAMA, vocab_size=512, max_len=128, num_layers=2, num_heads=4,
+                           num_kv_heads=2, d_model=64, mlp_dim=176),
+        "llama-2-7b": dict(_LLAMA, vocab_size=32000, max_len=4096, num_layers=32, num_heads=32,
+                           num_kv_heads=32, d_model=4096, mlp_dim=11008),
+        "tinyllama-1.1b": dict(_LLAMA, vocab_size=32000, max_len=2048, num_layers=22,
+                               num_heads=32, num_kv_heads=4, d_model=2048, mlp_dim=5632),
+        "llama-3.2-1b": dict(_LLAMA, vocab_size=128256, max_len=8192, num_layers=16,
+                             num_heads=32, num_kv_heads=8, d_model=2048, mlp_dim=8192,
+                             rope_base=500000.0, tie_embeddings=True),
     }
 
     def __post_init__(self):
@@ -81,6 +112,7 @@ class GPTConfig(PresetConfig):
         self._require_bools("gated_mlp", "use_bias", "tie_embeddings")
         self._require_rates("dropout_rate", "attention_dropout_rate")
         self._require_number("initializer_range", minimum=0)
+        self._require_number("prefix_tokens", integer=True, minimum=0)
         self._require_model_settings()
         self._require_divisible("d_model", "num_heads")
         if self.num_kv_heads is not None:
@@ -89,6 +121,9 @@ class GPTConfig(PresetConfig):
                                ("position", "d_model", "num_heads"),
                                f"needs an even head_dim = d_model / num_heads, got "
                                f"{self.d_model} / {self.num_heads} = {self.head_dim}")
+        self._require_relation(self.prefix_tokens < self.max_len, ("prefix_tokens", "max_len"),
+                               "leaves no position for a token: prefix tuning numbers the "
+                               f"tokens from prefix_tokens, below max_len={self.max_len}")
 
     @property
     def mlp_features(self) -> int:
@@ -104,7 +139,8 @@ class GPTConfig(PresetConfig):
         return (((), "h", self.num_layers),)
 
     def num_params(self, *, non_embedding: bool = False) -> int:
-        """Parameter count from the config alone (equals HF's for the GPT-2 presets)."""
+        """Parameter count from the config alone (equals HF's for the GPT-2 and Llama presets;
+        a tied head counts once). ``non_embedding`` leaves out wte, wpe and an untied lm_head."""
         d, f, h = self.d_model, self.mlp_features, self.head_dim
         kv = (self.num_kv_heads or self.num_heads) * h
         b = int(self.use_bias)
@@ -120,10 +156,11 @@ class GPTConfig(PresetConfig):
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token, PaLM/nanoGPT convention: 6 N + 12 L D T.
 
-        N excludes the position table (a lookup, not a matmul) but includes the token
-        embedding, whose transpose is the read-out matmul when tied.
+        N excludes the lookups (the position table, and the token embedding of an untied
+        model) but counts the V x D read-out matmul once: the tied embedding's transpose,
+        or the untied ``lm_head``.
         """
-        n = self.num_params() - (self.max_len * self.d_model if self.position == "learned" else 0)
+        n = self.num_params(non_embedding=True) + self.vocab_size * self.d_model
         return 6 * n + 12 * self.num_layers * self.d_model * seq_len
 
 
@@ -131,6 +168,7 @@ class GPT(nn.Module):
     """Decoder-only language model. ``apply(variables, input_ids)`` -> logits (B, T, V) fp32."""
     config: GPTConfig
 
+    @with_lora
     @nn.compact
     def __call__(self, input_ids: Array, attention_mask: Array | None = None,
                  position_ids: Array | None = None, *, deterministic: bool = True,
@@ -145,6 +183,13 @@ class GPT(nn.Module):
 
         Concrete ids outside [0, vocab_size) (learned positions: [0, max_len)) raise a
         UserError; under jit only inside ``models.checked`` (see ``models/__init__.py``).
+
+        Prefix tuning (``prefix_tokens`` = P > 0; ``layers.attention.MultiHeadAttention``)
+        numbers the tokens after the P virtual ones, as PEFT does with transformers' GPT-2
+        (the prefix is a length-P KV cache there): every position, the default 0, 1, ...
+        (PEFT's forward: P + arange(T), padding or not) and given ``position_ids`` alike
+        (PEFT adds P to them; ``decode.generate`` passes the real-token count, HF
+        ``generate`` the same), is shifted by P before the position table or RoPE.
         """
         cfg = self.config
         dtype, param_dtype = canonical_dtype(cfg.dtype), canonical_dtype(cfg.param_dtype)
@@ -152,12 +197,17 @@ class GPT(nn.Module):
         input_ids = check_ids("input_ids", input_ids, cfg)     # in [0, vocab_size) (base.py)
         if cfg.position == "learned":
             check_id_values("position_ids", position_ids, cfg, "max_len")
+        prefix = cfg.prefix_tokens               # prefix tuning: tokens numbered from P
+        if prefix and position_ids is not None:
+            position_ids = jnp.asarray(position_ids) + prefix
+            if cfg.position == "learned":
+                check_id_values("position_ids + prefix_tokens", position_ids, cfg, "max_len")
         init = nn.initializers.normal(cfg.initializer_range)
         wte = Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=param_dtype,
                     embedding_init=init, cpu_tuning=cfg.cpu_tuning, name="wte")
         x = wte(input_ids)
         if position_ids is None:
-            start = self._first_position(t, decode)
+            start = prefix + self._first_position(t, decode)
             position_ids = start + jnp.arange(t)[None, :]
             rows = True           # one run of positions for every row: a slice of the table
         else:
@@ -184,9 +234,12 @@ class GPT(nn.Module):
         if input_ids.ndim != 2:
             raise UserError(f"input_ids must be (B, T); got shape {input_ids.shape}")
         b, t = input_ids.shape
-        if not decode and t > cfg.max_len:
-            raise UserError(f"sequence length {t} exceeds the model's max_len={cfg.max_len}; "
-                            "shorten the input or use a config with a larger max_len")
+        prefix = cfg.prefix_tokens     # prefix tuning: the tokens are numbered from P
+        # with a prefix, a KV cache's length too, when it is created (decode.generate's init)
+        if t > cfg.max_len - prefix and (not decode or (prefix and self.is_initializing())):
+            less = f" less its prefix_tokens={prefix}" if prefix else ""
+            raise UserError(f"sequence length {t} exceeds the model's max_len={cfg.max_len}"
+                            f"{less}; shorten the input or use a config with a larger max_len")
         if attention_mask is not None:
             shape = jnp.shape(attention_mask)
             if len(shape) != 2 or shape[0] != b:
@@ -219,7 +272,7 @@ class GPT(nn.Module):
             rope_base=cfg.rope_base if cfg.position == "rope" else None,
             dtype=canonical_dtype(cfg.dtype), param_dtype=canonical_dtype(cfg.param_dtype),
             kernel_init=nn.initializers.normal(cfg.initializer_range), out_kernel_init=out_init,
-            cpu_tuning=cfg.cpu_tuning, cross_attention=False)
+            cpu_tuning=cfg.cpu_tuning, cross_attention=False, prefix_tokens=cfg.prefix_tokens)
         return layer_stack(DecoderBlock, fields, cfg.num_layers, x, name="h",
                            operands={"self_mask": mask, "positions": rope_positions},
                            static={"causal": True, "deterministic": deterministic,

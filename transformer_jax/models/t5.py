@@ -53,6 +53,7 @@ import jax.numpy as jnp
 from ..errors import UserError
 from ..layers.blocks import DecoderBlock, EncoderBlock
 from ..layers.dense import Dense, Embed, canonical_dtype
+from ..layers.lora import LoraConfig, with_lora
 from ..layers.masks import key_padding_mask
 from ..layers.mlp import ACTIVATIONS
 from ..layers.norms import RMSNorm
@@ -92,6 +93,7 @@ class T5Config(EncoderDecoderConfig, PresetConfig):
     cpu_tuning: bool = True                     # layers/cpu_tuning.py on XLA:CPU
     dtype: str = "float32"                      # compute dtype
     param_dtype: str = "float32"
+    lora: LoraConfig | None = None       # LoRA adapters (layers/lora.py); a dict is converted
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
         "tiny": dict(vocab_size=512, d_model=64, num_heads=4, head_dim=16, mlp_dim=128,
@@ -273,12 +275,14 @@ class T5(nn.Module):
                                  kernel_init=nn.initializers.normal(cfg.initializer_factor),
                                  cpu_tuning=cfg.cpu_tuning)
 
+    @with_lora
     def __call__(self, input_ids: Array, decoder_input_ids: Array,
                  attention_mask: Array | None = None, decoder_attention_mask: Array | None = None,
                  *, deterministic: bool = True) -> Array:
         return encode_then_decode(self, input_ids, decoder_input_ids, attention_mask,
                                   decoder_attention_mask, deterministic)
 
+    @with_lora
     def encode(self, input_ids: Array, attention_mask: Array | None = None, *,
                deterministic: bool = True) -> Array:
         """input_ids (B, S) -> encoder output (B, S, D)."""
@@ -289,6 +293,7 @@ class T5(nn.Module):
         x = nn.with_logical_constraint(x, ("act_batch", "act_length", "act_embed"))
         return self.encoder(x, mask, deterministic=deterministic)
 
+    @with_lora
     def decode(self, decoder_input_ids: Array, encoded: Array, attention_mask: Array | None = None,
                decoder_attention_mask: Array | None = None, *, deterministic: bool = True,
                decode: bool = False) -> Array:

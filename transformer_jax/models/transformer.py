@@ -54,6 +54,7 @@ from ..errors import UserError
 from ..layers.blocks import DecoderBlock, EncoderBlock
 from ..layers.dense import Dense, Embed, canonical_dtype
 from ..layers.embeddings import sinusoidal_table
+from ..layers.lora import LoraConfig, with_lora
 from ..layers.masks import key_padding_mask
 from ..layers.mlp import ACTIVATIONS
 from ..layers.norms import LayerNorm
@@ -91,6 +92,7 @@ class TransformerConfig(EncoderDecoderConfig, PresetConfig):
     cpu_tuning: bool = True                 # layers/cpu_tuning.py on XLA:CPU
     dtype: str = "float32"
     param_dtype: str = "float32"
+    lora: LoraConfig | None = None       # LoRA adapters (layers/lora.py); a dict is converted
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
         "tiny": dict(vocab_size=512, max_len=128, num_layers=2, d_model=64, num_heads=4,
@@ -242,12 +244,14 @@ class Transformer(nn.Module):
         x = self.embed(ids)
         return x * jnp.asarray(math.sqrt(self.config.d_model), x.dtype)
 
+    @with_lora
     def __call__(self, input_ids: Array, decoder_input_ids: Array,
                  attention_mask: Array | None = None, decoder_attention_mask: Array | None = None,
                  *, deterministic: bool = True) -> Array:
         return encode_then_decode(self, input_ids, decoder_input_ids, attention_mask,
                                   decoder_attention_mask, deterministic)
 
+    @with_lora
     def encode(self, input_ids: Array, attention_mask: Array | None = None, *,
                deterministic: bool = True) -> Array:
         """input_ids (B, S) -> encoder output (B, S, D)."""
@@ -255,6 +259,7 @@ class Transformer(nn.Module):
         mask = _padding("attention_mask", attention_mask, input_ids.shape)
         return self.encoder(self._embed(input_ids), mask, deterministic=deterministic)
 
+    @with_lora
     def decode(self, decoder_input_ids: Array, encoded: Array, attention_mask: Array | None = None,
                decoder_attention_mask: Array | None = None, *, deterministic: bool = True,
                decode: bool = False) -> Array:

@@ -51,6 +51,7 @@ import numpy as np
 from ..errors import UserError
 from ..layers.blocks import EncoderBlock
 from ..layers.dense import Dense, canonical_dtype
+from ..layers.lora import LoraConfig, with_lora
 from ..layers.mlp import ACTIVATIONS
 from ..layers.norms import LayerNorm
 from ..layers.stack import convert_layout, layer_stack
@@ -100,6 +101,7 @@ class ViTConfig(PresetConfig):
     cpu_tuning: bool = True              # layers/cpu_tuning.py on XLA:CPU
     dtype: str = "float32"               # compute dtype
     param_dtype: str = "float32"
+    lora: LoraConfig | None = None       # LoRA adapters (layers/lora.py); a dict is converted
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
         "tiny": dict(image_size=16, patch_size=4, num_classes=10, num_layers=2, num_heads=4,
@@ -362,6 +364,7 @@ class ViT(nn.Module):
     """
     config: ViTConfig
 
+    @with_lora
     @nn.compact
     def __call__(self, images: Array, *, deterministic: bool = True) -> Array:
         """images (B, H, W, C), any real dtype, H = W = ``config.image_size``."""

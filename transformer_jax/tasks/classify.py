@@ -21,7 +21,8 @@ Data (``cfg.dataset``):
   classes comes from the dataset's ``ClassLabel`` (or option ``num_classes``).
 
 Tokens: the base tokenizer (``cfg.tokenizer``, bytes by default) with BERT's [CLS]/[SEP]/
-[MASK] appended (:class:`~transformer_jax.tasks.mlm.MLMVocab`). Over-long inputs are cut
+[MASK]: its own where it has them (a WordPiece ``hf:DIR``), else appended
+(:class:`~transformer_jax.tasks.mlm.MLMVocab`). Over-long inputs are cut
 to ``seq_len``: b keeps its start, and a keeps its *end* when b follows it (the context
 nearest the line) or its start when it stands alone. With ``pretrained`` set the tokenizer
 is the pretraining run's, whatever ``cfg.tokenizer`` says.

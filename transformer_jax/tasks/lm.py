@@ -1,14 +1,63 @@
-"""Language modelling: packed next-token prediction on a TFDS text dataset."""
+"""Language modelling: packed next-token prediction on a TFDS text dataset.
+
+Special ids (:func:`lm_special_ids`): each packed document ends with the tokenizer's eos
+(bytes and SentencePiece: 1; ``hf:DIR``: its eos, e.g. GPT-2's ``<|endoftext|>``; a
+vocabulary without an eos, such as BERT's WordPiece, ends documents with its ``[SEP]``); the
+eval pass pads with the tokenizer's pad (0), or with the eos when the tokenizer has no pad
+of its own (GPT-2, ``pad_is_eos``). Padding never weighs: when pad and eos are one id the
+batches still weigh every eos target 1 and only the padding 0 (:class:`PadAsEos`).
+"""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .. import data as data_lib
 from ..decode import generate
 from ..errors import UserError
 from ..losses import lm_loss
 from .base import Task, register_task
+
+
+#: what the packing pads with while pad and eos are one id (never a token id: the weights
+#: the pipeline computes from it tell padding from eos); replaced by the pad id afterwards
+_PAD_PLACEHOLDER = -1
+
+
+def lm_special_ids(tokenizer) -> tuple[int, int]:
+    """``(eos_id, pad_id)`` the LM packs with: the tokenizer's eos (else its [SEP]), and its
+    pad (else the eos, the convention of transformers for GPT-2)."""
+    eos = tokenizer.eos_id if tokenizer.eos_id is not None else getattr(tokenizer, "sep_id", None)
+    if eos is None:
+        raise UserError(f"tokenizer {tokenizer!r} has no eos (nor [SEP]) token to end the "
+                        "packed documents with; use a tokenizer that has one")
+    pad = tokenizer.pad_id if tokenizer.pad_id is not None else eos
+    return eos, pad
+
+
+class PadAsEos:
+    """Batches of ``batches`` (packed with :data:`_PAD_PLACEHOLDER` as pad, so their weights
+    are 0 on padding only) with the placeholder replaced by ``pad_id`` (= the eos id).
+    ``get_state`` / ``set_state`` and other attributes pass through."""
+
+    def __init__(self, batches, pad_id: int):
+        self.batches, self.pad_id = batches, pad_id
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        batch = dict(next(self.batches))
+        for key in ("inputs", "targets"):
+            batch[key] = np.where(batch[key] == _PAD_PLACEHOLDER, self.pad_id,
+                                  batch[key]).astype(np.int32)
+        return batch
+
+    def __getattr__(self, name: str):
+        if name in ("batches", "pad_id"):
+            raise AttributeError(name)
+        return getattr(self.batches, name)
 
 
 @register_task
@@ -22,6 +71,7 @@ class LMTask(Task):
     def __init__(self, cfg, workdir, *, spec=None):
         super().__init__(cfg, workdir, spec=spec)
         self.tokenizer, self.tokenizer_spec = self._tokenizer(spec)
+        self.eos_id, self.pad_id = lm_special_ids(self.tokenizer)
 
     def _tokenizer(self, spec):
         if spec is not None:
@@ -35,7 +85,7 @@ class LMTask(Task):
                 data_lib.train_sentencepiece(texts, cfg.sentencepiece_vocab_size, str(path))
             spec_str = f"sentencepiece:{path}"   # absolute, or gs://
         else:
-            spec_str = cfg.tokenizer
+            spec_str = data_lib.canonical_spec(cfg.tokenizer)   # hf:DIR absolute
         return data_lib.get_tokenizer(spec_str), spec_str
 
     def spec(self) -> dict:
@@ -46,10 +96,14 @@ class LMTask(Task):
 
     def make_iterator(self, split, process_index, process_count, *, train: bool):
         cfg = self.cfg
-        return data_lib.make_lm_iterator(
-            cfg.dataset, split, tokenizer=self.tokenizer, seq_len=cfg.seq_len,
+        same = self.pad_id == self.eos_id
+        stream_tokenizer = data_lib.with_special_ids(   # bytes, SentencePiece: the tokenizer
+            self.tokenizer, eos_id=self.eos_id, pad_id=_PAD_PLACEHOLDER if same else self.pad_id)
+        it = data_lib.make_lm_iterator(
+            cfg.dataset, split, tokenizer=stream_tokenizer, seq_len=cfg.seq_len,
             batch_size=cfg.batch_size, seed=cfg.seed, shuffle=train, repeat=train,
             data_dir=cfg.data_dir, process_index=process_index, process_count=process_count)
+        return PadAsEos(it, self.pad_id) if same else it
 
     def init_args(self):
         return (jnp.zeros((1, self.cfg.seq_len), jnp.int32),)
@@ -63,12 +117,12 @@ class LMTask(Task):
     def generate_text(self, model, params, prompt, *, max_new_tokens=128, temperature=0.8,
                       top_k=40, top_p=None, seed=0) -> str:
         tok = self.tokenizer
-        ids = tok.encode(prompt) or [tok.eos_id]
+        ids = tok.encode(prompt) or [self.eos_id]
         self.check_prompt_ids([ids], model.config)       # before anything is compiled
         room = model.config.max_len - len(ids)
         if room < 1:
             raise UserError(f"the prompt is {len(ids)} tokens; the model's max_len is {model.config.max_len}")
         out = generate(model, params, [ids], max_new_tokens=min(max_new_tokens, room),
                        temperature=temperature, top_k=top_k or None, top_p=top_p,
-                       rng=jax.random.PRNGKey(seed), eos_id=tok.eos_id)
+                       rng=jax.random.PRNGKey(seed), eos_id=self.eos_id)
         return tok.decode(out[0])

@@ -1,13 +1,18 @@
 """Masked-language-model pretraining (BERT) on packed text, with the 80/10/10 masking recipe.
 
-Vocabulary. The base tokenizer (``cfg.tokenizer``: bytes by default, or SentencePiece)
-keeps its ids (pad 0, eos 1, unk 2, ordinary tokens from 3); BERT's three specials are
-appended after it (:class:`MLMVocab`)::
+Vocabulary. The base tokenizer (``cfg.tokenizer``: bytes by default, SentencePiece, or a
+checkpoint's own ``hf:DIR``) keeps its ids. BERT's specials are the tokenizer's own when it
+has them (a BERT WordPiece's [CLS], [SEP], [MASK], [PAD]: nothing is appended and
+``vocab_size`` is the tokenizer's); those it lacks are appended after its last id, in the
+order [CLS], [SEP], [MASK], then [PAD] when the tokenizer has no pad distinct from its eos
+(GPT-2) (:class:`MLMVocab`). Bytes and SentencePiece (pad 0, eos 1, unk 2, ordinary tokens
+from 3) have none of the three::
 
     [CLS] = base.vocab_size     [SEP] = base.vocab_size + 1     [MASK] = base.vocab_size + 2
 
 so the byte-level model has 259 + 3 = 262 ids ([CLS] 259, [SEP] 260, [MASK] 261), and
 ``vocab_size`` is set from the tokenizer. Padding is the base pad id 0, and ``pad_token_id=0``.
+The packed documents end with the tokenizer's eos, or with [SEP] when it has none (BERT).
 
 Sequences. The training text is packed exactly as for language modelling
 (:func:`transformer_jax.data.make_lm_iterator`: documents + eos, concatenated, shuffled
@@ -20,7 +25,10 @@ Masking (:func:`mask_tokens`, a pure function of the ids and a seed): in each ro
 uniformly random subset; of those, 80% become [MASK], 10% a random ordinary token, 10%
 stay unchanged (each token draws its fate independently). Targets are the original ids at
 the selected positions and weights 1 there, 0 elsewhere. Special = pad, eos, [CLS], [SEP],
-[MASK]. The random draws are SplitMix64 hashes of (seed, batch number, global row,
+[MASK] (and, for ``hf:DIR``, every special token of the tokenizer). A random token is drawn
+from ``random_range``: ids 3 up to the base vocabulary (``hf:DIR``: the longest run of ids
+that holds no special token, e.g. 104 .. 30521 for bert-base-uncased, after its [MASK] 103).
+The random draws are SplitMix64 hashes of (seed, batch number, global row,
 position) -- the same on every platform, and the same rows whatever the process count --
 so a resumed run sees exactly the masks the uninterrupted run saw.
 
@@ -30,6 +38,7 @@ Metrics: ``eval_loss`` (MLM cross-entropy per masked token, nats) and ``eval_acc
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -51,8 +60,24 @@ _MASK64 = (1 << 64) - 1
 
 @dataclasses.dataclass(frozen=True)
 class MLMVocab:
-    """A base tokenizer plus BERT's specials appended after its last id."""
+    """A base tokenizer plus BERT's specials: the tokenizer's own, else appended after its
+    last id (module docstring)."""
     tokenizer: data_lib.Tokenizer
+
+    @functools.cached_property
+    def _layout(self) -> dict[str, int]:
+        tok = self.tokenizer
+        size = tok.vocab_size
+        ids: dict[str, int] = {}
+        for name in ("cls_id", "sep_id", "mask_id"):
+            own = getattr(tok, name, None)
+            ids[name] = size if own is None else own
+            size += own is None
+        eos = tok.eos_id if tok.eos_id is not None else ids["sep_id"]
+        pad = tok.pad_id
+        if pad is None or pad == eos:          # no pad of its own (GPT-2): [PAD] appended
+            pad, size = size, size + 1
+        return {**ids, "eos_id": eos, "pad_id": pad, "vocab_size": size}
 
     @property
     def base_size(self) -> int:
@@ -60,32 +85,58 @@ class MLMVocab:
 
     @property
     def cls_id(self) -> int:
-        return self.base_size
+        return self._layout["cls_id"]
 
     @property
     def sep_id(self) -> int:
-        return self.base_size + 1
+        return self._layout["sep_id"]
 
     @property
     def mask_id(self) -> int:
-        return self.base_size + 2
+        return self._layout["mask_id"]
 
     @property
     def vocab_size(self) -> int:
-        return self.base_size + 3
+        return self._layout["vocab_size"]
 
     @property
     def pad_id(self) -> int:
-        return self.tokenizer.pad_id
+        return self._layout["pad_id"]
+
+    @property
+    def eos_id(self) -> int:
+        """The id that ends each packed document: the tokenizer's eos, else [SEP]."""
+        return self._layout["eos_id"]
+
+    @property
+    def stream_tokenizer(self) -> data_lib.Tokenizer:
+        """The tokenizer the text is packed with: the base tokenizer with this vocabulary's
+        eos and pad (bytes and SentencePiece: the base tokenizer itself)."""
+        return data_lib.with_special_ids(self.tokenizer, eos_id=self.eos_id, pad_id=self.pad_id)
 
     @property
     def special_ids(self) -> tuple[int, ...]:
-        return (self.tokenizer.pad_id, self.tokenizer.eos_id, self.cls_id, self.sep_id, self.mask_id)
+        own = (self.pad_id, self.eos_id, self.cls_id, self.sep_id, self.mask_id)
+        more = sorted(set(getattr(self.tokenizer, "all_special_ids", ())) - set(own))
+        return own + tuple(more)
 
     @property
     def random_range(self) -> tuple[int, int]:
-        """[low, high): the ordinary tokens a masked position may be replaced by."""
-        return 3, self.base_size
+        """[low, high): the ordinary tokens a masked position may be replaced by: ids 3 up
+        to the base vocabulary, or (a tokenizer that lists its ``all_special_ids``: hf:DIR)
+        the longest run of base ids holding no special token."""
+        specials = getattr(self.tokenizer, "all_special_ids", None)
+        if specials is None:
+            return 3, self.base_size
+        best, start = (0, 0), 0
+        for i in [*sorted(s for s in specials if 0 <= s < self.base_size), self.base_size]:
+            if i - start > best[1] - best[0]:
+                best = (start, i)
+            start = i + 1
+        if best[1] <= best[0]:
+            raise UserError(f"tokenizer {self.tokenizer!r} has no ordinary token to draw "
+                            "random replacements from")
+        return best
 
     def render(self, ids: Sequence[int]) -> str:
         """Text of ``ids`` with the specials written as [CLS] [SEP] [MASK]; pad dropped."""
@@ -117,7 +168,7 @@ def build_tokenizer(cfg, workdir: str | Path, spec: Mapping[str, Any] | None):
             data_lib.train_sentencepiece(texts, cfg.sentencepiece_vocab_size, str(path))
         spec_str = f"sentencepiece:{path}"   # absolute, or gs://
     else:
-        spec_str = cfg.tokenizer
+        spec_str = data_lib.canonical_spec(cfg.tokenizer)   # hf:DIR absolute
     return data_lib.get_tokenizer(spec_str), spec_str
 
 
@@ -324,7 +375,7 @@ class MLMTask(Task):
     def make_iterator(self, split, process_index, process_count, *, train: bool) -> MLMIterator:
         cfg = self.cfg
         windows = data_lib.make_lm_iterator(
-            cfg.dataset, split, tokenizer=self.vocab.tokenizer, seq_len=cfg.seq_len - 2,
+            cfg.dataset, split, tokenizer=self.vocab.stream_tokenizer, seq_len=cfg.seq_len - 2,
             batch_size=cfg.batch_size, seed=cfg.seed, shuffle=train, repeat=train,
             data_dir=cfg.data_dir, process_index=process_index, process_count=process_count)
         return MLMIterator(windows, self.vocab, seed=cfg.seed, stream=0 if train else 1,

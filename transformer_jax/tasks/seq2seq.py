@@ -22,11 +22,17 @@ Data (``cfg.dataset``):
   random access (``tfds.data_source``), so the split is never held in memory.
 
 Tokens: ``cfg.tokenizer`` (bytes by default: pad 0, eos 1; or ``sentencepiece[:PATH]``,
-trained on the train split's sources and targets into the workdir). Batches (numpy)::
+trained on the train split's sources and targets into the workdir; or a checkpoint's own
+``hf:DIR``). Special ids (:func:`seq2seq_special_ids`): the tokenizer's pad and eos (T5: 0
+and 1; a tokenizer without an eos ends sequences with its [SEP], one without a pad pads with
+its eos), and as decoder start the tokenizer's ``decoder_start_id`` (T5: the pad, 0; the
+model config's ``decoder_start_token_id`` where the directory has one), else the pad; the
+model's ``pad_token_id`` / ``eos_token_id`` / ``decoder_start_token_id`` are set to them.
+Batches (numpy)::
 
     inputs       (B, S) int32   source ids + eos, right-padded with pad   (S = cfg.seq_len)
-    input_mask   (B, S) int32   1 on real source tokens
-    targets      (B, T) int32   decoder input: [decoder start = pad] + target ids
+    input_mask   (B, S) int32   1 on real source tokens (eos included)
+    targets      (B, T) int32   decoder input: [decoder start] + target ids
     labels       (B, T) int32   target ids + eos                         (T = max_target_len)
     weights      (B, T) float32 1 on the labels of real examples (eos included)
 
@@ -161,15 +167,30 @@ class _ListPairs:
 
 # ----------------------------------------------------------------------------- batches
 
+def seq2seq_special_ids(tokenizer) -> tuple[int, int, int]:
+    """``(pad_id, eos_id, decoder_start_id)`` the task uses (module docstring)."""
+    eos = tokenizer.eos_id if tokenizer.eos_id is not None else getattr(tokenizer, "sep_id", None)
+    if eos is None:
+        raise UserError(f"tokenizer {tokenizer!r} has no eos (nor [SEP]) token to end "
+                        "sequences with; use a tokenizer that has one")
+    pad = tokenizer.pad_id if tokenizer.pad_id is not None else eos
+    start = getattr(tokenizer, "decoder_start_id", None)
+    return pad, eos, pad if start is None else start
+
+
 def encode_pairs(tokenizer, pairs: Sequence[tuple[str, str]], valid: np.ndarray, src_len: int,
                  tgt_len: int, start_id: int) -> dict[str, np.ndarray]:
     """Pairs -> a batch (module docstring); rows with ``valid`` False are padding (weight 0).
 
     Sources are cut to ``src_len - 1`` ids and targets to ``tgt_len - 1`` before the eos.
+    Pad and eos are the tokenizer's (the task passes one with its own: ``with_special_ids``);
+    ``input_mask`` marks the source ids and eos by position, so a pad equal to the eos
+    (GPT-2's vocabulary) still leaves the eos unmasked.
     """
     b = len(pairs)
     pad, eos = tokenizer.pad_id, tokenizer.eos_id
     inputs = np.full((b, src_len), pad, np.int32)
+    input_mask = np.zeros((b, src_len), np.int32)
     targets = np.full((b, tgt_len), pad, np.int32)
     labels = np.full((b, tgt_len), pad, np.int32)
     weights = np.zeros((b, tgt_len), np.float32)
@@ -179,11 +200,12 @@ def encode_pairs(tokenizer, pairs: Sequence[tuple[str, str]], valid: np.ndarray,
         s = list(tokenizer.encode(src))[: src_len - 1] + [eos]
         t = list(tokenizer.encode(tgt))[: tgt_len - 1]
         inputs[r, : len(s)] = s
+        input_mask[r, : len(s)] = 1
         targets[r, 0] = start_id
         targets[r, 1: len(t) + 1] = t
         labels[r, : len(t) + 1] = t + [eos]
         weights[r, : len(t) + 1] = 1.0
-    return {"inputs": inputs, "input_mask": (inputs != pad).astype(np.int32), "targets": targets,
+    return {"inputs": inputs, "input_mask": input_mask, "targets": targets,
             "labels": labels, "weights": weights}
 
 
@@ -279,6 +301,10 @@ class Seq2SeqTask(Task):
         self.stdlib = cfg.dataset.split("/")[0].split(":")[0] == "python_stdlib"
         self._pairs_cache: dict[str, Any] = {}
         self.tokenizer, self.tokenizer_spec = self._tokenizer(spec)
+        self.pad_id, self.eos_id, self.start_id = seq2seq_special_ids(self.tokenizer)
+        #: the tokenizer with the task's pad and eos (bytes, SentencePiece, T5: itself)
+        self.pair_tokenizer = data_lib.with_special_ids(self.tokenizer, pad_id=self.pad_id,
+                                                        eos_id=self.eos_id)
 
     # -- data ---------------------------------------------------------------------
     def _texts(self, split: str) -> list[str]:
@@ -318,7 +344,7 @@ class Seq2SeqTask(Task):
                                              cfg.sentencepiece_vocab_size, str(path))
             spec_str = f"sentencepiece:{path}"   # absolute, or gs://
         else:
-            spec_str = cfg.tokenizer
+            spec_str = data_lib.canonical_spec(cfg.tokenizer)   # hf:DIR absolute
         return data_lib.get_tokenizer(spec_str), spec_str
 
     def spec(self) -> dict:
@@ -326,15 +352,14 @@ class Seq2SeqTask(Task):
                 "src_len": self.src_len, "tgt_len": self.tgt_len}
 
     def model_overrides(self) -> dict:
-        tok = self.tokenizer
-        return {"vocab_size": tok.vocab_size, "pad_token_id": tok.pad_id, "eos_token_id": tok.eos_id,
-                "decoder_start_token_id": tok.pad_id}
+        return {"vocab_size": self.tokenizer.vocab_size, "pad_token_id": self.pad_id,
+                "eos_token_id": self.eos_id, "decoder_start_token_id": self.start_id}
 
     def make_iterator(self, split, process_index, process_count, *, train: bool) -> PairIterator:
         cfg = self.cfg
         return PairIterator(
-            self._pairs(split, train=train), self.tokenizer, batch_size=cfg.batch_size,
-            src_len=self.src_len, tgt_len=self.tgt_len, start_id=self.tokenizer.pad_id,
+            self._pairs(split, train=train), self.pair_tokenizer, batch_size=cfg.batch_size,
+            src_len=self.src_len, tgt_len=self.tgt_len, start_id=self.start_id,
             seed=cfg.seed, shuffle=train, repeat=train, process_index=process_index,
             process_count=process_count,
             describe=f"seq2seq {cfg.dataset!r} split {split!r}")
@@ -378,7 +403,7 @@ class Seq2SeqTask(Task):
             for row, label, w in zip(out, batch["labels"], batch["weights"]):
                 if w[0] > 0:
                     total += 1
-                    pred, want = cut_at_eos(row, tok.eos_id), cut_at_eos(label, tok.eos_id)
+                    pred, want = cut_at_eos(row, self.eos_id), cut_at_eos(label, self.eos_id)
                     hits += pred == want
                     hypotheses.append(tok.decode(pred))
                     references.append(tok.decode(want))
@@ -393,7 +418,7 @@ class Seq2SeqTask(Task):
         tok, lines = self.tokenizer, []
         for src, row, label, w in list(zip(batch["inputs"], out, batch["labels"], batch["weights"]))[:6]:
             if w[0] > 0:
-                pred, want = tok.decode(cut_at_eos(row, tok.eos_id)), tok.decode(label)
+                pred, want = tok.decode(cut_at_eos(row, self.eos_id)), tok.decode(label)
                 mark = "ok" if pred == want else f"want {want!r}"
                 lines.append(f"{tok.decode(src)!r} -> {pred!r}  ({mark})")
         return "\n".join(lines)
@@ -401,11 +426,12 @@ class Seq2SeqTask(Task):
     def generate_text(self, model, params, prompt, *, max_new_tokens=None, **ignored) -> str:
         """Decode ``prompt`` as a source sentence (greedy or ``beam_size`` beams)."""
         tok = self.tokenizer
-        ids = list(tok.encode(prompt))[: self.src_len - 1] + [tok.eos_id]
+        ids = list(tok.encode(prompt))[: self.src_len - 1] + [self.eos_id]
         self.check_prompt_ids([ids], model.config)       # before anything is compiled
-        inputs = np.full((1, self.src_len), tok.pad_id, np.int32)
+        inputs = np.full((1, self.src_len), self.pad_id, np.int32)
         inputs[0, : len(ids)] = ids
+        mask = (np.arange(self.src_len) < len(ids)).astype(np.int32)[None]
         n = self.tgt_len if max_new_tokens is None else max(1, int(max_new_tokens))
         n = min(n, getattr(model.config, "max_len", n))      # sinusoidal models: table size
-        out = self._decode(model, params, inputs, (inputs != tok.pad_id).astype(np.int32), n)
-        return tok.decode(cut_at_eos(out[0], tok.eos_id))
+        out = self._decode(model, params, inputs, mask, n)
+        return tok.decode(cut_at_eos(out[0], self.eos_id))

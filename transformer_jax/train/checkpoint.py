@@ -640,7 +640,8 @@ def load_params(workdir: os.PathLike | str, step: Optional[int] = None) -> tuple
     """``(run_config, params)`` from the latest (or given) checkpoint of a training workdir.
 
     ``run_config`` is the dict the run stored with it (``family``, ``model``,
-    ``experiment``, ``task_spec``); ``params`` are arrays on the first local device. This is
+    ``experiment``, ``task_spec``); ``params`` are arrays on the first local device (a
+    fine-tuning run's trainable and frozen parameters together). This is
     how tasks and tools read a finished run without importing the training loop. An
     unreadable latest step is reported in one warning line and the newest readable one is
     used; nothing in the workdir is moved.
@@ -657,4 +658,8 @@ def load_params(workdir: os.PathLike | str, step: Optional[int] = None) -> tuple
         _, state, run_config, _ = manager.restore_readable(step)
     finally:
         manager.close()
-    return run_config, jax.tree_util.tree_map(jax.numpy.asarray, state["params"])
+    params = state["params"]
+    if state.get("frozen"):          # a fine-tuning run's frozen base (train/step.py)
+        from .step import combine
+        params = combine(params, state["frozen"])
+    return run_config, jax.tree_util.tree_map(jax.numpy.asarray, params)

@@ -44,10 +44,17 @@ class ExperimentConfig(PresetConfig):
     model_overrides: dict = Field(default_factory=lambda: dict(
         num_layers=4, d_model=128, num_heads=4, max_len=256, dropout_rate=0.0,
         attention_dropout_rate=0.0))
+    # fine-tuning: start from pretrained weights (an HF save_pretrained directory or a
+    # transformer_jax workdir); its model config and tokenizer replace the experiment's
+    # (train/finetune.py). LoRA: model.lora (``--set lora.rank=8``), prefix tuning:
+    # model.prefix_tokens; then only the adapters (and a fresh task head) train.
+    init_from: str | None = None
     # data
     dataset: str = "python_stdlib"
     eval_split: str = "validation"
-    tokenizer: str = "byte"            # "byte", "sentencepiece" (trained into the workdir), or "sentencepiece:PATH"
+    # "byte", "sentencepiece" (trained into the workdir), "sentencepiece:PATH", or "hf:DIR"
+    # (the tokenizer a Hugging Face model or tokenizer directory was saved with)
+    tokenizer: str = "byte"
     sentencepiece_vocab_size: int = 8192
     data_dir: str | None = None
     seq_len: int = 128
@@ -108,6 +115,7 @@ class ExperimentConfig(PresetConfig):
             raise self._bad("dataset", "a dataset name (a non-empty string) or a non-empty "
                                        "list/tuple of in-memory documents")
         self._require_str("data_dir", allow_none=True)
+        self._require_str("init_from", allow_none=True)
         if not isinstance(self.sample_prompt, str):
             raise self._bad("sample_prompt", "a string")
         for name in ("task_options", "model_overrides"):
@@ -149,11 +157,13 @@ class ExperimentConfig(PresetConfig):
         self._require_number("sample_tokens", integer=True, minimum=0, hint=" (0: no samples)")
 
     def _check_tokenizer(self) -> None:
-        """The forms ``data.get_tokenizer`` reads, and "sentencepiece" (trained into the workdir)."""
+        """The forms ``data.get_tokenizer`` reads, and "sentencepiece" (trained into the workdir):
+        "hf:DIR" (a Hugging Face model or tokenizer directory) is accepted here by its form; the
+        directory and its files are read, and checked, when the task builds the tokenizer."""
         tok = self.tokenizer
         prefix, _, path = tok.partition(":") if isinstance(tok, str) else ("", "", "")
         if not isinstance(tok, str) or not (tok in ("byte", "bytes", "byt5", "sentencepiece")
-                                            or (prefix in ("sentencepiece", "spm") and path)
+                                            or (prefix in ("sentencepiece", "spm", "hf") and path)
                                             or tok.endswith(".model")):
             raise UserError(f"ExperimentConfig.tokenizer={tok!r} is unknown; use 'byte', "
                             "'sentencepiece' (trained into the workdir), 'sentencepiece:PATH' or "
@@ -255,7 +265,9 @@ def apply_overrides(cfg: ExperimentConfig, overrides: list[str] | dict[str, Any]
     """Apply ``key=value`` strings (or a dict).
 
     ``model.FIELD`` goes into ``model_overrides`` and ``task.OPTION`` into ``task_options``;
-    ``model_overrides={...}`` / ``task_options={...}`` merge a dict into them.
+    ``model_overrides={...}`` / ``task_options={...}`` merge a dict into them; ``lora.FIELD``
+    sets one field of the model's LoRA config (``model.lora``, a dict of
+    :class:`~transformer_jax.layers.lora.LoraConfig` fields).
     """
     if isinstance(overrides, dict):
         items = list(overrides.items())
@@ -279,6 +291,12 @@ def apply_overrides(cfg: ExperimentConfig, overrides: list[str] | dict[str, Any]
             model_keys.append(key[len("model."):])
         elif key.startswith("task."):
             task_options[key[len("task."):]] = value
+        elif key.startswith("lora."):
+            lora = model_overrides.get("lora")
+            lora = dict(lora) if isinstance(lora, dict) else {}
+            lora[key[len("lora."):]] = value
+            model_overrides["lora"] = lora
+            model_keys.append("lora")
         elif key in ("model_overrides", "task_options"):
             if not isinstance(value, dict):
                 raise UserError(f"{key} must be a dict (e.g. {key}={{'num_layers': 2}}), got "

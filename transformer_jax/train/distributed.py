@@ -38,6 +38,7 @@ import numpy as np
 
 from .. import sharding as sh
 from ..errors import UserError
+from .step import full_params
 
 ENV_COORDINATOR = "TRANSFORMER_JAX_COORDINATOR"
 ENV_NUM_PROCESSES = "TRANSFORMER_JAX_NUM_PROCESSES"
@@ -219,6 +220,21 @@ def _adjusted(params, adjust: Callable[[Any], Any]) -> tuple[Any, bool]:
     return new, not same
 
 
+def _adjusted_state(state, adjust: Callable[[Any], Any], split: Any):
+    """``(state with adjust(params), whether any parameter changed)``. With a ``split``
+    (fine-tuning adapters: ``split.join`` / ``split.split``, train/finetune.py) ``adjust``
+    sees the whole parameter tree, frozen kernels stored quantized read back first, and the
+    result is split again. When something changed the optimizer state is stale: re-init it."""
+    if state.frozen is None or split is None:
+        params, changed = _adjusted(state.params, adjust)
+        return state.replace(params=params), changed
+    whole, changed = _adjusted(jax.jit(split.join)(state.params, state.frozen), adjust)
+    if not changed:
+        return state, False
+    trainable, frozen = jax.jit(split.split)(whole)   # compiled: NF4 op by op is slow
+    return state.replace(params=trainable, frozen=frozen), True
+
+
 def _placed(batch) -> bool:
     """Whether a batch's leaves are device arrays already (from ``put_batch``)."""
     return all(isinstance(x, jax.Array) for x in jax.tree_util.tree_leaves(batch))
@@ -250,8 +266,13 @@ class Placement(abc.ABC):
         return sh.with_shardings(self._abstract, self._shardings)
 
     @abc.abstractmethod
-    def init_state(self, create_state: Callable[[], Any], tx, adjust_params: Callable[[Any], Any]):
-        """The initial train state, placed (and sharded) for this strategy."""
+    def init_state(self, create_state: Callable[[], Any], tx, adjust_params: Callable[[Any], Any],
+                   split: Any = None):
+        """The initial train state, placed (and sharded) for this strategy.
+
+        ``adjust_params`` edits the whole fresh parameter tree (a pretrained start); with
+        a ``split`` (fine-tuning adapters) the result is split again into what trains and
+        what stays frozen (``split``: a :class:`~transformer_jax.train.finetune.ParamSplit`)."""
 
     def from_checkpoint(self, state):
         return state
@@ -264,16 +285,17 @@ class Placement(abc.ABC):
         return int(jax.device_get(state.step))
 
     def eval_params(self, state):
-        """Parameters as global arrays on :attr:`mesh`, for the jitted eval step."""
-        return state.params
+        """Parameters (trainable and frozen) as global arrays on :attr:`mesh`, for the
+        jitted eval step."""
+        return full_params(state)
 
     def local_params(self, state):
         """Parameters that process-local code (sampling, decoding metrics) can use. With
         several processes this gathers them (a collective: call it on every process)."""
         if jax.process_count() == 1:
-            return state.params
+            return full_params(state)
         from jax.experimental import multihost_utils
-        return multihost_utils.process_allgather(state.params, tiled=True)
+        return multihost_utils.process_allgather(full_params(state), tiled=True)
 
     # -- steps -----------------------------------------------------------------
     @abc.abstractmethod
@@ -317,13 +339,15 @@ class JitPlacement(Placement):
                 f"{split * accum_steps}")
         self.data_index, self.data_count = sh.process_rows(self.mesh, global_batch)
 
-    def init_state(self, create_state, tx, adjust_params):
+    def init_state(self, create_state, tx, adjust_params, split=None):
         state = jax.jit(create_state, out_shardings=self._shardings)()
-        params, changed = _adjusted(state.params, adjust_params)
+        state, changed = _adjusted_state(state, adjust_params, split)
         if changed:
-            params = sh.put_global(params, self._shardings.params)
+            params = sh.put_global(state.params, self._shardings.params)
+            frozen = (None if state.frozen is None
+                      else sh.put_global(state.frozen, self._shardings.frozen))
             opt_state = jax.jit(tx.init, out_shardings=self._shardings.opt_state)(params)
-            state = state.replace(params=params, opt_state=opt_state)
+            state = state.replace(params=params, frozen=frozen, opt_state=opt_state)
         return state
 
     def compile(self, step_fn):
@@ -359,11 +383,11 @@ class PmapPlacement(Placement):
                             f"multiple of {procs * local * accum_steps}")
         self.data_index, self.data_count = jax.process_index(), procs
 
-    def init_state(self, create_state, tx, adjust_params):
+    def init_state(self, create_state, tx, adjust_params, split=None):
         state = jax.jit(create_state)()
-        params, changed = _adjusted(state.params, adjust_params)
+        state, changed = _adjusted_state(state, adjust_params, split)
         if changed:
-            state = state.replace(params=params, opt_state=jax.jit(tx.init)(params))
+            state = state.replace(opt_state=jax.jit(tx.init)(state.params))
         return sh.pmap_replicate(state)
 
     def from_checkpoint(self, state):
@@ -376,10 +400,10 @@ class PmapPlacement(Placement):
         return int(jax.device_get(sh.pmap_local(state.step)))
 
     def eval_params(self, state):
-        return sh.pmap_to_global(state.params, self.mesh)
+        return sh.pmap_to_global(full_params(state), self.mesh)
 
     def local_params(self, state):
-        return sh.pmap_local(state.params)
+        return sh.pmap_local(full_params(state))
 
     def put_batch(self, batch):
         """Host rows -> (local devices, rows per device, ...) arrays, slice i on device i

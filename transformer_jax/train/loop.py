@@ -54,6 +54,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -64,6 +65,7 @@ from ..errors import UserError
 from ..models import build_model, model_from_config
 from ..models.base import attention_plan, describe_attention_plan
 from ..tasks import Task, make_task
+from . import finetune
 from .checkpoint import CheckpointManager, load_params
 from .config import ExperimentConfig
 from .distributed import (Placement, any_process, broadcast_json, gather_data_state, is_main,
@@ -307,6 +309,10 @@ def setup(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
     resume = resume or resume_from is not None
     storage.check_workdir(workdir)
     make_schedule(cfg.schedule, **cfg.schedule_kwargs(d_model=1))   # refuses e.g. warmup >= steps early
+    source = None
+    if cfg.init_from is not None:      # the model and tokenizer of the pretrained weights
+        source = finetune.load_source(cfg.init_from)
+        cfg = finetune.resolve(cfg, source, say=_warn)
     placement = make_placement(cfg.parallelism, cfg.mesh, cfg.batch_size, cfg.accum_steps)
     # with several processes, process 0 prepares first (tokenizer, dataset), the others reuse it
     task = main_first(lambda: make_task(cfg, workdir), "transformer_jax:task")
@@ -323,7 +329,16 @@ def setup(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
                           "transformer_jax:data")
     rng = jax.random.PRNGKey(cfg.seed)
     init_args = task.init_args()
-    create_state = lambda: create_train_state(model, tx, rng, *init_args, loss_scale=loss_scale)  # noqa: E731
+    pretrained = None
+    if source is not None:
+        abstract = jax.eval_shape(lambda: nn.meta.unbox(model.init(rng, *init_args)["params"]))
+        pretrained = finetune.Start.plan(source, model_cfg, abstract)
+        pretrained.check()
+        run_config["init_from"] = pretrained.record()
+    split = finetune.make_split(model_cfg, pretrained)
+    create_state = lambda: create_train_state(  # noqa: E731
+        model, tx, rng, *init_args, loss_scale=loss_scale,
+        partition=None if split is None else split.split)
     placement.setup(create_state, lambda: model.init(rng, *init_args))
     restored = _restore(workdir, placement, run_config, resume, resume_from)
     start = 0 if restored is None else restored[0]
@@ -335,10 +350,17 @@ def setup(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
         raise UserError(f"stop_at={stop_at} is not after the step this run starts from "
                         f"({start}); give a later step")
     # ---- nothing was written before this line
+    if jax.process_count() > 1:   # every process has looked at checkpoints/ before any writes
+        sync_global_devices("transformer_jax:checked")
     if is_main() and placement.notes and progress:
         _describe_placement(placement)
     if restored is None:
-        state = placement.init_state(create_state, tx, task.init_params)
+        adjust = task.init_params
+        if pretrained is not None:
+            if is_main():
+                print(pretrained.describe(), flush=True)
+            adjust = lambda p: task.init_params(pretrained.fill(p))  # noqa: E731
+        state = placement.init_state(create_state, tx, adjust, split)
     else:
         _, state, data_state = restored
         train_it.set_state(local_data_state(data_state))

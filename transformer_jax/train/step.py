@@ -56,16 +56,68 @@ class LossScale(struct.PyTreeNode):
 
 
 class TrainState(train_state.TrainState):
-    """``flax`` TrainState (step, params, opt_state, apply_fn, tx), the dropout key, and a
-    :class:`LossScale` (None: no loss scaling; then the state holds exactly the leaves it
-    held before loss scaling existed, so older checkpoints restore)."""
+    """``flax`` TrainState (step, params, opt_state, apply_fn, tx), the dropout key, a
+    :class:`LossScale` (None: no loss scaling) and the ``frozen`` parameters.
+
+    Parameter-efficient fine-tuning (LoRA, prefix tuning) splits the model's parameters in
+    two: ``params`` are the ones that train (the adapters, a fresh task head): they alone
+    get gradients and optimizer state; ``frozen`` holds the rest (the base model, possibly
+    stored quantized), read by the forward pass and never updated. ``frozen`` is None when
+    everything trains; then the state holds exactly the leaves it held before, so older
+    checkpoints restore. :func:`full_params` joins the two."""
     rng: Array = struct.field(default=None)
     loss_scale: LossScale | None = struct.field(default=None)
+    frozen: Any = struct.field(default=None)
+
+
+#: ``partition(params) -> (trainable, frozen)``: how a run splits its parameters
+Partition = Callable[[Any], tuple[Any, Any]]
+
+
+def combine(trainable: Any, frozen: Any) -> Any:
+    """The model's whole parameter tree from two nested dicts with disjoint leaves."""
+    if frozen is None:
+        return trainable
+    if trainable is None:
+        return frozen
+    if not (isinstance(trainable, dict) and isinstance(frozen, dict)):
+        raise ValueError("combine: a parameter is both trainable and frozen")
+    out = dict(frozen)
+    for key, value in trainable.items():
+        out[key] = combine(value, frozen.get(key)) if key in frozen else value
+    return out
+
+
+def split_tree(params: Any, keep: Callable[[tuple[str, ...]], bool]) -> tuple[Any, Any]:
+    """``(leaves where keep(path), the other leaves)`` as two nested dicts (empty subtrees
+    dropped; an empty side is ``{}``)."""
+    def walk(node, path):
+        if not isinstance(node, dict):
+            return (node, None) if keep(path) else (None, node)
+        kept, rest = {}, {}
+        for key, value in node.items():
+            a, b = walk(value, path + (str(key),))
+            if a is not None:
+                kept[key] = a
+            if b is not None:
+                rest[key] = b
+        return kept or None, rest or None
+    kept, rest = walk(dict(params), ())
+    return kept or {}, rest or {}
+
+
+def full_params(state: TrainState) -> Any:
+    """The parameters a forward pass takes: the trainable ones and the frozen ones."""
+    return combine(state.params, state.frozen)
 
 
 def create_train_state(model: nn.Module, tx: optax.GradientTransformation, rng: Array,
-                       *init_args: Any, loss_scale: LossScale | None = None) -> TrainState:
+                       *init_args: Any, loss_scale: LossScale | None = None,
+                       partition: Partition | None = None) -> TrainState:
     """Initialise parameters (``model.init(rng, *init_args)``, unboxed) and optimizer state.
+
+    With ``partition`` (parameter-efficient fine-tuning) only its first part trains: the
+    optimizer state covers it alone and the second part becomes ``state.frozen``.
 
     ``step`` starts as a (weakly typed) int32 array, like the ``step + 1`` that every train
     step returns, so a jitted step compiles once (a Python ``0`` would make the second
@@ -73,8 +125,11 @@ def create_train_state(model: nn.Module, tx: optax.GradientTransformation, rng: 
     """
     init_rng, dropout_rng = jax.random.split(rng)
     params = nn.meta.unbox(model.init(init_rng, *init_args)["params"])
+    frozen = None
+    if partition is not None:
+        params, frozen = partition(params)
     state = TrainState.create(apply_fn=model.apply, params=params, tx=tx, rng=dropout_rng,
-                              loss_scale=loss_scale)
+                              loss_scale=loss_scale, frozen=frozen)
     return state.replace(step=jnp.asarray(0))
 
 
@@ -122,8 +177,11 @@ def make_gradient_sums(loss_fn: LossFn, label_smoothing: float, accum_steps: int
     range torch's GradScaler is tuned for; a sum over many tokens would overflow float16 at
     a far smaller scale) and its gradient is unscaled back to that of its sum.
     """
-    def objective(params, apply_fn, batch, rng, scale):
-        loss_sum, sums = loss_fn(apply_fn, params, batch, {"dropout": rng}, False, label_smoothing)
+    def objective(params, frozen, apply_fn, batch, rng, scale):
+        """Differentiated with respect to ``params`` only: the frozen ones get no gradient
+        (and no weight-gradient matmuls)."""
+        loss_sum, sums = loss_fn(apply_fn, combine(params, frozen), batch, {"dropout": rng},
+                                 False, label_smoothing)
         if scale is None:
             return loss_sum, (loss_sum, sums)
         return loss_sum * (scale / _weight(sums)), (loss_sum, sums)
@@ -134,7 +192,7 @@ def make_gradient_sums(loss_fn: LossFn, label_smoothing: float, accum_steps: int
         def micro(carry, xs):
             grads, loss_sum, sums = carry
             i, mb = xs
-            (_, (l, s)), g = grad_fn(state.params, state.apply_fn, mb,
+            (_, (l, s)), g = grad_fn(state.params, state.frozen, state.apply_fn, mb,
                                      jax.random.fold_in(step_rng, i), scale)
             if scale is not None:
                 g = jax.tree_util.tree_map(lambda x: x * (_weight(s) / scale), g)
@@ -147,8 +205,8 @@ def make_gradient_sums(loss_fn: LossFn, label_smoothing: float, accum_steps: int
         first = jax.tree_util.tree_map(lambda x: x[0], micro_batches)
         if accum_steps == 1:
             return micro((zeros, jnp.float32(0), None), (0, first))[0]
-        shapes = jax.eval_shape(lambda: objective(state.params, state.apply_fn, first, step_rng,
-                                                  scale)[1][1])
+        shapes = jax.eval_shape(lambda: objective(state.params, state.frozen, state.apply_fn,
+                                                  first, step_rng, scale)[1][1])
         init_sums = jax.tree_util.tree_map(lambda sd: jnp.zeros(sd.shape, sd.dtype), shapes)
         return jax.lax.scan(micro, (zeros, jnp.float32(0), init_sums),
                             (jnp.arange(accum_steps), micro_batches))[0]

@@ -1,0 +1,305 @@
+"""Fine-tuning runs: ``--init-from`` an HF directory or a workdir for every family and task
+(what loads, what starts fresh, what is recorded), adapters that train over a frozen base
+(LoRA: the base unchanged to the bit, optimizer state for the adapters alone), and
+``export`` back to an HF directory that ``AutoModel*.from_pretrained`` loads strictly and
+that reproduces our logits within 1e-5 (fp32)."""
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+peft = pytest.importorskip("peft")
+
+from tests.helpers import cli, tiny_cfg
+from tests.interop.conftest import bert_model, gpt2_model, t5_model, torch, transformers, vit_model
+from tests.tokenizer_dirs import gpt2_dir
+from transformer_jax.errors import UserError
+from transformer_jax.interop import from_hf
+from transformer_jax.layers import lora as lora_lib
+from transformer_jax.layers.lora import LoraConfig
+from transformer_jax.train import finetune
+from transformer_jax.train.config import apply_overrides
+from transformer_jax.train.export import export
+from transformer_jax.train.loop import load_run, setup, train
+from transformer_jax.train.step import full_params
+
+EXPORT_ATOL = 1e-5
+# Byte tokens (259 ids; BERT appends [CLS]/[SEP]/[MASK]): the tiny HF models have room.
+VOCAB = 300
+SHORT = ["steps=2", "log_every=1", "eval_every=2", "save_every=2", "eval_batches=1",
+         "sample_tokens=0", "batch_size=4", "seq_len=32"]
+
+
+def flat(tree, prefix=()):
+    out = {}
+    for k, v in tree.items():
+        out.update(flat(v, prefix + (k,)) if isinstance(v, dict) else {prefix + (k,): v})
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    """Tiny random HF models, saved as save_pretrained directories (no tokenizer files)."""
+    root = tmp_path_factory.mktemp("hf")
+    models = {
+        "gpt2": gpt2_model(vocab_size=VOCAB, n_positions=64),
+        "bert-mlm": bert_model("mlm", vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0),
+        "t5": t5_model(vocab_size=VOCAB),
+        "vit": vit_model(num_channels=1, image_size=16, num_labels=5),
+    }
+    dirs = {}
+    for name, model in models.items():
+        model.save_pretrained(root / name)
+        dirs[name] = str(root / name)
+    return dirs
+
+
+def task_cfg(data_dir, kind: str, init_from: str | None, *extra: str):
+    """A short run of ``kind`` (lm, mlm, classify, seq2seq, image) from ``init_from``."""
+    tasks = {"lm": ["task=lm", "model=gpt"], "mlm": ["task=mlm", "model=bert"],
+             "classify": ["task=classify", "model=bert"],
+             "seq2seq": ["task=seq2seq", "model=t5", "eval_split=validation"],
+             "image": ["task=image_classification", "model=vit", "dataset=digits",
+                       "eval_split=test"]}
+    cfg = tiny_cfg(data_dir)
+    cfg = apply_overrides(cfg.replace(model_overrides={}), tasks[kind] + SHORT + list(extra))
+    return cfg.replace(init_from=init_from)
+
+
+# ----------------------------------------------------------------------------- init-from
+
+LR = 1e-4      # one AdamW step moves each parameter by about LR: loaded ones stay within it
+
+
+def _hf_logits(model, kind, rng):
+    """(our inputs, HF logits) for a random batch of ``kind``."""
+    if kind == "image":
+        images = rng.uniform(-1, 1, (2, 16, 16, 1)).astype(np.float32)
+        with torch.no_grad():
+            return (jnp.asarray(images),), model(torch.tensor(images).permute(0, 3, 1, 2)).logits.numpy()
+    if kind == "seq2seq":
+        src, tgt = rng.integers(3, 259, (2, 7)), rng.integers(3, 259, (2, 5))
+        with torch.no_grad():
+            out = model(input_ids=torch.tensor(src), decoder_input_ids=torch.tensor(tgt))
+        return (jnp.asarray(src), jnp.asarray(tgt)), out.logits.numpy()
+    ids = rng.integers(3, 259, (2, 9))
+    with torch.no_grad():
+        return (jnp.asarray(ids),), model(torch.tensor(ids)).logits.numpy()
+
+
+def _ours(workdir, inputs):
+    _, model, params, _ = load_run(workdir)
+    return np.asarray(model.apply({"params": params}, *inputs))
+
+
+@pytest.mark.parametrize("kind,source,fresh,auto", [
+    ("lm", "gpt2", set(), "AutoModelForCausalLM"),
+    # a classifier from an MLM checkpoint: HF's MLM model has no pooler either
+    ("classify", "bert-mlm", {"bert/pooler", "classifier"}, "AutoModelForSequenceClassification"),
+    ("seq2seq", "t5", set(), "AutoModelForSeq2SeqLM"),
+    ("image", "vit", {"head"}, "AutoModelForImageClassification"),   # 5 classes there, 10 here
+])
+def test_init_from_hf_then_export(data_dir, hf_dirs, tmp_path, capsys, kind, source, fresh, auto):
+    """One training step from an HF directory: every shared weight came from it (within the
+    one step's reach), the others are the task's fresh head, the start is recorded; then the
+    export loads strictly into ``AutoModel*`` and reproduces our logits."""
+    run_dir, out = tmp_path / "run", tmp_path / "out"
+    train(task_cfg(data_dir, kind, hf_dirs[source], "steps=1", f"learning_rate={LR}",
+                   "schedule=constant", "warmup_steps=0"), run_dir)
+    said = capsys.readouterr().out
+    _, _, trained, _ = load_run(run_dir)
+    _, pretrained = from_hf(hf_dirs[source])
+    ours, theirs = flat(trained), flat(jax.tree_util.tree_map(np.asarray, pretrained))
+    loaded = {p for p in ours if p in theirs and ours[p].shape == theirs[p].shape}
+    moved = max(float(np.abs(np.asarray(ours[p]) - theirs[p]).max()) for p in loaded)
+    assert 0 < moved <= 1.5 * LR
+    assert {"/".join(p[:-1]) for p in ours if p not in loaded} == fresh
+    record = json.loads((run_dir / "config.json").read_text())["init_from"]
+    assert record["path"] == hf_dirs[source] and record["kind"] == "hf"
+    assert record["sha256"] == finetune.load_source(hf_dirs[source]).digest()
+    assert {f.rsplit("/", 1)[0] for f in record["fresh"]} == fresh
+    assert f"init-from {hf_dirs[source]} (hf, " in said
+    assert ("initialised fresh" in said) == bool(fresh)
+
+    summary = export(str(run_dir), str(out))
+    assert {"model.safetensors", "config.json"} <= set(summary["files"])
+    model, info = getattr(transformers, auto).from_pretrained(out, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    inputs, theirs_logits = _hf_logits(model.eval(), kind, np.random.default_rng(0))
+    np.testing.assert_allclose(_ours(run_dir, inputs), theirs_logits, rtol=0, atol=EXPORT_ATOL)
+    if kind != "image":           # the byte tokenizer as HF's ByT5Tokenizer: the same ids
+        tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+        _, _, _, task = load_run(run_dir)
+        text = "def f(x):\n    return 'é'"
+        ids = (task.vocab.tokenizer if hasattr(task, "vocab") else task.tokenizer).encode(text)
+        assert tokenizer(text, add_special_tokens=False)["input_ids"] == ids
+
+
+def test_init_from_takes_the_checkpoints_model_and_reports_what_does_not_apply(
+        data_dir, hf_dirs, tmp_path, capsys):
+    cfg = task_cfg(data_dir, "lm", hf_dirs["gpt2"], "model.num_layers=4", "model.d_model=128",
+                   "model.dropout_rate=0.2")
+    run = setup(cfg, tmp_path / "run")
+    run.ckpt.close()
+    model = json.loads((tmp_path / "run" / "config.json").read_text())["model"]
+    assert (model["num_layers"], model["d_model"], model["vocab_size"]) == (2, 64, VOCAB)
+    assert model["dropout_rate"] == 0.2                     # training may change dropout
+    err = capsys.readouterr().err
+    assert "num_layers=4 (checkpoint: 2)" in err and "d_model=128 (checkpoint: 64)" in err
+    assert "dropout_rate" not in err
+
+
+@pytest.mark.parametrize("where,message", [
+    ("missing", "is not a directory"),
+    ("empty", "has no config.json"),
+])
+def test_init_from_errors(data_dir, tmp_path, where, message):
+    path = tmp_path / where
+    if where == "empty":
+        path.mkdir()
+    with pytest.raises(UserError, match=message):
+        setup(task_cfg(data_dir, "lm", str(path)), tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+# ----------------------------------------------------------------------------- adapters
+
+def test_a_lora_run_trains_the_adapters_alone_and_exports_merged(data_dir, hf_dirs, tmp_path):
+    """LoRA rank 4 on every attention and MLP projection of the HF GPT-2, 3 steps: the
+    optimizer state covers the adapters alone, the base is unchanged to the bit; the export
+    needs --merge (or --format peft) and reproduces our logits; and a new run started from
+    this workdir gets its merged weights."""
+    cfg = task_cfg(data_dir, "lm", hf_dirs["gpt2"], "lora.rank=4", "lora.alpha=8",
+                   "lora.targets=attn/|mlp/", "steps=3", "learning_rate=1e-2")
+    workdir = tmp_path / "run"
+    probe = setup(cfg, tmp_path / "probe")
+    probe.ckpt.close()
+    start = jax.tree_util.tree_map(np.asarray, probe.state)
+    train(cfg, workdir, progress=False)
+
+    trainable = flat(start.params)
+    assert trainable and {p[-1] for p in trainable} == {"lora_a", "lora_b"}
+    moments = [x for x in jax.tree_util.tree_leaves(start.opt_state) if np.ndim(x) > 0]
+    assert sum(x.size for x in moments) == 2 * sum(x.size for x in trainable.values())  # Adam
+    run_config, _, params, _ = load_run(workdir)
+    after = flat(params)
+    for path, value in flat(start.frozen).items():
+        np.testing.assert_array_equal(np.asarray(after[path]), value, err_msg="/".join(path))
+    assert all(np.abs(np.asarray(after[p])).max() > 0 for p in trainable if p[-1] == "lora_b")
+
+    with pytest.raises(UserError, match="--format peft, or the merged model with --format hf --merge"):
+        export(str(workdir), str(tmp_path / "plain"))
+    assert not (tmp_path / "plain").exists()
+    export(str(workdir), str(tmp_path / "merged"), merge=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    inputs, theirs = _hf_logits(model.eval(), "lm", np.random.default_rng(1))
+    np.testing.assert_allclose(_ours(workdir, inputs), theirs, rtol=0, atol=EXPORT_ATOL)
+    with pytest.raises(UserError, match="not an empty directory"):
+        export(str(workdir), str(tmp_path / "merged"), merge=True)
+    summary = export(str(workdir), str(tmp_path / "peft"), fmt="peft")   # the adapter alone
+    assert summary["files"] == ["adapter_config.json", "adapter_model.safetensors",
+                                "tokenizer_config.json"]          # no base weights
+    peft_model = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(hf_dirs["gpt2"]), tmp_path / "peft")
+    inputs, theirs = _hf_logits(peft_model.eval(), "lm", np.random.default_rng(2))
+    np.testing.assert_allclose(_ours(workdir, inputs), theirs, rtol=0, atol=EXPORT_ATOL)
+
+    merged = lora_lib.merge(params, LoraConfig.from_value(run_config["model"]["lora"]))
+    run = setup(task_cfg(data_dir, "lm", str(workdir), "model.scan_layers=True"), tmp_path / "ft")
+    run.ckpt.close()
+    ours = full_params(run.state)
+    assert run.state.frozen is None                      # no adapters now: everything trains
+    assert not any(p[-1] in ("lora_a", "lora_b") for p in flat(ours))
+    np.testing.assert_array_equal(ours["h"]["mlp"]["wi"]["kernel"][1],       # scanned now
+                                  merged["h_1"]["mlp"]["wi"]["kernel"])
+    np.testing.assert_array_equal(ours["wte"]["embedding"], params["wte"]["embedding"])
+
+
+# ----------------------------------------------------------------------------- the CLI
+
+def test_cli_init_from_with_the_checkpoints_tokenizer_then_export(data_dir, tmp_path):
+    """``train --init-from`` an HF GPT-2 directory with its own BPE tokenizer (LoRA), then
+    ``export --merge``: the run tokenizes with ``hf:DIR`` (the ids AutoTokenizer gives), the
+    export carries the tokenizer files, and AutoModel/AutoTokenizer reproduce our logits on
+    the same text."""
+    hf_dir = tmp_path / "hf"
+    gpt2_dir(hf_dir)                                   # tokenizer (701 ids) + a config
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    gpt2_model(vocab_size=len(tokenizer), n_positions=64).save_pretrained(hf_dir)
+    run, out = tmp_path / "run", tmp_path / "out"
+    code, stdout, lines = cli("train", "--init-from", str(hf_dir), "--workdir", str(run),
+                              "--no-progress", *(f"--set={o}" for o in SHORT),
+                              f"--set=data_dir={data_dir}", "--set=lora.rank=4",
+                              "--set=learning_rate=1e-2", "--set=schedule=constant")
+    assert code == 0, lines
+    assert lines == [f"warning: --init-from {hf_dir}: the model is the checkpoint's (gpt); the "
+                     "experiment's model settings num_layers=4 (checkpoint: 2), d_model=128 "
+                     "(checkpoint: 64), max_len=256 (checkpoint: 64) do not apply"]
+    arrays = len(flat(from_hf(hf_dir)[1]))               # every one of them
+    assert f"init-from {hf_dir} (hf, gpt): {arrays} parameter arrays loaded\n" in stdout
+    saved = json.loads((run / "config.json").read_text())
+    assert saved["experiment"]["tokenizer"] == f"hf:{hf_dir}"
+    assert saved["model"]["vocab_size"] == len(tokenizer) and saved["model"]["lora"]["rank"] == 4
+    code, stdout, lines = cli("export", "--workdir", str(run), "--out", str(out), "--merge")
+    assert code == 0 and lines == [], lines
+    assert {"tokenizer.json", "tokenizer_config.json", "model.safetensors",
+            "config.json"} <= set(json.loads(stdout)["files"])
+    exported = transformers.AutoTokenizer.from_pretrained(out)
+    text = "def f(x):\n    return x + 1\n"
+    ids = exported(text)["input_ids"]
+    _, _, _, task = load_run(run)
+    assert ids == tokenizer(text)["input_ids"] == task.tokenizer.encode(text)
+    model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        theirs = model(torch.tensor([ids])).logits.numpy()
+    np.testing.assert_allclose(_ours(run, (jnp.asarray([ids]),)), theirs, rtol=0, atol=EXPORT_ATOL)
+    code, _, lines = cli("export", "--workdir", str(run), "--out", str(tmp_path / "x"))
+    assert code == 2 and lines == ["error: this run trained LoRA adapters: export them with "
+                                   "--format peft, or the merged model with --format hf --merge"]
+
+
+def test_qlora_on_llama_trains_over_an_nf4_base_and_exports_merged(data_dir, tmp_path):
+    """QLoRA on a Llama (RoPE, RMSNorm, SwiGLU, 2 kv heads of 4): the frozen block kernels
+    are stored NF4 (4-bit codes, absmax per 64 values), the adapters train, and the merged
+    export (base read back + adapters folded in) reproduces our logits in HF's Llama."""
+    hf_dir = tmp_path / "llama"
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)).save_pretrained(hf_dir)
+    cfg = task_cfg(data_dir, "lm", str(hf_dir), "lora.rank=4", "lora.targets=attn/|mlp/",
+                   "lora.quantize=nf4", "steps=3", "learning_rate=1e-2")
+    train(cfg, tmp_path / "run", progress=False)
+    _, model, params, _ = load_run(tmp_path / "run")
+    stored = flat(params)
+    query = ("h_0", "self_attn", "query")
+    assert ("kernel" not in params["h_0"]["self_attn"]["query"]
+            and stored[query + ("kernel_q",)].dtype == np.uint8
+            and stored[query + ("kernel_q",)].size == 64 * 64 // 2)      # two codes a byte
+    assert stored[("lm_head", "kernel")].dtype == np.float32             # the head stays fp32
+    assert np.abs(np.asarray(stored[query + ("lora_b",)])).max() > 0
+    export(str(tmp_path / "run"), str(tmp_path / "out"), merge=True)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(hf).__name__ == "LlamaForCausalLM"
+    inputs, theirs = _hf_logits(hf, "lm", np.random.default_rng(3))
+    np.testing.assert_allclose(_ours(tmp_path / "run", inputs), theirs, rtol=0, atol=EXPORT_ATOL)
+
+
+def test_prefix_tuning_run_exports_a_peft_prefix(data_dir, hf_dirs, tmp_path):
+    """Prefix tuning (8 learned keys/values per layer) over the HF GPT-2: only the prefix
+    trains, and its PEFT export over the HF base reproduces our logits."""
+    cfg = task_cfg(data_dir, "lm", hf_dirs["gpt2"], "model.prefix_tokens=8", "steps=2",
+                   "learning_rate=1e-2")
+    probe = setup(cfg, tmp_path / "probe")
+    probe.ckpt.close()
+    assert {p[-1] for p in flat(probe.state.params)} == {"prefix_key", "prefix_value"}
+    train(cfg, tmp_path / "run", progress=False)
+    with pytest.raises(UserError, match="export it with --format peft"):
+        export(str(tmp_path / "run"), str(tmp_path / "hf"))
+    export(str(tmp_path / "run"), str(tmp_path / "out"), fmt="peft")
+    model = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(hf_dirs["gpt2"]), tmp_path / "out")
+    inputs, theirs = _hf_logits(model.eval(), "lm", np.random.default_rng(4))
+    np.testing.assert_allclose(_ours(tmp_path / "run", inputs), theirs, rtol=0, atol=EXPORT_ATOL)

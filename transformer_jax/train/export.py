@@ -1,0 +1,179 @@
+"""``transformer-jax export``: a trained run as a Hugging Face directory, or its adapter as
+a PEFT directory.
+
+  --format hf    ``model.safetensors`` + ``config.json`` + the tokenizer files: what
+                 ``AutoModel*.from_pretrained(DIR)`` loads (GPT-2 or Llama, BERT with the
+                 run's head, T5, ViT). A LoRA run needs ``--merge`` (the adapters folded
+                 into the kernels); a QLoRA run's base is read back from its quantized form.
+  --format peft  ``adapter_model.safetensors`` + ``adapter_config.json`` (LoRA, or prefix
+                 tuning): ``peft.PeftModel.from_pretrained(base, DIR)`` loads it over the
+                 base the run started from (``base_model_name_or_path``: its ``--init-from``).
+
+Tokenizer files: an ``hf:DIR`` tokenizer's own files are copied; the byte tokenizer is
+written as HF's ``ByT5Tokenizer`` (the same ids: pad 0, eos 1, unk 2, byte b -> b + 3) with
+BERT's [CLS]/[SEP]/[MASK] added after it where the run has them; a SentencePiece model as
+``spiece.model`` for ``T5Tokenizer`` (no extra ids). Nothing is written when the run is
+refused; the directory is filled in a temporary sibling and renamed into place.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from typing import Any
+
+import numpy as np
+
+from ..errors import UserError
+
+FORMATS = ("hf", "peft")
+
+#: HF files that make up a tokenizer (copied from an ``hf:DIR`` tokenizer)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "added_tokens.json", "vocab.txt", "vocab.json", "merges.txt", "spiece.model",
+                   "tokenizer.model")
+
+
+def hf_architecture(config: Any) -> str:
+    """The ``transformers`` class a model config exports as (``config.json``'s architectures)."""
+    from ..interop.registry import family_for_config
+
+    family = family_for_config(config).name
+    if family == "bert":
+        return {"mlm": "BertForMaskedLM", "pretraining": "BertForPreTraining",
+                "classification": "BertForSequenceClassification", "base": "BertModel"}[config.head]
+    if family == "vit":
+        return "ViTForImageClassification" if config.num_classes else "ViTModel"
+    return {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
+            "t5": "T5ForConditionalGeneration"}[family]
+
+
+def _unique_arrays(state_dict: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Tied entries (the same array under two keys, e.g. a tied LM head) written once, under
+    the first key: what ``save_pretrained`` does."""
+    seen, out = set(), {}
+    for key, array in state_dict.items():
+        if id(array) not in seen:
+            seen.add(id(array))
+            out[key] = np.ascontiguousarray(array)
+    return out
+
+
+def write_hf(module: Any, params: Any, out_dir: str, *, extra_config: dict | None = None) -> None:
+    """``module`` + plain params (no adapters, no quantized kernels) as an HF directory:
+    ``model.safetensors`` and ``config.json``."""
+    from safetensors.numpy import save_file
+
+    from ..interop.hf import hf_config, to_hf_numpy
+
+    arrays = _unique_arrays(to_hf_numpy(module, params))
+    save_file(arrays, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    config = hf_config(module.config, **(extra_config or {}))
+    config.architectures = [hf_architecture(module.config)]
+    config.save_pretrained(out_dir)
+
+
+def write_tokenizer(spec: str | None, out_dir: str, extra_specials: list[str] = ()) -> list[str]:
+    """The tokenizer files for the run's tokenizer ``spec``; returns the names written."""
+    written = []
+    if isinstance(spec, str) and spec.startswith("hf:"):
+        source = spec[3:]
+        for name in TOKENIZER_FILES:
+            if os.path.isfile(os.path.join(source, name)):
+                shutil.copyfile(os.path.join(source, name), os.path.join(out_dir, name))
+                written.append(name)
+        return written
+    if spec in (None, "byte", "bytes", "byt5"):
+        config = {"tokenizer_class": "ByT5Tokenizer", "extra_ids": 0, "eos_token": "</s>",
+                  "pad_token": "<pad>", "unk_token": "<unk>"}
+        if extra_specials:
+            config["additional_special_tokens"] = list(extra_specials)
+    else:
+        path = spec.split(":", 1)[1] if spec.split(":", 1)[0] in ("sentencepiece", "spm") else spec
+        from .. import storage
+        with open(os.path.join(out_dir, "spiece.model"), "wb") as f:
+            f.write(storage.read_bytes(path))
+        written.append("spiece.model")
+        config = {"tokenizer_class": "T5Tokenizer", "extra_ids": 0, "eos_token": "</s>",
+                  "pad_token": "<pad>", "unk_token": "<unk>"}
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+    return written + ["tokenizer_config.json"]
+
+
+def _mlm_specials(task: Any) -> list[str]:
+    """[CLS]/[SEP]/[MASK] of a BERT task whose byte tokenizer got them appended, in id order."""
+    vocab = getattr(task, "vocab", None)
+    if vocab is None or getattr(vocab, "base_size", None) is None:
+        return []
+    ids = {"[CLS]": vocab.cls_id, "[SEP]": vocab.sep_id, "[MASK]": vocab.mask_id}
+    appended = sorted((i, name) for name, i in ids.items() if i >= vocab.base_size)
+    return [name for _, name in appended]
+
+
+def export(workdir: str, out_dir: str, *, fmt: str = "hf", merge: bool = False) -> dict:
+    """Export the latest checkpoint of ``workdir`` to ``out_dir`` (see the module docstring);
+    returns a summary (the files written, the architecture)."""
+    from ..layers import lora as lora_lib
+    from .loop import load_run
+
+    if fmt not in FORMATS:
+        raise UserError(f"--format {fmt!r} is unknown; choose one of {list(FORMATS)}")
+    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
+        raise UserError(f"--out {out_dir} exists and is not an empty directory; choose a new one")
+    run_config, model, params, task = load_run(workdir)
+    config = model.config
+    lora = getattr(config, "lora", None)
+    prefix = getattr(config, "prefix_tokens", 0)
+    if lora is not None and lora.quantize is not None:
+        from ..layers import quant
+        params = quant.dequantize_params(params)
+    base = (run_config.get("init_from") or {}).get("path")
+    parent = os.path.dirname(os.path.abspath(out_dir)) or "."
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".export-", dir=parent)
+    try:
+        if fmt == "peft":
+            if merge:
+                raise UserError("--merge folds the adapters into the model: use it with "
+                                "--format hf; --format peft writes the adapter alone")
+            if lora is not None:
+                from ..interop.peft import to_peft
+                to_peft(model, params, staging, base_model_name_or_path=base)
+            elif prefix:
+                from ..interop.peft_prefix import prefix_to_peft
+                prefix_to_peft(model, params, staging, base_model_name_or_path=base)
+            else:
+                raise UserError(f"{workdir} trained no adapters (no model.lora, no "
+                                "model.prefix_tokens); export it with --format hf")
+            architecture = None
+        else:
+            if prefix:
+                raise UserError("a prefix-tuning run has no Hugging Face model form (the prefix "
+                                "is not a weight of the HF class): export it with --format peft")
+            if lora is not None:
+                if not merge:
+                    raise UserError("this run trained LoRA adapters: export them with --format "
+                                    "peft, or the merged model with --format hf --merge")
+                params = lora_lib.merge(params, lora)
+                _, model = _plain_model(run_config, config)
+            write_hf(model, params, staging)
+            architecture = hf_architecture(model.config)
+        write_tokenizer(task.spec().get("tokenizer"), staging, _mlm_specials(task))
+        files = sorted(os.listdir(staging))
+        if os.path.isdir(out_dir):
+            os.rmdir(out_dir)
+        os.rename(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return {"out": out_dir, "format": fmt, "files": files, "architecture": architecture,
+            "merged": bool(merge and lora is not None)}
+
+
+def _plain_model(run_config: dict, config: Any):
+    """The run's model without adapters (what merged params fit)."""
+    from ..models import model_from_config
+
+    return model_from_config(run_config["family"], config.replace(lora=None).to_dict())

@@ -1,0 +1,322 @@
+"""Fine-tuning: a run that starts from pretrained weights (``--init-from DIR``) and trains
+all of them, or only adapters over a frozen base (LoRA, QLoRA, prefix tuning).
+
+``DIR`` is a Hugging Face ``save_pretrained`` directory (``config.json`` with a
+``model_type``: GPT-2, Llama, BERT, T5, ViT; read by :func:`~transformer_jax.interop.from_hf`)
+or a transformer_jax workdir (its latest checkpoint). The run then:
+
+* takes the model config from ``DIR`` (:func:`resolve`): the experiment's model settings
+  apply only where training may change them (:data:`CHANGEABLE`: dropout, dtypes, remat,
+  layer scan, attention implementation, cpu tuning, LoRA, prefix tokens) and where the task
+  decides (:data:`HEAD_FIELDS`: BERT's head and classes, ViT's classes, channels and image
+  size); other settings that differ from ``DIR``'s are reported once and not used;
+* uses ``DIR``'s tokenizer when the experiment asks for the default byte tokenizer
+  (``hf:DIR`` for an HF directory with tokenizer files; a workdir's own tokenizer);
+* loads every parameter whose path and shape the new model shares (:class:`Start`); a task
+  head that differs (another number of classes, a classifier on an MLM checkpoint) is
+  initialised fresh, and the run says which leaves;
+* records where it started: ``config.json``'s ``init_from`` holds the path, the kind and a
+  SHA-256 digest of the loaded weights.
+
+With ``model.lora`` (``--set lora.rank=8``) or ``model.prefix_tokens`` only the adapters and
+the freshly initialised head train (:class:`ParamSplit`): they alone get gradients and
+optimizer state, and the rest is ``TrainState.frozen`` (stored quantized with
+``lora.quantize``: int8 or NF4, QLoRA).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..errors import UserError
+from ..layers import lora as lora_lib
+from ..layers.stack import convert_layout
+from ..models import FAMILIES
+from .step import combine, split_tree
+
+#: model fields a fine-tuning run may set on top of the checkpoint's config (they change
+#: how the same weights train or run, not which weights there are)
+CHANGEABLE = frozenset({"dropout_rate", "attention_dropout_rate", "classifier_dropout_rate",
+                        "dtype", "param_dtype", "remat", "remat_policy", "scan_layers",
+                        "attention_impl", "cpu_tuning", "lora", "prefix_tokens"})
+
+#: per family, the model fields the task decides (its head, its inputs); parameters they
+#: shape are loaded when their shapes agree and initialised fresh otherwise
+HEAD_FIELDS = {"bert": frozenset({"head", "num_classes"}),
+               "vit": frozenset({"num_classes", "num_channels", "image_size"}),
+               "gpt": frozenset(), "t5": frozenset(), "transformer": frozenset()}
+
+#: parameter leaves that are adapters: they train, and are new in a fine-tuning run
+ADAPTER_LEAVES = frozenset(lora_lib.ADAPTER_NAMES) | {"prefix_key", "prefix_value"}
+
+_TOKENIZER_FILES = ("tokenizer.json", "spiece.model", "tokenizer.model")
+
+
+def _family_of(config: Any) -> str:
+    for name, (config_cls, _) in FAMILIES.items():
+        if type(config) is config_cls:
+            return name
+    raise UserError(f"no model family for a {type(config).__name__}")
+
+
+@dataclasses.dataclass
+class Source:
+    """Pretrained weights: where from, the family, its model config and its parameters
+    (unscanned, numpy, adapters merged and quantized kernels read back)."""
+    path: str
+    kind: str                       # "hf" or "workdir"
+    family: str
+    model_config: dict
+    params: dict
+    tokenizer: str | None           # the tokenizer spec that goes with the weights
+
+    def digest(self) -> str:
+        """SHA-256 over every parameter's path, shape, dtype and bytes (sorted by path)."""
+        h = hashlib.sha256()
+        for path, leaf in sorted(_flat(self.params).items()):
+            array = np.ascontiguousarray(np.asarray(leaf))
+            h.update("/".join(path).encode())
+            h.update(f"{array.shape}{array.dtype}".encode())
+            h.update(array.tobytes())
+        return h.hexdigest()
+
+
+def _flat(tree: dict, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, prefix + (str(key),)))
+        else:
+            out[prefix + (str(key),)] = value
+    return out
+
+
+def _unflat(flat: dict[tuple[str, ...], Any]) -> dict:
+    tree: dict = {}
+    for path, leaf in flat.items():
+        node = tree
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = leaf
+    return tree
+
+
+def load_source(path: str | os.PathLike) -> Source:
+    """The weights of an HF ``save_pretrained`` directory or a transformer_jax workdir."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise UserError(f"--init-from {path!r} is not a directory; give a Hugging Face "
+                        "save_pretrained directory or the --workdir of a transformer_jax run")
+    config_path = os.path.join(path, "config.json")
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            config = json.load(f)
+    except OSError:
+        raise UserError(f"--init-from {path!r} has no config.json; give a Hugging Face "
+                        "save_pretrained directory or the --workdir of a transformer_jax run "
+                        "(that saved a checkpoint)") from None
+    except ValueError as e:
+        raise UserError(f"{config_path}: not valid JSON ({e})") from None
+    if isinstance(config, dict) and "model_type" in config:
+        return _hf_source(path)
+    if isinstance(config, dict) and "family" in config and "model" in config:
+        return _workdir_source(path)
+    raise UserError(f"{config_path} is neither a Hugging Face config (no \"model_type\") nor a "
+                    "transformer_jax run config (no \"family\"); --init-from takes one of those")
+
+
+def _hf_source(path: str) -> Source:
+    from ..interop.hf import from_hf          # loads the converters only when asked
+
+    module, params = from_hf(path)
+    tokenizer = f"hf:{path}" if any(os.path.isfile(os.path.join(path, name))
+                                    for name in _TOKENIZER_FILES) else None
+    config = module.config.replace(lora=None) if module.config.lora is not None else module.config
+    params = jax.tree_util.tree_map(np.asarray, params)
+    if module.config.lora is not None:
+        params = jax.tree_util.tree_map(np.asarray, lora_lib.merge(params, module.config.lora))
+    return Source(path=path, kind="hf", family=_family_of(config), model_config=config.to_dict(),
+                  params=params, tokenizer=tokenizer)
+
+
+def _workdir_source(path: str) -> Source:
+    from .checkpoint import load_params
+
+    run_config, params = load_params(path)
+    family = run_config["family"]
+    config = FAMILIES[family][0].from_dict(run_config["model"])
+    if config.lora is not None:       # a fine-tuning run: its base read back, adapters merged
+        if config.lora.quantize is not None:
+            from ..layers import quant
+            params = quant.dequantize_params(params)
+        params = lora_lib.merge(params, config.lora)
+    params = convert_layout(params, config.layer_stacks, scanned=False)
+    model_config = config.replace(lora=None, scan_layers=False).to_dict()
+    if "prefix_tokens" in model_config:
+        model_config["prefix_tokens"] = 0
+    params = {k: v for k, v in _flat(params).items() if k[-1] not in ADAPTER_LEAVES}
+    tokenizer = (run_config.get("task_spec") or {}).get("tokenizer")
+    return Source(path=path, kind="workdir", family=family, model_config=model_config,
+                  params=jax.tree_util.tree_map(np.asarray, _unflat(params)),
+                  tokenizer=tokenizer if isinstance(tokenizer, str) else None)
+
+
+# ----------------------------------------------------------------------------- the config
+
+def resolve(cfg, source: Source, *, say=None):
+    """``cfg`` (an ExperimentConfig) with the model and tokenizer of ``source``: see the
+    module docstring. ``say`` gets one line naming the experiment's model settings that do
+    not apply (architecture fields that differ from the checkpoint's)."""
+    family = source.family
+    config_cls = FAMILIES[family][0]
+    heads = HEAD_FIELDS[family]
+    base = {k: v for k, v in source.model_config.items() if k not in heads}
+    same_family = cfg.model == family
+    ignored = []
+    for key, value in cfg.model_overrides.items():
+        if key in CHANGEABLE or key in heads:
+            base[key] = value
+        elif same_family and base.get(key, value) != value:
+            ignored.append(f"{key}={value!r} (checkpoint: {base[key]!r})")
+    if not same_family and cfg.model_overrides:
+        changed = sorted(k for k in cfg.model_overrides if k not in CHANGEABLE and k not in heads)
+        ignored += [f"{k}={cfg.model_overrides[k]!r}" for k in changed]
+    if ignored and say is not None:
+        say(f"--init-from {source.path}: the model is the checkpoint's ({family}); the "
+            f"experiment's model settings {', '.join(ignored)} do not apply")
+    preset = cfg.model_preset if cfg.model_preset in config_cls.PRESETS else sorted(
+        config_cls.PRESETS)[0]
+    tokenizer = cfg.tokenizer
+    if tokenizer == "byte" and source.tokenizer is not None:
+        tokenizer = source.tokenizer
+    return cfg.replace(model=family, model_preset=preset, model_overrides=base,
+                       tokenizer=tokenizer)
+
+
+# ----------------------------------------------------------------------------- the weights
+
+@dataclasses.dataclass
+class Start:
+    """How a fresh parameter tree (``abstract``: the new model's, in its layout) takes the
+    source's weights: which leaves load, which start fresh, which are dropped."""
+    source: Source
+    model_config: Any
+    loaded: dict[tuple[str, ...], np.ndarray]      # path (new layout) -> array
+    fresh: list[tuple[str, ...]]                   # new leaves the source lacks or mis-shapes
+    dropped: list[tuple[str, ...]]                 # source leaves the new model lacks
+
+    @classmethod
+    def plan(cls, source: Source, model_config: Any, abstract: dict) -> "Start":
+        params = source.params
+        old = FAMILIES[source.family][0].from_dict(source.model_config)
+        if source.family == "vit" and old.image_size != model_config.image_size:
+            from ..models.vit import resize_params    # the position table, interpolated
+            old, params = resize_params(params, old, model_config.image_size)
+        params = convert_layout(params, old.layer_stacks, scanned=model_config.scan_layers)
+        theirs = _flat(params)
+        mine = {path: tuple(leaf.shape) for path, leaf in _flat(abstract).items()}
+        loaded = {p: np.asarray(a) for p, a in theirs.items()
+                  if p in mine and tuple(np.shape(a)) == mine[p]}
+        fresh = sorted(p for p in mine if p not in loaded)
+        dropped = sorted(p for p in theirs if p not in mine)
+        return cls(source=source, model_config=model_config, loaded=loaded, fresh=fresh,
+                   dropped=dropped)
+
+    @property
+    def fresh_head(self) -> list[tuple[str, ...]]:
+        """The fresh leaves that are not adapters (a new task head)."""
+        return [p for p in self.fresh if p[-1] not in ADAPTER_LEAVES]
+
+    def describe(self) -> str:
+        """One line for the start of the run."""
+        def names(paths):
+            shown = sorted({"/".join(p[:-1]) or p[-1] for p in paths})
+            return ", ".join(shown[:6]) + (f" and {len(shown) - 6} more" if len(shown) > 6 else "")
+        text = (f"init-from {self.source.path} ({self.source.kind}, {self.source.family}): "
+                f"{len(self.loaded)} parameter arrays loaded")
+        if self.fresh_head:
+            text += f"; initialised fresh (not in the checkpoint, or shaped differently): {names(self.fresh_head)}"
+        if self.dropped:
+            text += f"; not used: {names(self.dropped)}"
+        return text
+
+    def check(self) -> None:
+        """Refuse a start that loads nothing of the model's body."""
+        if not self.loaded:
+            raise UserError(f"--init-from {self.source.path}: none of its parameters fit this "
+                            "model (paths or shapes differ everywhere); is it the same family "
+                            "and size?")
+
+    def fill(self, params: dict) -> dict:
+        """``params`` (a fresh init, whole) with every loaded leaf put in (its dtype kept)."""
+        flat = _flat(params)
+        for path, array in self.loaded.items():
+            flat[path] = jnp.asarray(array, flat[path].dtype)
+        return _unflat(flat)
+
+    def record(self) -> dict:
+        """What ``config.json`` keeps of the start: path, kind, digest, fresh leaves."""
+        return {"path": self.source.path, "kind": self.source.kind,
+                "family": self.source.family, "sha256": self.source.digest(),
+                "fresh": ["/".join(p) for p in self.fresh_head]}
+
+
+# ----------------------------------------------------------------------------- adapters
+
+def adapted(model_config: Any) -> bool:
+    """Whether the model trains adapters over a frozen base (LoRA or prefix tuning)."""
+    return getattr(model_config, "lora", None) is not None or getattr(
+        model_config, "prefix_tokens", 0) > 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSplit:
+    """What trains in an adapter run: the adapter leaves and the ``head`` leaves (a task
+    head initialised fresh); the rest is frozen, stored quantized with ``lora.quantize``."""
+    head: frozenset = frozenset()
+    lora: Any = None
+
+    def trains(self, path: tuple[str, ...]) -> bool:
+        return path[-1] in ADAPTER_LEAVES or path in self.head
+
+    def split(self, params: dict) -> tuple[dict, dict]:
+        trainable, frozen = split_tree(params, self.trains)
+        if self.lora is not None and self.lora.quantize is not None:
+            from ..layers import quant
+            frozen = quant.quantize_params(frozen, self.lora)
+        return trainable, frozen
+
+    def join(self, trainable: dict, frozen: dict) -> dict:
+        """The whole tree, quantized kernels read back (fp32): what ``split`` took apart."""
+        if self.lora is not None and self.lora.quantize is not None:
+            from ..layers import quant
+            frozen = quant.dequantize_params(frozen)
+        return combine(trainable, frozen)
+
+
+def make_split(model_config: Any, start: Start | None) -> ParamSplit | None:
+    """The run's :class:`ParamSplit`, or None when every parameter trains."""
+    if not adapted(model_config):
+        return None
+    head = frozenset(start.fresh_head) if start is not None else frozenset()
+    return ParamSplit(head=head, lora=getattr(model_config, "lora", None))
+
+
+def say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def tokenizer_dir(spec: str | None) -> Path | None:
+    """The directory of an ``hf:DIR`` tokenizer spec, else None."""
+    if isinstance(spec, str) and spec.startswith("hf:"):
+        return Path(spec[3:])
+    return None
