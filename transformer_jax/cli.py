@@ -102,7 +102,9 @@ def _train(args) -> int:
     workdir = args.workdir or os.path.join("runs", cfg.name)
     if main:
         dataset = cfg.dataset if isinstance(cfg.dataset, str) else f"{len(cfg.dataset)} documents"
-        print(f"training {cfg.name}: {cfg.model}/{cfg.model_preset} on {dataset}, {cfg.steps} steps "
+        model = (f"{cfg.model}/{cfg.model_preset}" if cfg.init_from is None
+                 else f"the model of {cfg.init_from}")
+        print(f"training {cfg.name}: {model} on {dataset}, {cfg.steps} steps "
               f"-> {workdir}", flush=True)
     summary = train(cfg, workdir, resume=args.resume, progress=not args.no_progress,
                     resume_from=args.resume_from)

@@ -99,23 +99,26 @@ def _ours(workdir, inputs):
     # a classifier from an MLM checkpoint: HF's MLM model has no pooler either
     ("classify", "bert-mlm", {"bert/pooler", "classifier"}, "AutoModelForSequenceClassification"),
     ("seq2seq", "t5", set(), "AutoModelForSeq2SeqLM"),
-    ("image", "vit", {"head"}, "AutoModelForImageClassification"),   # 5 classes there, 10 here
+    # 5 classes there, 10 here; LoRA: the new head trains with the adapters
+    ("image", "vit", {"head"}, "AutoModelForImageClassification"),
 ])
 def test_init_from_hf_then_export(data_dir, hf_dirs, tmp_path, capsys, kind, source, fresh, auto):
     """One training step from an HF directory: every shared weight came from it (within the
-    one step's reach), the others are the task's fresh head, the start is recorded; then the
-    export loads strictly into ``AutoModel*`` and reproduces our logits."""
+    one step's reach; untouched under LoRA), the others are the task's fresh head, the start
+    is recorded; then the export loads strictly into ``AutoModel*`` and reproduces our
+    logits (ViT with LoRA: merged, and as a PEFT adapter that carries the new head)."""
     run_dir, out = tmp_path / "run", tmp_path / "out"
+    lora = ["lora.rank=4"] if kind == "image" else []
     train(task_cfg(data_dir, kind, hf_dirs[source], "steps=1", f"learning_rate={LR}",
-                   "schedule=constant", "warmup_steps=0"), run_dir)
+                   "schedule=constant", "warmup_steps=0", *lora), run_dir)
     said = capsys.readouterr().out
     _, _, trained, _ = load_run(run_dir)
     _, pretrained = from_hf(hf_dirs[source])
     ours, theirs = flat(trained), flat(jax.tree_util.tree_map(np.asarray, pretrained))
     loaded = {p for p in ours if p in theirs and ours[p].shape == theirs[p].shape}
     moved = max(float(np.abs(np.asarray(ours[p]) - theirs[p]).max()) for p in loaded)
-    assert 0 < moved <= 1.5 * LR
-    assert {"/".join(p[:-1]) for p in ours if p not in loaded} == fresh
+    assert (moved == 0) if lora else (0 < moved <= 1.5 * LR)
+    assert {"/".join(p[:-1]) for p in ours if p not in loaded and p[-1] not in ("lora_a", "lora_b")} == fresh
     record = json.loads((run_dir / "config.json").read_text())["init_from"]
     assert record["path"] == hf_dirs[source] and record["kind"] == "hf"
     assert record["sha256"] == finetune.load_source(hf_dirs[source]).digest()
@@ -123,12 +126,19 @@ def test_init_from_hf_then_export(data_dir, hf_dirs, tmp_path, capsys, kind, sou
     assert f"init-from {hf_dirs[source]} (hf, " in said
     assert ("initialised fresh" in said) == bool(fresh)
 
-    summary = export(str(run_dir), str(out))
+    summary = export(str(run_dir), str(out), merge=bool(lora))
     assert {"model.safetensors", "config.json"} <= set(summary["files"])
     model, info = getattr(transformers, auto).from_pretrained(out, output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
     inputs, theirs_logits = _hf_logits(model.eval(), kind, np.random.default_rng(0))
     np.testing.assert_allclose(_ours(run_dir, inputs), theirs_logits, rtol=0, atol=EXPORT_ATOL)
+    if lora:                      # the adapter and the trained head, over the HF base
+        export(str(run_dir), str(tmp_path / "peft"), fmt="peft")
+        adapted = peft.PeftModel.from_pretrained(getattr(transformers, auto).from_pretrained(
+            hf_dirs[source], num_labels=10, ignore_mismatched_sizes=True), tmp_path / "peft")
+        inputs, theirs_logits = _hf_logits(adapted.eval(), kind, np.random.default_rng(0))
+        np.testing.assert_allclose(_ours(run_dir, inputs), theirs_logits, rtol=0,
+                                   atol=EXPORT_ATOL)
     if kind != "image":           # the byte tokenizer as HF's ByT5Tokenizer: the same ids
         tokenizer = transformers.AutoTokenizer.from_pretrained(out)
         _, _, _, task = load_run(run_dir)
@@ -255,6 +265,12 @@ def test_cli_init_from_with_the_checkpoints_tokenizer_then_export(data_dir, tmp_
     with torch.no_grad():
         theirs = model(torch.tensor([ids])).logits.numpy()
     np.testing.assert_allclose(_ours(run, (jnp.asarray([ids]),)), theirs, rtol=0, atol=EXPORT_ATOL)
+    code, _, lines = cli("train", "--workdir", str(run), "--resume", "--no-progress",   # one step more
+                         *(f"--set={o}" for o in SHORT), f"--set=data_dir={data_dir}",
+                         "--set=learning_rate=1e-2", "--set=schedule=constant", "--steps=3")
+    assert code == 0 and lines == [], lines        # no --init-from, no lora.*: from config.json
+    assert json.loads((run / "config.json").read_text())["init_from"] == saved["init_from"]
+    assert (run / "checkpoints" / "3").is_dir()
     code, _, lines = cli("export", "--workdir", str(run), "--out", str(tmp_path / "x"))
     assert code == 2 and lines == ["error: this run trained LoRA adapters: export them with "
                                    "--format peft, or the merged model with --format hf --merge"]

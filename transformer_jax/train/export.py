@@ -140,7 +140,8 @@ def export(workdir: str, out_dir: str, *, fmt: str = "hf", merge: bool = False) 
                                 "--format hf; --format peft writes the adapter alone")
             if lora is not None:
                 from ..interop.peft import to_peft
-                to_peft(model, params, staging, base_model_name_or_path=base)
+                to_peft(model, params, staging, base_model_name_or_path=base,
+                        modules_to_save=_trained_heads(model, run_config))
             elif prefix:
                 from ..interop.peft_prefix import prefix_to_peft
                 prefix_to_peft(model, params, staging, base_model_name_or_path=base)
@@ -160,7 +161,8 @@ def export(workdir: str, out_dir: str, *, fmt: str = "hf", merge: bool = False) 
                 _, model = _plain_model(run_config, config)
             write_hf(model, params, staging)
             architecture = hf_architecture(model.config)
-        write_tokenizer(task.spec().get("tokenizer"), staging, _mlm_specials(task))
+        if "tokenizer" in task.spec():          # text tasks (an image task has none)
+            write_tokenizer(task.spec()["tokenizer"], staging, _mlm_specials(task))
         files = sorted(os.listdir(staging))
         if os.path.isdir(out_dir):
             os.rmdir(out_dir)
@@ -170,6 +172,20 @@ def export(workdir: str, out_dir: str, *, fmt: str = "hf", merge: bool = False) 
         raise
     return {"out": out_dir, "format": fmt, "files": files, "architecture": architecture,
             "merged": bool(merge and lora is not None)}
+
+
+def _trained_heads(model: Any, run_config: dict) -> list[str] | None:
+    """The HF modules of the task head an adapter run trained along (``config.json``'s
+    ``init_from.fresh``: a new classifier, a pooler the checkpoint lacked), which the PEFT
+    adapter then carries whole (``modules_to_save``); None: the default (no record)."""
+    fresh = (run_config.get("init_from") or {}).get("fresh")
+    if not fresh:
+        return None
+    from ..interop.peft import tensor_maps
+
+    paths = {tuple(p.split("/")) for p in fresh}
+    return sorted({m.key.rsplit(".", 1)[0] for m in tensor_maps(model.config)
+                   if m.constant is None and any(t in paths for t, _ in m.targets)})
 
 
 def _plain_model(run_config: dict, config: Any):

@@ -29,8 +29,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import sys
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -44,19 +42,24 @@ from ..models import FAMILIES
 from .step import combine, split_tree
 
 #: model fields a fine-tuning run may set on top of the checkpoint's config (they change
-#: how the same weights train or run, not which weights there are)
+#: how the same weights train or run, not which weights there are; a ViT's image_size
+#: resizes its position table)
 CHANGEABLE = frozenset({"dropout_rate", "attention_dropout_rate", "classifier_dropout_rate",
                         "dtype", "param_dtype", "remat", "remat_policy", "scan_layers",
-                        "attention_impl", "cpu_tuning", "lora", "prefix_tokens"})
+                        "attention_impl", "cpu_tuning", "lora", "prefix_tokens", "image_size"})
 
 #: per family, the model fields the task decides (its head, its inputs); parameters they
 #: shape are loaded when their shapes agree and initialised fresh otherwise
 HEAD_FIELDS = {"bert": frozenset({"head", "num_classes"}),
-               "vit": frozenset({"num_classes", "num_channels", "image_size"}),
+               "vit": frozenset({"num_classes", "num_channels"}),
                "gpt": frozenset(), "t5": frozenset(), "transformer": frozenset()}
 
 #: parameter leaves that are adapters: they train, and are new in a fine-tuning run
 ADAPTER_LEAVES = frozenset(lora_lib.ADAPTER_NAMES) | {"prefix_key", "prefix_value"}
+
+#: per family, the task heads that train with the adapters when no --init-from says which
+#: leaves are fresh (PEFT's modules_to_save for classification)
+TASK_HEADS = {"bert": ("classifier",), "vit": ("head",)}
 
 _TOKENIZER_FILES = ("tokenizer.json", "spiece.model", "tokenizer.model")
 
@@ -112,7 +115,7 @@ def _unflat(flat: dict[tuple[str, ...], Any]) -> dict:
 
 def load_source(path: str | os.PathLike) -> Source:
     """The weights of an HF ``save_pretrained`` directory or a transformer_jax workdir."""
-    path = os.fspath(path)
+    path = os.path.abspath(os.fspath(path))
     if not os.path.isdir(path):
         raise UserError(f"--init-from {path!r} is not a directory; give a Hugging Face "
                         "save_pretrained directory or the --workdir of a transformer_jax run")
@@ -198,6 +201,11 @@ def resolve(cfg, source: Source, *, say=None):
     tokenizer = cfg.tokenizer
     if tokenizer == "byte" and source.tokenizer is not None:
         tokenizer = source.tokenizer
+    elif (tokenizer == "byte" and source.kind == "hf" and family != "vit"
+          and say is not None):
+        say(f"--init-from {source.path}: no tokenizer files there ({', '.join(_TOKENIZER_FILES)}), "
+            "so the run tokenizes bytes; if the weights were trained with another tokenizer, "
+            "give it as --set tokenizer=hf:DIR (a directory with its tokenizer.json)")
     return cfg.replace(model=family, model_preset=preset, model_overrides=base,
                        tokenizer=tokenizer)
 
@@ -284,9 +292,12 @@ class ParamSplit:
     head initialised fresh); the rest is frozen, stored quantized with ``lora.quantize``."""
     head: frozenset = frozenset()
     lora: Any = None
+    prefixes: bool = False          # ``head`` holds top-level module names, not leaf paths
 
     def trains(self, path: tuple[str, ...]) -> bool:
-        return path[-1] in ADAPTER_LEAVES or path in self.head
+        if path[-1] in ADAPTER_LEAVES:
+            return True
+        return path[0] in self.head if self.prefixes else path in self.head
 
     def split(self, params: dict) -> tuple[dict, dict]:
         trainable, frozen = split_tree(params, self.trains)
@@ -303,20 +314,25 @@ class ParamSplit:
         return combine(trainable, frozen)
 
 
-def make_split(model_config: Any, start: Start | None) -> ParamSplit | None:
-    """The run's :class:`ParamSplit`, or None when every parameter trains."""
+def make_split(model_config: Any, head: Any, family: str) -> ParamSplit | None:
+    """The run's :class:`ParamSplit`, or None when every parameter trains. ``head``: the
+    freshly initialised leaves of an --init-from start (paths or "a/b/c" strings), or None
+    without one: then the family's task head (:data:`TASK_HEADS`) trains."""
     if not adapted(model_config):
         return None
-    head = frozenset(start.fresh_head) if start is not None else frozenset()
-    return ParamSplit(head=head, lora=getattr(model_config, "lora", None))
+    if head is None:
+        names = TASK_HEADS.get(family, ())
+        keep = frozenset(names)
+        return ParamSplit(head=keep, lora=getattr(model_config, "lora", None), prefixes=True)
+    paths = frozenset(tuple(p.split("/")) if isinstance(p, str) else tuple(p) for p in head)
+    return ParamSplit(head=paths, lora=getattr(model_config, "lora", None))
 
 
-def say(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
-def tokenizer_dir(spec: str | None) -> Path | None:
-    """The directory of an ``hf:DIR`` tokenizer spec, else None."""
-    if isinstance(spec, str) and spec.startswith("hf:"):
-        return Path(spec[3:])
-    return None
+def resumed_config(cfg, saved: dict):
+    """``cfg`` with the model, tokenizer and start its run resolved when it began (``saved``:
+    the workdir's config.json): a resumed init-from run needs no --init-from (nor the
+    ``lora.*`` settings) again, and does not re-read its source unless nothing was saved."""
+    experiment = saved["experiment"]
+    return cfg.replace(model=experiment["model"], model_preset=experiment["model_preset"],
+                       model_overrides=experiment["model_overrides"],
+                       tokenizer=experiment["tokenizer"], init_from=experiment["init_from"])

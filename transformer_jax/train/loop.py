@@ -309,8 +309,10 @@ def setup(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
     resume = resume or resume_from is not None
     storage.check_workdir(workdir)
     make_schedule(cfg.schedule, **cfg.schedule_kwargs(d_model=1))   # refuses e.g. warmup >= steps early
-    source = None
-    if cfg.init_from is not None:      # the model and tokenizer of the pretrained weights
+    source, saved = None, _saved_run_config(workdir) if resume else None
+    if saved is not None and saved.get("init_from"):
+        cfg = finetune.resumed_config(cfg, saved)   # as the run resolved them when it started
+    elif cfg.init_from is not None:    # the model and tokenizer of the pretrained weights
         source = finetune.load_source(cfg.init_from)
         cfg = finetune.resolve(cfg, source, say=_warn)
     placement = make_placement(cfg.parallelism, cfg.mesh, cfg.batch_size, cfg.accum_steps)
@@ -329,13 +331,17 @@ def setup(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
                           "transformer_jax:data")
     rng = jax.random.PRNGKey(cfg.seed)
     init_args = task.init_args()
-    pretrained = None
+    pretrained, head = None, None
     if source is not None:
         abstract = jax.eval_shape(lambda: nn.meta.unbox(model.init(rng, *init_args)["params"]))
         pretrained = finetune.Start.plan(source, model_cfg, abstract)
         pretrained.check()
         run_config["init_from"] = pretrained.record()
-    split = finetune.make_split(model_cfg, pretrained)
+        head = pretrained.fresh_head
+    elif cfg.init_from is not None:    # resumed: the start its config.json recorded
+        run_config["init_from"] = saved["init_from"]
+        head = saved["init_from"]["fresh"]
+    split = finetune.make_split(model_cfg, head, cfg.model)
     create_state = lambda: create_train_state(  # noqa: E731
         model, tx, rng, *init_args, loss_scale=loss_scale,
         partition=None if split is None else split.split)
@@ -356,6 +362,10 @@ def setup(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
         _describe_placement(placement)
     if restored is None:
         adjust = task.init_params
+        if pretrained is None and cfg.init_from is not None:   # resumed, but nothing saved yet
+            abstract = jax.eval_shape(lambda: nn.meta.unbox(model.init(rng, *init_args)["params"]))
+            pretrained = finetune.Start.plan(finetune.load_source(cfg.init_from), model_cfg,
+                                             abstract)
         if pretrained is not None:
             if is_main():
                 print(pretrained.describe(), flush=True)
@@ -382,6 +392,17 @@ def setup(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
                state=state, start=start, resumed=resumed, tokens_per_step=task.tokens_per_step(),
                flops_per_step=task.flops_per_step(model_cfg), peak_flops=peak_flops_per_device(),
                watch=LossWatch(cfg.loss_spike_factor, cfg.loss_spike_window, warn=_warn))
+
+
+def _saved_run_config(workdir) -> dict | None:
+    """The run config a workdir's earlier run wrote (config.json), or None."""
+    path = workdir / "config.json"
+    if not storage.is_file(path):
+        return None
+    try:
+        return json.loads(storage.read_text(path))
+    except ValueError:
+        return None
 
 
 def _warn(message: str) -> None:
