@@ -139,3 +139,27 @@ def run_without_torch(body: str, checkpoint, *args) -> None:
     and assert that torch was never imported."""
     code = _WITHOUT_TORCH.format(body=textwrap.dedent(body).strip())
     subprocess.run([sys.executable, "-c", code, str(checkpoint), *map(str, args)], check=True)
+
+
+def lm_gradients(module, params, hf_model, ids):
+    """``(our gradients, HF's .grad mapped to our params)`` of the mean next-token
+    cross-entropy on ``ids`` (a decoder-only LM), after checking the two losses agree.
+    HF's ``named_parameters`` lists a tied embedding/LM head once; its .grad holds both uses."""
+    import optax
+    from transformer_jax.interop.hf import from_hf_state_dict
+
+    def loss_fn(p):
+        logits = module.apply({"params": p}, jax.numpy.asarray(ids))
+        return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], ids[:, 1:]).mean()
+
+    jax_loss, jax_grads = jax.jit(jax.value_and_grad(loss_fn))(params)
+    hf_model.zero_grad()
+    logits = hf_model(torch.as_tensor(ids, dtype=torch.long)).logits
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                             torch.as_tensor(ids[:, 1:], dtype=torch.long).reshape(-1))
+    loss.backward()
+    np.testing.assert_allclose(float(jax_loss), loss.item(), rtol=RTOL)
+    torch_grads = {name: p.grad for name, p in hf_model.named_parameters()}
+    _, mapped = from_hf_state_dict(hf_model.config, torch_grads)
+    hf_model.zero_grad()
+    return jax_grads, mapped, torch_grads

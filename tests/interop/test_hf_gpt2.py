@@ -10,7 +10,6 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 from transformer_jax.decode import generate
@@ -20,7 +19,7 @@ from transformer_jax.interop._common import ConversionError
 from transformer_jax.interop.hf import from_hf_state_dict, to_hf_numpy
 from transformer_jax.models.gpt import GPT, GPTConfig
 
-from .conftest import (ATOL, GPT2_TINY, RTOL, assert_gradients_match, gpt2_model,
+from .conftest import (ATOL, GPT2_TINY, RTOL, assert_gradients_match, gpt2_model, lm_gradients,
                        run_without_torch, state_dict, torch, transformers)
 
 
@@ -113,24 +112,7 @@ def test_gpt2_base_model_converts():
 
 def test_gradient_parity(hf_model, converted):
     module, params = converted
-    ids = random_ids(5, (2, 16))
-
-    def loss_fn(p):
-        logits = module.apply({"params": p}, jnp.asarray(ids))
-        return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], ids[:, 1:]).mean()
-
-    jax_loss, jax_grads = jax.jit(jax.value_and_grad(loss_fn))(params)
-
-    hf_model.zero_grad()
-    logits = hf_model(torch.as_tensor(ids, dtype=torch.long)).logits
-    loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
-                                             torch.as_tensor(ids[:, 1:], dtype=torch.long).reshape(-1))
-    loss.backward()
-    np.testing.assert_allclose(float(jax_loss), loss.item(), rtol=RTOL)
-    # named_parameters lists the tied wte/lm_head once; its .grad holds both uses.
-    torch_grads = {name: p.grad for name, p in hf_model.named_parameters()}
-    _, mapped = from_hf_state_dict(hf_model.config, torch_grads)
-    hf_model.zero_grad()
+    jax_grads, mapped, _ = lm_gradients(module, params, hf_model, random_ids(5, (2, 16)))
     assert_gradients_match(jax_grads, mapped, params)
 
 

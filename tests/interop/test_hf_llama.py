@@ -8,7 +8,6 @@ of the conversion table is exercised.
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 from transformer_jax.decode import generate
@@ -22,7 +21,7 @@ from transformer_jax.interop.registry import family_for_config
 from transformer_jax.models.bert import BertConfig
 from transformer_jax.models.gpt import GPT, GPTConfig
 
-from .conftest import (ATOL, RTOL, assert_gradients_match, perturbed, run_without_torch,
+from .conftest import (ATOL, RTOL, assert_gradients_match, lm_gradients, perturbed, run_without_torch,
                        state_dict, torch, transformers)
 
 LLAMA_TINY = dict(vocab_size=101, hidden_size=64, intermediate_size=88, num_hidden_layers=2,
@@ -183,23 +182,7 @@ def test_llama_model_base_converts(tied):
 
 def test_gradient_parity(llama):
     hf_model, module, params = llama
-    ids = random_ids(5, (2, 16))
-
-    def loss_fn(p):
-        logits = module.apply({"params": p}, jnp.asarray(ids))
-        return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], ids[:, 1:]).mean()
-
-    jax_loss, jax_grads = jax.jit(jax.value_and_grad(loss_fn))(params)
-    hf_model.zero_grad()
-    logits = hf_model(torch.as_tensor(ids, dtype=torch.long)).logits
-    loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
-                                             torch.as_tensor(ids[:, 1:], dtype=torch.long).reshape(-1))
-    loss.backward()
-    np.testing.assert_allclose(float(jax_loss), loss.item(), rtol=RTOL)
-    # named_parameters lists a tied embed_tokens/lm_head once; its .grad holds both uses.
-    torch_grads = {name: p.grad for name, p in hf_model.named_parameters()}
-    hf_model.zero_grad()
-    _, mapped = from_hf_state_dict(hf_model.config, torch_grads)
+    jax_grads, mapped, torch_grads = lm_gradients(module, params, hf_model, random_ids(5, (2, 16)))
     assert assert_gradients_match(jax_grads, mapped, params) == len(jax.tree_util.tree_leaves(params))
     # A few leaves by name against HF's own .grad (kernels (in, out...) -> weights (out, in)).
     as_weight = lambda g: np.asarray(g).reshape(g.shape[0], -1).T  # noqa: E731
