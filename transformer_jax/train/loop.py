@@ -309,12 +309,7 @@ def setup(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
     resume = resume or resume_from is not None
     storage.check_workdir(workdir)
     make_schedule(cfg.schedule, **cfg.schedule_kwargs(d_model=1))   # refuses e.g. warmup >= steps early
-    source, saved = None, _saved_run_config(workdir) if resume else None
-    if saved is not None and saved.get("init_from"):
-        cfg = finetune.resumed_config(cfg, saved)   # as the run resolved them when it started
-    elif cfg.init_from is not None:    # the model and tokenizer of the pretrained weights
-        source = finetune.load_source(cfg.init_from)
-        cfg = finetune.resolve(cfg, source, say=_warn)
+    cfg, source, saved = _fine_tuning_config(cfg, workdir, resume)
     placement = make_placement(cfg.parallelism, cfg.mesh, cfg.batch_size, cfg.accum_steps)
     # with several processes, process 0 prepares first (tokenizer, dataset), the others reuse it
     task = main_first(lambda: make_task(cfg, workdir), "transformer_jax:task")
@@ -331,17 +326,9 @@ def setup(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
                           "transformer_jax:data")
     rng = jax.random.PRNGKey(cfg.seed)
     init_args = task.init_args()
-    pretrained, head = None, None
-    if source is not None:
-        abstract = jax.eval_shape(lambda: nn.meta.unbox(model.init(rng, *init_args)["params"]))
-        pretrained = finetune.Start.plan(source, model_cfg, abstract)
-        pretrained.check()
-        run_config["init_from"] = pretrained.record()
-        head = pretrained.fresh_head
-    elif cfg.init_from is not None:    # resumed: the start its config.json recorded
-        run_config["init_from"] = saved["init_from"]
-        head = saved["init_from"]["fresh"]
-    split = finetune.make_split(model_cfg, head, cfg.model)
+    abstract = lambda: jax.eval_shape(  # noqa: E731
+        lambda: nn.meta.unbox(model.init(rng, *init_args)["params"]))
+    pretrained, split = _fine_tuning_start(cfg, source, saved, model_cfg, abstract, run_config)
     create_state = lambda: create_train_state(  # noqa: E731
         model, tx, rng, *init_args, loss_scale=loss_scale,
         partition=None if split is None else split.split)
@@ -363,9 +350,8 @@ def setup(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
     if restored is None:
         adjust = task.init_params
         if pretrained is None and cfg.init_from is not None:   # resumed, but nothing saved yet
-            abstract = jax.eval_shape(lambda: nn.meta.unbox(model.init(rng, *init_args)["params"]))
             pretrained = finetune.Start.plan(finetune.load_source(cfg.init_from), model_cfg,
-                                             abstract)
+                                             abstract())
         if pretrained is not None:
             if is_main():
                 print(pretrained.describe(), flush=True)
@@ -392,6 +378,35 @@ def setup(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
                state=state, start=start, resumed=resumed, tokens_per_step=task.tokens_per_step(),
                flops_per_step=task.flops_per_step(model_cfg), peak_flops=peak_flops_per_device(),
                watch=LossWatch(cfg.loss_spike_factor, cfg.loss_spike_window, warn=_warn))
+
+
+def _fine_tuning_config(cfg: ExperimentConfig, workdir: Path, resume: bool):
+    """``(cfg, source, saved run config)``: with ``init_from``, ``cfg`` takes the model and
+    tokenizer of the pretrained weights (``source``), or, resuming such a run, those its
+    config.json recorded (``saved``; nothing is re-read)."""
+    source, saved = None, _saved_run_config(workdir) if resume else None
+    if saved is not None and saved.get("init_from"):
+        cfg = finetune.resumed_config(cfg, saved)
+    elif cfg.init_from is not None:
+        source = finetune.load_source(cfg.init_from)
+        cfg = finetune.resolve(cfg, source, say=_warn)
+    return cfg, source, saved
+
+
+def _fine_tuning_start(cfg: ExperimentConfig, source, saved, model_cfg, abstract, run_config):
+    """``(Start or None, ParamSplit or None)``: how the fresh parameters (``abstract()``:
+    their shapes) take the source's weights, recorded in ``run_config["init_from"]``; and
+    which of them train (adapters, a fresh head) when the model has adapters."""
+    pretrained, head = None, None
+    if source is not None:
+        pretrained = finetune.Start.plan(source, model_cfg, abstract())
+        pretrained.check()
+        run_config["init_from"] = pretrained.record()
+        head = pretrained.fresh_head
+    elif cfg.init_from is not None:    # resumed: the start its config.json recorded
+        run_config["init_from"] = saved["init_from"]
+        head = saved["init_from"]["fresh"]
+    return pretrained, finetune.make_split(model_cfg, head, cfg.model)
 
 
 def _saved_run_config(workdir) -> dict | None:
