@@ -163,3 +163,31 @@ def lm_gradients(module, params, hf_model, ids):
     _, mapped = from_hf_state_dict(hf_model.config, torch_grads)
     hf_model.zero_grad()
     return jax_grads, mapped, torch_grads
+
+
+def hf_generate(model, ids, mask, max_new_tokens, eos_id=None, pad_id=0):
+    """HF greedy ``generate`` on (B, T) ids and their mask, as numpy (prompt + new tokens)."""
+    with torch.no_grad():
+        return model.generate(torch.as_tensor(ids, dtype=torch.long),
+                              attention_mask=torch.as_tensor(mask, dtype=torch.long),
+                              do_sample=False, num_beams=1, max_new_tokens=max_new_tokens,
+                              eos_token_id=eos_id, pad_token_id=pad_id).numpy()
+
+
+def assert_left_padded_greedy_matches_hf(hf_model, module, params, prompts, new_tokens, pad=0):
+    """Prompts of different lengths, left-padded: our greedy ``generate`` gives HF's tokens,
+    and its list-of-prompts form (padding internally) each prompt + the same new tokens."""
+    from transformer_jax.decode import generate
+
+    t0 = max(len(p) for p in prompts)
+    ids = np.full((len(prompts), t0), pad, np.int32)
+    mask = np.zeros((len(prompts), t0), np.int32)
+    for i, p in enumerate(prompts):
+        ids[i, t0 - len(p):], mask[i, t0 - len(p):] = p, 1
+    theirs = hf_generate(hf_model, ids, mask, new_tokens, pad_id=pad)
+    ours = np.asarray(generate(module, params, ids, prompt_mask=mask, max_new_tokens=new_tokens,
+                               pad_id=pad))
+    np.testing.assert_array_equal(ours, theirs)
+    ragged = generate(module, params, prompts, max_new_tokens=new_tokens, pad_id=pad)
+    for i, p in enumerate(prompts):
+        assert ragged[i] == p + theirs[i, t0:].tolist()

@@ -19,7 +19,8 @@ from transformer_jax.interop._common import ConversionError
 from transformer_jax.interop.hf import from_hf_state_dict, to_hf_numpy
 from transformer_jax.models.gpt import GPT, GPTConfig
 
-from .conftest import (ATOL, GPT2_TINY, RTOL, assert_gradients_match, gpt2_model, lm_gradients,
+from .conftest import (ATOL, GPT2_TINY, RTOL, assert_gradients_match,
+                       assert_left_padded_greedy_matches_hf, gpt2_model, hf_generate, lm_gradients,
                        run_without_torch, state_dict, torch, transformers)
 
 
@@ -188,14 +189,6 @@ def test_import_does_not_import_torch():
 
 # ----------------------------------------------------------------------------- generation
 
-def hf_generate(model, ids, mask, max_new_tokens, eos_id=None, pad_id=0):
-    with torch.no_grad():
-        return model.generate(torch.as_tensor(ids, dtype=torch.long),
-                              attention_mask=torch.as_tensor(mask, dtype=torch.long),
-                              do_sample=False, num_beams=1, max_new_tokens=max_new_tokens,
-                              eos_token_id=eos_id, pad_token_id=pad_id).numpy()
-
-
 def test_greedy_generate_matches_hf(hf_model, converted):
     module, params = converted
     ids = random_ids(9, (3, 8))
@@ -207,21 +200,9 @@ def test_greedy_generate_matches_hf(hf_model, converted):
 
 def test_greedy_generate_left_padded_matches_hf(hf_model, converted):
     module, params = converted
-    pad = 0
     prompts = [random_ids(10, (9,)).tolist(), random_ids(11, (4,)).tolist(),
                random_ids(12, (6,)).tolist()]
-    t0 = 9
-    ids = np.full((3, t0), pad, np.int32)
-    mask = np.zeros((3, t0), np.int32)
-    for i, p in enumerate(prompts):
-        ids[i, t0 - len(p):], mask[i, t0 - len(p):] = p, 1
-    theirs = hf_generate(hf_model, ids, mask, 20, pad_id=pad)
-    ours = np.asarray(generate(module, params, ids, prompt_mask=mask, max_new_tokens=20, pad_id=pad))
-    np.testing.assert_array_equal(ours, theirs)
-    # The list-of-prompts form pads internally and returns each prompt + its new tokens.
-    ragged = generate(module, params, prompts, max_new_tokens=20, pad_id=pad)
-    for i, p in enumerate(prompts):
-        assert ragged[i] == p + theirs[i, t0:].tolist()
+    assert_left_padded_greedy_matches_hf(hf_model, module, params, prompts, 20)
 
 
 def test_greedy_generate_eos_matches_hf(hf_model, converted):

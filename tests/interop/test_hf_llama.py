@@ -21,8 +21,9 @@ from transformer_jax.interop.registry import family_for_config
 from transformer_jax.models.bert import BertConfig
 from transformer_jax.models.gpt import GPT, GPTConfig
 
-from .conftest import (ATOL, RTOL, assert_gradients_match, lm_gradients, perturbed, run_without_torch,
-                       state_dict, torch, transformers)
+from .conftest import (ATOL, RTOL, assert_gradients_match, assert_left_padded_greedy_matches_hf,
+                       hf_generate, lm_gradients, perturbed, run_without_torch, state_dict, torch,
+                       transformers)
 
 LLAMA_TINY = dict(vocab_size=101, hidden_size=64, intermediate_size=88, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
@@ -266,14 +267,6 @@ def test_load_save_pretrained_dir_without_torch(untied, tmp_path):
 
 # ----------------------------------------------------------------------------- generation
 
-def hf_generate(model, ids, mask, max_new_tokens, pad_id=0):
-    with torch.no_grad():
-        return model.generate(torch.as_tensor(ids, dtype=torch.long),
-                              attention_mask=torch.as_tensor(mask, dtype=torch.long),
-                              do_sample=False, num_beams=1, max_new_tokens=max_new_tokens,
-                              eos_token_id=None, pad_token_id=pad_id).numpy()
-
-
 def test_greedy_generate_matches_hf(llama):
     hf_model, module, params = llama
     ids = random_ids(9, (3, 8))
@@ -286,21 +279,9 @@ def test_greedy_generate_matches_hf(llama):
 
 def test_greedy_generate_left_padded_matches_hf(untied):
     hf_model, module, params = untied
-    pad = 0
     prompts = [random_ids(10, (9,)).tolist(), random_ids(11, (4,)).tolist(),
                random_ids(12, (6,)).tolist()]
-    t0 = 9
-    ids = np.full((3, t0), pad, np.int32)
-    mask = np.zeros((3, t0), np.int32)
-    for i, p in enumerate(prompts):
-        ids[i, t0 - len(p):], mask[i, t0 - len(p):] = p, 1
-    theirs = hf_generate(hf_model, ids, mask, 16, pad_id=pad)
-    ours = np.asarray(generate(module, params, ids, prompt_mask=mask, max_new_tokens=16, pad_id=pad))
-    np.testing.assert_array_equal(ours, theirs)
-    # The list-of-prompts form pads internally and returns each prompt + its new tokens.
-    ragged = generate(module, params, prompts, max_new_tokens=16, pad_id=pad)
-    for i, p in enumerate(prompts):
-        assert ragged[i] == p + theirs[i, t0:].tolist()
+    assert_left_padded_greedy_matches_hf(hf_model, module, params, prompts, 16)
 
 
 # ----------------------------------------------------------------------------- bad input
