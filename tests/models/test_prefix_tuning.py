@@ -178,16 +178,24 @@ def hf():
 
     base = gpt2_model()
     module, params = from_hf(base)
+    prefixed, ours, emb = prefixed_pair(peft, torch, base, module, seed=7)
+    return dict(base=base, module=module, params=params, peft=prefixed, ours=ours,
+                our_params=with_prefix_embeddings(ours, params, emb), emb=emb, torch=torch)
+
+
+def prefixed_pair(peft, torch, base, module, seed: int):
+    """PEFT's prefix-tuned wrapper of the HF ``base`` with a random N(0, 1) prefix (torch
+    seed ``seed``), in eval mode; our prefix model of ``module``'s config; the prefix
+    embedding (P, L * 2 * K * H) as numpy."""
     prefixed = peft.get_peft_model(
         copy.deepcopy(base), peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=P))
-    torch.manual_seed(7)
+    torch.manual_seed(seed)
     with torch.no_grad():
         prefixed.prompt_encoder["default"].embedding.weight.normal_()
     prefixed.eval()
     ours = GPT(dataclasses.replace(module.config, prefix_tokens=P))
     emb = prefixed.prompt_encoder["default"].embedding.weight.detach().numpy().copy()
-    return dict(base=base, module=module, params=params, peft=prefixed, ours=ours,
-                our_params=with_prefix_embeddings(ours, params, emb), emb=emb, torch=torch)
+    return prefixed, ours, emb
 
 
 def peft_logits(hf, model, ids, mask=None, positions=None) -> np.ndarray:
@@ -332,14 +340,7 @@ def test_llama_rope_gqa_matches_peft(hf):
         bos_token_id=None, eos_token_id=None, pad_token_id=None)
     base = perturbed(lambda: transformers.LlamaForCausalLM(config))
     module, params = from_hf(base)
-    model = peft.get_peft_model(
-        copy.deepcopy(base), peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=P))
-    torch.manual_seed(14)
-    with torch.no_grad():
-        model.prompt_encoder["default"].embedding.weight.normal_()
-    model.eval()
-    ours = GPT(dataclasses.replace(module.config, prefix_tokens=P))
-    emb = model.prompt_encoder["default"].embedding.weight.detach().numpy()
+    model, ours, emb = prefixed_pair(peft, torch, base, module, seed=14)
     assert emb.shape == (P, 2 * 2 * 2 * 16)
     our_params = with_prefix_embeddings(ours, params, emb)
     ids, mask = padded_batch(15, 97)
