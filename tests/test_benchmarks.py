@@ -220,6 +220,50 @@ def test_matmul_floor_torch_dot_equals_dot_general(dims):
     np.testing.assert_allclose(got, np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
+def test_attention_benchmark_long_mode_at_tiny_sizes(tmp_path):
+    """``benchmarks/attention.py --long`` at T=256, 512 (one head of 16, window 64): window
+    and linear run at both lengths, finite, within 1e-4 of their references (xla with the
+    window as a mask; the naive O(T^2) linear attention); xla past --quadratic-max-seq is
+    compiled only (its memory, no time); the growth ratios are those of the recorded
+    figures, the verdicts follow from them, and the table and the plot are written."""
+    import statistics
+    attention = _benchmarks("attention")
+    plot = tmp_path / "scaling.png"
+    result = attention.main(["--long", "--paths", "xla,window,linear", "--seq", "256,512",
+                             "--heads", "1", "--head-dim", "16", "--window", "64",
+                             "--window-chunk", "64", "--quadratic-max-seq", "256",
+                             "--check-max-seq", "256", "--repeats", "2", "--time-budget", "0",
+                             "--out-dir", str(tmp_path), "--plot", str(plot)])
+    assert json.loads((tmp_path / "attention_long.json").read_text()) == json.loads(
+        json.dumps(result))
+    rec = {(r["path"], r["seq"]): r for r in result["results"]}
+    assert len(rec) == 6
+    xla_short, xla_long = rec["xla", 256], rec["xla", 512]
+    assert xla_short["status"] == "run" and xla_long["status"] == "compile only"
+    assert "round_ms" not in xla_long and "time_growth" not in xla_long
+    assert xla_long["temp_bytes"] > 3 * xla_short["temp_bytes"]          # (T, T) logits
+    for name in ("window", "linear"):
+        short, long_ = rec[name, 256], rec[name, 512]
+        assert short["status"] == long_["status"] == "run" and short["finite"] and long_["finite"]
+        assert len(short["round_ms"]) == len(long_["round_ms"]) == 2
+        assert short["max_abs_diff_out"] <= 1e-4 and short["max_abs_diff_grad"] <= 1e-4, short
+        assert long_["time_growth"] == statistics.median(
+            [b / a for a, b in zip(short["round_ms"], long_["round_ms"])])
+        assert long_["temp_growth"] == long_["temp_bytes"] / short["temp_bytes"]
+        for key, target in (("temp", 2.2), ("time", 2.3)):
+            verdict = result["targets"][f"{name}_{key}"]
+            assert verdict["ratios"] == [long_[f"{key}_growth"]]
+            assert verdict["pass"] == (long_[f"{key}_growth"] <= target)
+    assert rec["window", 256]["reference"] == "xla + window mask"
+    assert rec["linear", 256]["reference"] == "naive O(T^2) linear attention"
+    mask = attention.AttentionPattern("window", 64).mask(512, causal=True)
+    assert rec["window", 512]["pairs"] == int(np.sum(mask))
+    md = (tmp_path / "attention_long.md").read_text()
+    assert "| window | chunked, window 64, blocks 64x64 | 512 | run |" in md
+    assert "issue 22 targets (window, linear: memory <= 2.2x, time <= 2.3x" in md
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000
+
+
 def test_gpu_check_refuses_unknown_attention_implementations():
     gpu_check = _benchmarks("gpu_check")
     with pytest.raises(ValueError, match=r"--train-impls: unknown attention implementation"

@@ -18,6 +18,7 @@ import pytest
 
 from transformer_jax.layers import attention, resolve_implementation
 from transformer_jax.layers.flash_attention import flash_attention
+from transformer_jax.layers.masks import AttentionPattern
 from transformer_jax.models import Bert, BertConfig, GPT, GPTConfig, T5, T5Config, ViT, ViTConfig
 from transformer_jax.train.optim import make_optimizer
 from transformer_jax.train.step import create_train_state, make_train_step
@@ -188,6 +189,12 @@ def test_resolve_implementation_table():
         assert r("auto", platform, q_len=1, kv_len=1024) == "xla"      # a decode step
         assert r("chunked", platform) == "chunked"
     assert r("jax", "cpu") == "xla"
+    window, strided = AttentionPattern("window", 256), AttentionPattern("strided", 64)
+    assert r("auto", "cpu", q_len=2048, kv_len=2048, pattern=window) == "chunked"
+    assert r("auto", "cpu", q_len=512, kv_len=512, pattern=window) == "xla"
+    assert r("auto", "cpu", q_len=2048, kv_len=2048, pattern=strided) == "xla"
+    assert r("auto", "tpu", pattern=strided) == "pallas"
+    assert r("linear", "tpu") == "linear"
     with pytest.raises(ValueError, match="unknown attention implementation"):
         r("flash", "tpu")
     with pytest.raises(ValueError, match="unknown platform"):
@@ -234,6 +241,21 @@ def test_pallas_kernel_lowers_for_tpu_and_gpu_from_128_to_8192_tokens(head_dim, 
                 return jnp.sum(out.astype(jnp.float32))
             text = lowered_text(jax.grad(loss, (0, 1, 2)), (q, q, q), platform)
             assert custom_calls(text).count(target) == 3, (t, platform)
+
+
+@pytest.mark.parametrize("pattern", [AttentionPattern("window", 256),
+                                     AttentionPattern("fixed", 128, 8)], ids=lambda p: p.kind)
+def test_pattern_kernels_lower_for_tpu_and_gpu(pattern, tpu_generation):
+    """The block-skipping kernels (key-block ranges from the program id, a conditional per
+    tile for sparse patterns) lower to Mosaic and Triton: one call forward, two backward."""
+    q = jax.ShapeDtypeStruct((1, 1024, 2, 64), jnp.bfloat16)
+    for platform, target, kernel_platform in (("tpu", MOSAIC, "tpu"), ("cuda", TRITON, "gpu")):
+        def loss(q, k, v):
+            out = flash_attention(q, k, v, causal=True, platform=kernel_platform,
+                                  pattern=pattern)
+            return jnp.sum(out.astype(jnp.float32))
+        text = lowered_text(jax.grad(loss, (0, 1, 2)), (q, q, q), platform)
+        assert custom_calls(text).count(target) == 3, platform
 
 
 def test_kernel_operands_are_each_devices_share_under_a_mesh(tpu_generation):

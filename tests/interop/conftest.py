@@ -191,3 +191,30 @@ def assert_left_padded_greedy_matches_hf(hf_model, module, params, prompts, new_
     ragged = generate(module, params, prompts, max_new_tokens=new_tokens, pad_id=pad)
     for i, p in enumerate(prompts):
         assert ragged[i] == p + theirs[i, t0:].tolist()
+
+
+def assert_aligned_greedy_matches_hf(hf_model, module, params, ids, new_tokens):
+    """Prompts of one length (B, T0): our greedy ``generate`` gives HF's tokens, and those
+    are not one token repeated (a check with some power)."""
+    from transformer_jax.decode import generate
+
+    ours = np.asarray(generate(module, params, ids, max_new_tokens=new_tokens))
+    theirs = hf_generate(hf_model, ids, np.ones_like(ids), new_tokens)
+    assert ours.shape == theirs.shape == (ids.shape[0], ids.shape[1] + new_tokens)
+    assert len(set(theirs[:, ids.shape[1]:].ravel().tolist())) > 3
+    np.testing.assert_array_equal(ours, theirs)
+
+
+def assert_strict_round_trip(hf_model, module, params, hf_cls, logits, inputs):
+    """``to_hf`` holds HF's keys exactly, every tensor bit-identical; a fresh ``hf_cls``
+    (from ``hf_config``) loads it strictly and gives HF's logits (``logits(model, inputs)``)."""
+    from transformer_jax.interop import hf_config, to_hf
+
+    sd = to_hf(module, params)
+    assert set(sd) == set(hf_model.state_dict())
+    fresh = hf_cls(hf_config(module.config)).eval()
+    fresh.load_state_dict(sd, strict=True)
+    np.testing.assert_array_equal(logits(fresh, inputs), logits(hf_model, inputs))
+    for key, value in hf_model.state_dict().items():
+        torch.testing.assert_close(sd[key], value, rtol=0, atol=0, msg=key)
+    return sd

@@ -20,8 +20,9 @@ from transformer_jax.interop.hf import from_hf_state_dict, to_hf_numpy
 from transformer_jax.models.gpt import GPT, GPTConfig
 
 from .conftest import (ATOL, GPT2_TINY, RTOL, assert_gradients_match,
-                       assert_left_padded_greedy_matches_hf, gpt2_model, hf_generate, lm_gradients,
-                       run_without_torch, state_dict, torch, transformers)
+                       assert_left_padded_greedy_matches_hf, assert_strict_round_trip,
+                       gpt2_model, hf_generate, lm_gradients, run_without_torch, state_dict,
+                       torch, transformers)
 
 
 def hf_logits(model, ids, mask=None, positions=None) -> np.ndarray:
@@ -121,14 +122,8 @@ def test_gradient_parity(hf_model, converted):
 
 def test_round_trip_strict_load(hf_model, converted):
     module, params = converted
-    sd = to_hf(module, params)
-    assert set(sd) == set(hf_model.state_dict())
-    fresh = transformers.GPT2LMHeadModel(hf_config(module.config)).eval()
-    fresh.load_state_dict(sd, strict=True)
-    ids = random_ids(6, (2, 11))
-    np.testing.assert_array_equal(hf_logits(fresh, ids), hf_logits(hf_model, ids))
-    for key, value in hf_model.state_dict().items():
-        torch.testing.assert_close(sd[key], value, rtol=0, atol=0, msg=key)
+    assert_strict_round_trip(hf_model, module, params, transformers.GPT2LMHeadModel, hf_logits,
+                             random_ids(6, (2, 11)))
 
 
 def test_scan_layers_conversion(hf_model, converted):

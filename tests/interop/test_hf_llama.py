@@ -10,9 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer_jax.decode import generate
 from transformer_jax.errors import UserError
-from transformer_jax.interop import from_hf, hf_config, to_hf
+from transformer_jax.interop import from_hf, hf_config
 from transformer_jax.interop._common import ConversionError
 from transformer_jax.interop.hf import from_hf_state_dict, to_hf_numpy
 from transformer_jax.interop.hf_llama import (llama_config_from_hf, llama_hf_config,
@@ -21,8 +20,9 @@ from transformer_jax.interop.registry import family_for_config
 from transformer_jax.models.bert import BertConfig
 from transformer_jax.models.gpt import GPT, GPTConfig
 
-from .conftest import (ATOL, RTOL, assert_gradients_match, assert_left_padded_greedy_matches_hf,
-                       hf_generate, lm_gradients, perturbed, run_without_torch, state_dict, torch,
+from .conftest import (ATOL, RTOL, assert_aligned_greedy_matches_hf, assert_gradients_match,
+                       assert_left_padded_greedy_matches_hf, assert_strict_round_trip,
+                       lm_gradients, perturbed, run_without_torch, state_dict, torch,
                        transformers)
 
 LLAMA_TINY = dict(vocab_size=101, hidden_size=64, intermediate_size=88, num_hidden_layers=2,
@@ -207,16 +207,10 @@ def test_gradient_parity(llama):
 
 def test_round_trip_strict_load(llama):
     hf_model, module, params = llama
-    sd = to_hf(module, params)
-    assert set(sd) == set(hf_model.state_dict())
+    sd = assert_strict_round_trip(hf_model, module, params, transformers.LlamaForCausalLM,
+                                  hf_logits, random_ids(6, (2, 11)))
     if module.config.tie_embeddings:
         assert sd["lm_head.weight"] is sd["model.embed_tokens.weight"]
-    fresh = transformers.LlamaForCausalLM(hf_config(module.config)).eval()
-    fresh.load_state_dict(sd, strict=True)
-    ids = random_ids(6, (2, 11))
-    np.testing.assert_array_equal(hf_logits(fresh, ids), hf_logits(hf_model, ids))
-    for key, value in hf_model.state_dict().items():
-        torch.testing.assert_close(sd[key], value, rtol=0, atol=0, msg=key)
 
 
 def test_scan_layers_conversion(untied):
@@ -269,12 +263,7 @@ def test_load_save_pretrained_dir_without_torch(untied, tmp_path):
 
 def test_greedy_generate_matches_hf(llama):
     hf_model, module, params = llama
-    ids = random_ids(9, (3, 8))
-    ours = np.asarray(generate(module, params, ids, max_new_tokens=20))
-    theirs = hf_generate(hf_model, ids, np.ones_like(ids), 20)
-    assert ours.shape == theirs.shape == (3, 28)
-    assert len(set(theirs[:, 8:].ravel().tolist())) > 3      # not one token repeated
-    np.testing.assert_array_equal(ours, theirs)
+    assert_aligned_greedy_matches_hf(hf_model, module, params, random_ids(9, (3, 8)), 20)
 
 
 def test_greedy_generate_left_padded_matches_hf(untied):

@@ -20,7 +20,7 @@ from transformer_jax.interop.hf_vit import vit_to_state_dict
 from transformer_jax.models.vit import ViT, ViTConfig, resize_pos_embedding
 
 from .conftest import (ATOL, GRAD_ATOL, GRAD_RTOL, RTOL, assert_gradients_match,
-                       run_without_torch, state_dict, torch, transformers, vit_model)
+                       assert_strict_round_trip, run_without_torch, state_dict, torch, transformers, vit_model)
 
 
 def random_images(seed, batch=3, size=16, channels=3) -> np.ndarray:
@@ -145,14 +145,8 @@ def test_gradient_parity_params_and_image(hf_model, converted):
 
 def test_round_trip_strict_load(hf_model, converted):
     module, params = converted
-    sd = to_hf(module, params)
-    assert set(sd) == set(hf_model.state_dict())
-    fresh = transformers.ViTForImageClassification(hf_config(module.config)).eval()
-    fresh.load_state_dict(sd, strict=True)
-    pixels = random_images(4)
-    np.testing.assert_array_equal(hf_logits(fresh, pixels), hf_logits(hf_model, pixels))
-    for key, value in hf_model.state_dict().items():
-        torch.testing.assert_close(sd[key], value, rtol=0, atol=0, msg=key)
+    assert_strict_round_trip(hf_model, module, params, transformers.ViTForImageClassification,
+                             hf_logits, random_images(4))
 
 
 def test_legacy_layout_round_trip_and_hf_loads_it(hf_model, converted, tmp_path):

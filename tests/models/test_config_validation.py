@@ -32,13 +32,14 @@ ALLOWED: dict[type, dict[str, set]] = {
         "vocab_size": COUNT, "max_len": COUNT, "num_layers": COUNT, "num_heads": COUNT,
         "num_kv_heads": COUNT, "d_model": COUNT, "mlp_dim": COUNT, "norm_eps": set(),
         "rope_base": set(), "dropout_rate": RATE, "attention_dropout_rate": RATE,
-        "initializer_range": {"zero"}, "prefix_tokens": {"zero"},
+        "initializer_range": {"zero"}, "prefix_tokens": {"zero"}, "attention_window": COUNT,
     },
     BertConfig: {
         "vocab_size": COUNT, "max_len": COUNT, "type_vocab_size": COUNT, "num_layers": COUNT,
         "num_heads": COUNT, "d_model": COUNT, "mlp_dim": COUNT, "norm_eps": set(),
         "dropout_rate": RATE, "attention_dropout_rate": RATE, "classifier_dropout_rate": RATE,
         "initializer_range": {"zero"}, "pad_token_id": TOKEN_ID, "num_classes": COUNT,
+        "attention_window": COUNT,
     },
     T5Config: {
         "vocab_size": COUNT, "d_model": COUNT, "num_heads": COUNT, "head_dim": COUNT,
@@ -52,7 +53,7 @@ ALLOWED: dict[type, dict[str, set]] = {
         "image_size": COUNT, "patch_size": COUNT, "num_channels": COUNT,
         "num_classes": {"zero"}, "num_layers": COUNT, "num_heads": COUNT, "d_model": COUNT,
         "mlp_dim": COUNT, "norm_eps": set(), "dropout_rate": RATE, "attention_dropout_rate": RATE,
-        "initializer_range": {"zero"},
+        "initializer_range": {"zero"}, "attention_window": COUNT,
     },
     TransformerConfig: {
         "vocab_size": COUNT, "max_len": COUNT, "num_layers": COUNT, "num_decoder_layers": COUNT,
@@ -116,6 +117,12 @@ def test_numeric_probe(cls, name, probe, value):
     (T5Config, "initializer_factor", -0.5, "T5Config.initializer_factor must be a number >= 0, got -0.5"),
     (T5Config, "eos_token_id", "1", "T5Config.eos_token_id must be an integer >= 0, got '1'"),
     (ViTConfig, "num_classes", -1, "ViTConfig.num_classes must be an integer >= 0 (0 = no head), got -1"),
+    (BertConfig, "attention_sparsity", "dilated:3",
+     "BertConfig.attention_sparsity: attention sparsity 'dilated:3' is not understood; write "
+     "'strided:STRIDE' (e.g. 'strided:128') or 'fixed:STRIDE:SUMMARY' (e.g. 'fixed:128:16')"),
+    (GPTConfig, "attention_sparsity", "fixed:8:9",
+     "GPTConfig.attention_sparsity: fixed attention pattern: summary must be an integer in [1, "
+     "stride=8], got 9"),
 ])
 def test_field_messages(cls, name, value, message):
     with pytest.raises(UserError) as info:
@@ -212,6 +219,28 @@ def test_dtypes(cls):
     (lambda: TransformerConfig.preset("tiny", eos_token_id=512),
      "TransformerConfig.eos_token_id=512 is outside the vocabulary [0, 512) (vocab_size)",
      ("eos_token_id", "vocab_size")),
+    (lambda: GPTConfig.preset("tiny", attention_window=8, attention_sparsity="strided:4"),
+     "GPTConfig.attention_window=8 and attention_sparsity='strided:4' are both set; the strided "
+     "and fixed patterns have their own local part: choose one",
+     ("attention_window", "attention_sparsity")),
+    (lambda: GPTConfig.preset("tiny", attention="linear"),
+     "GPTConfig.attention='linear' has no attention weights to drop (attention dropout 0.1); "
+     "set attention_dropout_rate=0", ("attention", "attention_dropout_rate")),
+    (lambda: BertConfig.preset("tiny", attention="linear", attention_window=4,
+                               attention_dropout_rate=0.0),
+     "BertConfig.attention='linear' has no window or sparse pattern (it never forms the "
+     "weights); unset attention_window/attention_sparsity or use attention='softmax'",
+     ("attention", "attention_window", "attention_sparsity")),
+    (lambda: ViTConfig.preset("tiny", attention="linear", attention_impl="pallas"),
+     "ViTConfig.attention='linear' runs its own implementation; attention_impl='pallas' is for "
+     "softmax attention: leave it 'auto'", ("attention", "attention_impl")),
+    (lambda: GPTConfig.preset("tiny", attention_impl="linear"),
+     "GPTConfig.attention_impl='linear' is linear attention; choose it with attention='linear'",
+     ("attention_impl", "attention")),
+    (lambda: GPTConfig.preset("tiny", prefix_tokens=2, attention_sparsity="fixed:8:2"),
+     "GPTConfig.prefix_tokens=2 (prefix tuning) needs full softmax attention; unset the "
+     "window/sparsity or use attention='softmax'",
+     ("prefix_tokens", "attention", "attention_window", "attention_sparsity")),
 ])
 def test_relations(make, message, fields):
     with pytest.raises(RelationError) as info:

@@ -305,3 +305,28 @@ def dump_state_dict(maps: Iterable[TensorMap], params: Mapping[str, Any], *,
         out[m.key] = m.to_torch(leaves)
     reader.finish()
     return out
+
+
+def attention_mismatches(config: Any, *, sliding_window: bool = False) -> list[str]:
+    """The efficient-attention settings (``models.base.EfficientAttentionConfig``) an HF
+    checkpoint of plain softmax attention cannot express; ``sliding_window``: the family
+    has one (Mistral), so ``attention_window`` is allowed."""
+    bad = []
+    if getattr(config, "attention", "softmax") != "softmax":
+        bad.append(f"attention={config.attention!r} (HF runs softmax attention)")
+    if getattr(config, "attention_sparsity", None) is not None:
+        bad.append(f"attention_sparsity={config.attention_sparsity!r} (HF has no sparse "
+                   "attention pattern)")
+    if getattr(config, "attention_window", None) is not None and not sliding_window:
+        bad.append(f"attention_window={config.attention_window!r} (a sliding window: only "
+                   "the Mistral layout has one)")
+    return bad
+
+
+def refuse_attention_options(config: Any, family: str) -> None:
+    """UserError naming what ``attention_mismatches`` finds for an HF ``family``."""
+    bad = attention_mismatches(config)
+    if bad:
+        raise UserError(f"{type(config).__name__} option(s) not expressible as {family}: "
+                        + "; ".join(bad) + ". Train such a model here, or convert it without "
+                        "these options")

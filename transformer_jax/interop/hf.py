@@ -16,12 +16,15 @@ importing this module, and loading a ``save_pretrained`` directory (``config.jso
 Families. ``from_hf`` reads the HF config's ``model_type`` and dispatches through the
 registry (:mod:`transformer_jax.interop.registry`); ``to_hf``/``hf_config`` dispatch on the
 flax config's type (a ``GPTConfig`` with Llama's settings, ``position="rope"``, ``norm="rmsnorm"``,
-``gated_mlp``, silu, no biases, goes to Llama; any other to GPT-2). One file per family holds
-its key table and config mapping:
+``gated_mlp``, silu, no biases, goes to Llama, or to Mistral when it has an
+``attention_window``; any other to GPT-2). One file per family holds its key table and
+config mapping:
 
     model_type   flax model   file
     gpt2         GPT          hf_gpt2.py   GPT2LMHeadModel, GPT2Model
     llama        GPT          hf_llama.py  LlamaForCausalLM, LlamaModel
+    mistral      GPT          hf_mistral.py  MistralForCausalLM, MistralModel (Llama's
+                                           table + sliding_window = attention_window)
     bert         Bert         hf_bert.py   BertForPreTraining, BertForMaskedLM, BertModel,
                                            BertForSequenceClassification
     t5           T5           hf_t5.py     T5ForConditionalGeneration
@@ -40,11 +43,12 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 
 from ..errors import UserError
-from . import hf_bert, hf_gpt2, hf_llama, hf_t5, hf_vit
+from . import hf_bert, hf_gpt2, hf_llama, hf_mistral, hf_t5, hf_vit
 from .registry import (family_for_config, family_for_model_type, register_hf_family,
                        supported_model_types, torch_tensors)
 
-for _family in (hf_gpt2.FAMILY, hf_llama.FAMILY, hf_bert.FAMILY, hf_t5.FAMILY, hf_vit.FAMILY):
+for _family in (hf_gpt2.FAMILY, hf_llama.FAMILY, hf_mistral.FAMILY, hf_bert.FAMILY, hf_t5.FAMILY,
+                hf_vit.FAMILY):
     register_hf_family(_family)
 
 

@@ -65,7 +65,7 @@ import numpy as np
 from ..errors import UserError
 from ..models.bert import Bert, BertConfig
 from ._common import (ConversionError, StateDictReader, TensorMap, dump_state_dict, layer_norm,
-                      linear, load_params)
+                      linear, load_params, refuse_attention_options)
 from .registry import (HFFamily, activation_from_hf, activation_to_hf, cast_params,
                        check_table, plain_params, to_layout, without_scan)
 
@@ -148,6 +148,7 @@ def bert_hf_config(config: BertConfig, **extra: Any):
     """
     from transformers import BertConfig as HFBertConfig
 
+    refuse_attention_options(config, "BERT")
     values = {hf: getattr(config, ours) for hf, ours in BERT_CONFIG_FIELDS}
     values.update(intermediate_size=config.mlp_features,
                   hidden_act=activation_to_hf(config.activation, what="BertConfig.activation"),

@@ -49,8 +49,8 @@ import numpy as np
 
 from ..errors import UserError
 from ..models.gpt import GPT, GPTConfig
-from ._common import (ConversionError, Path, StateDictReader, TensorMap, dump_state_dict,
-                      layer_norm, linear, load_params)
+from ._common import (ConversionError, Path, StateDictReader, TensorMap, attention_mismatches,
+                      dump_state_dict, layer_norm, linear, load_params)
 from .registry import (OUR_ACTIVATIONS_TO_HF, HFFamily, activation_from_hf,
                        activation_to_hf, cast_params, check_table, plain_params, to_layout,
                        without_scan)
@@ -133,6 +133,7 @@ def _check_gpt2_compatible(config: GPTConfig) -> None:
         bad.append("use_bias=False")
     if config.activation not in OUR_ACTIVATIONS_TO_HF:
         bad.append(f"activation={config.activation!r}")
+    bad += attention_mismatches(config)
     if bad:
         raise UserError("GPTConfig option(s) not expressible as GPT-2: " + "; ".join(bad))
 

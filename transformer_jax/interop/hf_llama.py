@@ -5,7 +5,10 @@ GPT with RoPE, RMSNorm, a SwiGLU MLP, grouped-query attention, no biases and (us
 untied head: ``position="rope"``, ``norm="rmsnorm"``, ``gated_mlp=True``,
 ``activation="silu"``, ``use_bias=False`` (the ``llama-*`` presets of ``GPTConfig``).
 Since GPT-2 converts to the same ``GPTConfig``, ``to_hf``/``hf_config`` pick this family for
-a ``GPTConfig`` with exactly these settings (:func:`is_llama_config`) and GPT-2 otherwise.
+a ``GPTConfig`` with exactly these settings and no sliding window (:func:`is_llama_config`),
+Mistral (:mod:`~transformer_jax.interop.hf_mistral`: this layout and table plus
+``attention_window``) for these settings with a window, and GPT-2 otherwise. A linear or
+sparse ``attention`` is refused by name (HF runs full softmax attention).
 
 Weight layout. HF's ``nn.Linear`` weights are (out, in) and are transposed into (in, out...)
 kernels. One :class:`TensorMap` table (:func:`llama_tensor_maps`) drives both directions, and
@@ -57,7 +60,8 @@ import numpy as np
 
 from ..errors import UserError
 from ..models.gpt import GPT, GPTConfig
-from ._common import ConversionError, StateDictReader, TensorMap, layer_norm, linear
+from ._common import (ConversionError, StateDictReader, TensorMap, attention_mismatches,
+                      layer_norm, linear)
 from .hf_gpt2 import causal_lm_from_state_dict, causal_lm_to_state_dict
 from .registry import HFFamily, activation_from_hf
 
@@ -103,7 +107,7 @@ _DEFAULT_ROPE_THETA = 10000.0
 
 # ============================================================================ config
 
-def _rope_theta(config: Mapping[str, Any]) -> float:
+def _rope_theta(config: Mapping[str, Any], family: str = "Llama") -> float:
     """``rope_theta`` of an HF config (transformers < 5: ``rope_theta`` and ``rope_scaling``;
     >= 5: ``rope_parameters``); any RoPE scaling raises, naming the option."""
     scaling = config.get("rope_scaling")
@@ -112,59 +116,101 @@ def _rope_theta(config: Mapping[str, Any]) -> float:
         if value is None:
             continue
         if not isinstance(value, Mapping):
-            raise UserError(f"unsupported Llama config option {option}={value!r}: expected a dict")
+            raise UserError(f"unsupported {family} config option {option}={value!r}: expected a dict")
         rope_type = value.get("rope_type", value.get("type", "default"))
         extra = sorted(set(value) - {"rope_type", "type", "rope_theta"})
         if rope_type != "default" or extra:
-            raise UserError(f"unsupported Llama config option rope_scaling ({option}={dict(value)!r}): "
+            raise UserError(f"unsupported {family} config option rope_scaling ({option}={dict(value)!r}): "
                             "transformer_jax's RoPE has no frequency scaling; only "
                             "rope_type='default' (plain RoPE with rope_theta) converts")
     theta = (params or {}).get("rope_theta", config.get("rope_theta"))
     return float(_DEFAULT_ROPE_THETA if theta is None else theta)
 
 
-def llama_config_from_hf(config: Mapping[str, Any], **overrides: Any) -> GPTConfig:
-    """HF Llama config (as a dict) -> ``GPTConfig``; unsupported options raise, naming them."""
-    if config.get("model_type") != "llama":
-        raise UserError(f"expected a Llama config (model_type 'llama'), got model_type "
+def llama_layout_config_from_hf(config: Mapping[str, Any], *, model_type: str, family: str,
+                                defaults: Mapping[str, Any], fixed_options: Mapping[str, Any],
+                                settings: Mapping[str, Any], overrides: Mapping[str, Any]
+                                ) -> GPTConfig:
+    """An HF config of Llama's layout (Llama, Mistral) as a dict -> ``GPTConfig``.
+
+    ``defaults``: the HF class's defaults for ``LLAMA_CONFIG_FIELDS``; ``fixed_options``:
+    HF options supported at one value only; ``settings``: GPTConfig fields the family sets
+    on top (Mistral's ``attention_window``), before the caller's ``overrides``. Unsupported
+    options raise, naming them (``family`` names the family in the message).
+    """
+    if config.get("model_type") != model_type:
+        raise UserError(f"expected a {family} config (model_type {model_type!r}), got model_type "
                         f"{config.get('model_type')!r}")
-    for option, supported in LLAMA_FIXED_OPTIONS.items():
+    for option, supported in fixed_options.items():
         if config.get(option) is not None and config[option] != supported:
-            raise UserError(f"unsupported Llama config option {option}={config[option]!r}: "
+            raise UserError(f"unsupported {family} config option {option}={config[option]!r}: "
                             f"transformer_jax's GPT implements only {option}={supported!r}")
-    activation = activation_from_hf(config.get("hidden_act", "silu"), family="Llama",
+    activation = activation_from_hf(config.get("hidden_act", "silu"), family=family,
                                     option="hidden_act")
     if activation != "silu":
-        raise UserError(f"unsupported Llama config option hidden_act={config['hidden_act']!r}: "
-                        "Llama's gated MLP is SwiGLU (hidden_act='silu')")
-    values = {ours: config.get(hf, LLAMA_HF_DEFAULTS[hf]) for hf, ours in LLAMA_CONFIG_FIELDS}
+        raise UserError(f"unsupported {family} config option hidden_act={config['hidden_act']!r}: "
+                        f"{family}'s gated MLP is SwiGLU (hidden_act='silu')")
+    values = {ours: config.get(hf, defaults[hf]) for hf, ours in LLAMA_CONFIG_FIELDS}
     values = {k: v for k, v in values.items() if v is not None}
     head_dim = config.get("head_dim")
     if head_dim is not None and head_dim * values["num_heads"] != values["d_model"]:
-        raise UserError(f"unsupported Llama config option head_dim={head_dim}: transformer_jax's "
+        raise UserError(f"unsupported {family} config option head_dim={head_dim}: transformer_jax's "
                         f"GPT needs head_dim = hidden_size / num_attention_heads = "
                         f"{values['d_model']} / {values['num_heads']}")
-    values.update(LLAMA_SETTINGS, rope_base=_rope_theta(config), dropout_rate=0.0)
+    values.update(LLAMA_SETTINGS, rope_base=_rope_theta(config, family), dropout_rate=0.0)
+    values.update(settings)
     values.update(overrides)
     return GPTConfig.from_dict(values)
 
 
-def llama_mismatches(config: GPTConfig) -> list[str]:
-    """The settings of ``config`` a Llama checkpoint cannot express (empty: it is a Llama)."""
-    return [f"{name}={getattr(config, name)!r}" for name, value in LLAMA_SETTINGS.items()
-            if getattr(config, name) != value]
+def llama_config_from_hf(config: Mapping[str, Any], **overrides: Any) -> GPTConfig:
+    """HF Llama config (as a dict) -> ``GPTConfig``; unsupported options raise, naming them."""
+    return llama_layout_config_from_hf(config, model_type="llama", family="Llama",
+                                       defaults=LLAMA_HF_DEFAULTS,
+                                       fixed_options=LLAMA_FIXED_OPTIONS, settings={},
+                                       overrides=overrides)
+
+
+def has_llama_layout(config: Any) -> bool:
+    """Whether ``config`` is a ``GPTConfig`` with Llama's settings (``LLAMA_SETTINGS``):
+    a Llama (no window) or a Mistral (a sliding window) for the dispatch."""
+    return isinstance(config, GPTConfig) and all(
+        getattr(config, name) == value for name, value in LLAMA_SETTINGS.items())
+
+
+def llama_mismatches(config: GPTConfig, *, sliding_window: bool = False) -> list[str]:
+    """The settings of ``config`` a Llama checkpoint cannot express (empty: it is a Llama);
+    with ``sliding_window`` a Mistral's (``attention_window`` allowed)."""
+    bad = [f"{name}={getattr(config, name)!r}" for name, value in LLAMA_SETTINGS.items()
+           if getattr(config, name) != value]
+    return bad + attention_mismatches(config, sliding_window=sliding_window)
 
 
 def is_llama_config(config: Any) -> bool:
-    """Whether ``config`` is a ``GPTConfig`` that converts to a ``LlamaConfig`` (dispatch)."""
-    return isinstance(config, GPTConfig) and not llama_mismatches(config)
+    """Whether ``config`` is a ``GPTConfig`` that converts to a ``LlamaConfig`` (dispatch):
+    Llama's settings and no sliding window (with one: Mistral)."""
+    return has_llama_layout(config) and config.attention_window is None
+
+
+def check_llama_layout(config: GPTConfig, family: str = "Llama",
+                       sliding_window: bool = False) -> None:
+    """Refuse what a ``family`` checkpoint cannot express, naming every such option."""
+    bad = llama_mismatches(config, sliding_window=sliding_window)
+    if bad:
+        raise UserError(f"GPTConfig option(s) not expressible as {family}: " + "; ".join(bad) +
+                        f" (a {family} needs {', '.join(f'{k}={v!r}' for k, v in LLAMA_SETTINGS.items())})")
 
 
 def _check_llama_compatible(config: GPTConfig) -> None:
-    bad = llama_mismatches(config)
-    if bad:
-        raise UserError("GPTConfig option(s) not expressible as Llama: " + "; ".join(bad) +
-                        f" (a Llama needs {', '.join(f'{k}={v!r}' for k, v in LLAMA_SETTINGS.items())})")
+    check_llama_layout(config)
+
+
+def llama_layout_hf_values(config: GPTConfig) -> dict[str, Any]:
+    """The HF config fields Llama and Mistral share, for ``config`` (checked by the caller)."""
+    values = {hf: getattr(config, ours) for hf, ours in LLAMA_CONFIG_FIELDS}
+    values["num_key_value_heads"] = config.num_kv_heads or config.num_heads
+    values.update(hidden_act="silu", head_dim=config.head_dim, rope_theta=config.rope_base)
+    return values
 
 
 def llama_hf_config(config: GPTConfig, **extra: Any):
@@ -172,10 +218,8 @@ def llama_hf_config(config: GPTConfig, **extra: Any):
     from transformers import LlamaConfig
 
     _check_llama_compatible(config)
-    values = {hf: getattr(config, ours) for hf, ours in LLAMA_CONFIG_FIELDS}
-    values["num_key_value_heads"] = config.num_kv_heads or config.num_heads
-    values.update(hidden_act="silu", head_dim=config.head_dim, rope_theta=config.rope_base,
-                  **LLAMA_FIXED_OPTIONS)
+    values = llama_layout_hf_values(config)
+    values.update(LLAMA_FIXED_OPTIONS)
     values.update(extra)
     return LlamaConfig(**values)
 
@@ -214,7 +258,7 @@ def llama_tensor_maps(cfg: GPTConfig, prefix: str = "model.") -> list[TensorMap]
 
 # ============================================================================ HF -> flax
 
-def _take_rope_buffers(reader: StateDictReader, cfg: GPTConfig, prefix: str) -> None:
+def take_rope_buffers(reader: StateDictReader, cfg: GPTConfig, prefix: str) -> None:
     """Check and drop old checkpoints' ``rotary_emb.inv_freq`` buffers (module docstring)."""
     h = cfg.head_dim
     expected = 1.0 / (cfg.rope_base ** (np.arange(0, h, 2, dtype=np.float64) / h))
@@ -233,7 +277,7 @@ def _llama_from_state_dict(config: Mapping[str, Any], state_dict: Mapping[str, A
     """Llama state dict (``LlamaForCausalLM`` or ``LlamaModel`` naming) -> ``(GPT, params)``."""
     return causal_lm_from_state_dict(
         "Llama", lambda **o: llama_config_from_hf(config, **o), llama_tensor_maps,
-        _take_rope_buffers, state_dict, overrides, embed_key="embed_tokens.weight",
+        take_rope_buffers, state_dict, overrides, embed_key="embed_tokens.weight",
         prefix="model.")
 
 

@@ -60,7 +60,7 @@ import numpy as np
 from ..errors import UserError
 from ..models.vit import ViT, ViTConfig, resize_params
 from ._common import (ConversionError, StateDictReader, TensorMap, dump_state_dict, layer_norm,
-                      linear, load_params)
+                      linear, load_params, refuse_attention_options)
 from .registry import (HFFamily, activation_from_hf, activation_to_hf, cast_params,
                        check_table, plain_params, to_layout, without_scan)
 
@@ -119,6 +119,7 @@ def vit_hf_config(config: ViTConfig, **extra: Any):
     """``ViTConfig`` -> ``transformers.ViTConfig`` (lazy import)."""
     from transformers import ViTConfig as HFViTConfig
 
+    refuse_attention_options(config, "ViT")
     values = {hf: getattr(config, ours) for hf, ours in VIT_CONFIG_FIELDS}
     values["intermediate_size"] = config.mlp_features
     values.update(image_size=config.image_size, patch_size=config.patch_size,

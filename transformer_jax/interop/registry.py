@@ -1,6 +1,6 @@
 """What every Hugging Face family converter shares: the registry, activations, shapes, layouts.
 
-The family files (``hf_gpt2``, ``hf_llama``, ``hf_bert``, ``hf_t5``, ``hf_vit``) each
+The family files (``hf_gpt2``, ``hf_llama``, ``hf_mistral``, ``hf_bert``, ``hf_t5``, ``hf_vit``) each
 describe their checkpoint as one :class:`~transformer_jax.interop._common.TensorMap` table and
 export one :class:`HFFamily`; :mod:`transformer_jax.interop.hf` registers them and dispatches on
 the HF ``model_type`` (HF -> flax) or on the flax config (flax -> HF: its type, and for a type

@@ -20,33 +20,70 @@ subclass is an unknown key and raises):
   (override with ``activation=``), non-LayerNorm norms, custom encoders/decoders in
   ``nn.Transformer``, layers of one stack that differ from each other.
 
-Tutorial ("seed") modules, by attribute names, tried in this order:
-  1. post-norm decoder layer: ``self_attn``, ``cross_attn``, ``feed_forward``, ``norm1``,
+Tutorial ("seed") modules, by attribute names. First, a module whose ``forward`` is
+missing (``nn.Module``'s unimplemented one) or a stub (a body that only returns None, e.g.
+``pass``) is refused with a ``UserError`` (a ``ValueError``): PyTorch computes nothing to
+convert. Both occur in the tutorials: ``GroupedQueryAttention`` stops after ``__init__``
+(the message says what forward to add to a subclass, which then converts by rule 4) and
+``SlidingWindowAttention.forward`` is ``pass`` (the message points to the library's
+sliding-window attention). Then, tried in this order:
+  1. whole Transformer: ``embedding``, ``pos_encoder``, ``encoder_layers`` (ModuleList),
+     ``classifier`` [, ``decoder_embedding``, ``decoder_pos_encoder``, ``decoder_layers``
+     unless the bool ``encoder_only``] -> ``SeedTransformer``. The parts follow rules 5,
+     11, 9 and 7; all layers must share one configuration. The decoder's ``tgt_mask`` is
+     read off the module's own ``generate_mask``: the tutorial's ``triu(ones, diagonal=1)``
+     -- inverted w.r.t. its own convention (1 = may attend), so target position i sees
+     only later positions -- is reproduced as written (``decoder_mask="future"``), not
+     refused: conversion keeps PyTorch's outputs, which is what a checkpoint trained with
+     that mask needs; a corrected causal ``tril`` gives ``decoder_mask="causal"``;
+  2. BERT: ``transformer`` (rule 1, encoder-only), ``pooler``, ``next_sentence_predictor``,
+     ``masked_lm_predictor`` -> ``SeedBERT``;
+  3. GPT: ``transformer`` (rule 1, encoder-only), ``lm_head`` -> ``SeedGPT``. The
+     tutorial's BERT and GPT apply their heads (Linear layers of input width d_model) to
+     the Transformer's output, which is already its classifier's vocabulary logits: they
+     run, and convert as written, only when vocab_size == d_model; otherwise PyTorch
+     fails with a shape error and so does ``from_torch``, with a message saying so;
+  4. grouped-query attention: ``nn.Linear`` attributes ``q_proj, k_proj, v_proj, o_proj``
+     -> ``SeedGroupedQueryAttention``. Query heads from an int attribute as in rule 10 (or
+     ``num_heads=``), key/value heads from ``n_kv_groups``, ``n_kv_heads``, ``num_kv_heads``
+     or ``num_key_value_heads`` (or ``num_kv_heads=``, else k_proj's width / head dim).
+     The forward is assumed to be the usual one (see ``SeedGroupedQueryAttention``);
+  5. input embedding: ``token_embedding`` (``nn.Embedding``) and an ``nn.Parameter``
+     ``position_embedding`` (1, max_len, D) -> ``SeedInputEmbedding`` (ids -> E[ids] *
+     sqrt(D) + learned positions, dropout). ``padding_idx`` is accepted (its row gets a
+     gradient here, none in PyTorch); ``max_norm`` and ``scale_grad_by_freq`` are refused;
+  6. patch embedding: an ``nn.Conv2d`` attribute ``proj`` with kernel_size == stride, no
+     padding, dilation 1, groups 1 -> ``SeedPatchEmbed`` (NCHW images -> (B, N, D));
+  7. post-norm decoder layer: ``self_attn``, ``cross_attn``, ``feed_forward``, ``norm1``,
      ``norm2``, ``norm3`` -> ``SeedDecoderLayer``;
-  2. pre-norm encoder block: ``attn``, ``ff``, ``norm1``, ``norm2`` -> ``SeedEncoderBlock``
+  8. pre-norm encoder block: ``attn``, ``ff``, ``norm1``, ``norm2`` -> ``SeedEncoderBlock``
      (``pre_norm=True``);
-  3. post-norm block: ``attention`` or ``self_attn``, ``feed_forward``, ``norm1``, ``norm2``
+  9. post-norm block: ``attention`` or ``self_attn``, ``feed_forward``, ``norm1``, ``norm2``
      -> ``SeedEncoderBlock`` (``pre_norm=False``);
-  4. multi-head attention: ``nn.Linear`` attributes ``w_q, w_k, w_v, w_o`` (or ``W_q, W_k,
-     W_v, W_o``) -> ``SeedMultiHeadAttention``. Heads from an int attribute ``num_heads``,
-     ``n_heads``, ``n_head``, ``nhead``, ``heads`` or ``h`` (or ``d_k``/``head_dim``), else
-     pass ``num_heads=``. Any ``nn.Dropout`` inside (directly or in an inner ``attention``
-     submodule) is taken as dropout on the attention weights;
-  5. positional encoding: a buffer ``pe`` of shape (1, max_len, D) equal to the library's
-     ``sinusoidal_table(max_len, D)`` within 1e-6 + pos * 2**-22 (the second term is the
-     fp32 rounding of the angle pos * freq: two implementations' 1-ulp differences in
-     ``exp`` grow with the position), else an error naming ``pe``; the mirror recomputes
-     the table (no parameters) -> ``SeedPositionalEncoding``;
-  6. feed-forward: an ``nn.Sequential`` of Linear, activation, Dropout, Linear [, Dropout]
-     -- the module itself or its attribute ``net`` or ``feed_forward`` -- or ``nn.Linear``
-     attributes ``w_1``, ``w_2`` with an activation module (ReLU/GELU/SiLU/Tanh) and an
-     optional ``nn.Dropout`` among its children -> ``SeedFeedForward``.
-  Inside blocks, the attention and feed-forward submodules follow rules 4 and 6; residual
+  10. multi-head attention: ``nn.Linear`` attributes ``w_q, w_k, w_v, w_o`` (or ``W_q, W_k,
+      W_v, W_o``) -> ``SeedMultiHeadAttention``. Heads from an int attribute ``num_heads``,
+      ``n_heads``, ``n_head``, ``nhead``, ``heads`` or ``h`` (or ``d_k``/``head_dim``), else
+      pass ``num_heads=``. Any ``nn.Dropout`` inside (directly or in an inner ``attention``
+      submodule) is taken as dropout on the attention weights;
+  11. positional encoding: a buffer ``pe`` of shape (1, max_len, D) equal to the library's
+      ``sinusoidal_table(max_len, D)`` within 1e-6 + pos * 2**-22 (the second term is the
+      fp32 rounding of the angle pos * freq: two implementations' 1-ulp differences in
+      ``exp`` grow with the position), else an error naming ``pe``; the mirror recomputes
+      the table (no parameters) -> ``SeedPositionalEncoding``;
+  12. feed-forward: an ``nn.Sequential`` of Linear, activation, Dropout, Linear [, Dropout]
+      -- the module itself or its attribute ``net`` or ``feed_forward`` -- or ``nn.Linear``
+      attributes ``w_1``, ``w_2`` with an activation module (ReLU/GELU/SiLU/Tanh) and an
+      optional ``nn.Dropout`` among its children -> ``SeedFeedForward``;
+  13. scaled dot-product attention: no parameters or buffers, only ``nn.Dropout``
+      children (their rate: dropout on the weights), ``forward(query, key, value, ...)``
+      (or ``q, k, v``) -> ``SeedScaledDotProductAttention``, returning (output, weights).
+  Inside blocks, the attention and feed-forward submodules follow rules 10 and 12; residual
   dropout is the block's own ``nn.Dropout`` child(ren).
 
-Overrides (keyword arguments) resolve ambiguities: ``norm_first`` (blocks; default by the
-rules above, or the module's own bool ``norm_first`` attribute), ``num_heads`` (seed
-attention and blocks), ``activation`` (feed-forwards, blocks and the built-in layers).
+Overrides (keyword arguments) resolve ambiguities: ``norm_first`` (blocks and whole models;
+default by the rules above, or the module's own bool ``norm_first`` attribute),
+``num_heads`` (seed attention, blocks and whole models), ``num_kv_heads`` (grouped-query
+attention), ``activation`` (feed-forwards, blocks, whole models and the built-in layers).
 
 Every converter asserts each key and shape through
 :class:`~transformer_jax.interop._common.StateDictReader`: every state-dict key must be
@@ -69,8 +106,10 @@ from ..errors import UserError
 from ..layers.embeddings import sinusoidal_table
 from ._common import (ConversionError, StateDictReader, TensorMap, dump_state_dict,
                       flatten_params, layer_norm, linear, load_params, packed_linear)
-from .torch_modules import (SeedDecoderLayer, SeedEncoderBlock, SeedFeedForward,
-                            SeedMultiHeadAttention, SeedPositionalEncoding,
+from .torch_modules import (SeedBERT, SeedDecoderLayer, SeedEncoderBlock, SeedFeedForward,
+                            SeedGPT, SeedGroupedQueryAttention, SeedInputEmbedding,
+                            SeedMultiHeadAttention, SeedPatchEmbed, SeedPositionalEncoding,
+                            SeedScaledDotProductAttention, SeedTransformer,
                             TorchMultiheadAttention, TorchTransformer, TorchTransformerDecoder,
                             TorchTransformerDecoderLayer, TorchTransformerEncoder,
                             TorchTransformerEncoderLayer)
@@ -88,6 +127,14 @@ RECOGNISED = (
     "seed positional encoding (buffer pe)",
     "seed feed-forward (Sequential Linear/act/Dropout/Linear, itself or as net/feed_forward; "
     "or w_1, w_2 Linear + activation module)",
+    ("seed Transformer (embedding, pos_encoder, encoder_layers, classifier [, decoder_layers, "
+     "decoder_embedding, decoder_pos_encoder])"),
+    "seed BERT (transformer, pooler, next_sentence_predictor, masked_lm_predictor)",
+    "seed GPT (transformer, lm_head)",
+    "seed grouped-query attention (q_proj, k_proj, v_proj, o_proj Linear layers)",
+    "seed input embedding (token_embedding Embedding, position_embedding Parameter)",
+    "seed patch embedding (proj Conv2d)",
+    "seed scaled dot-product attention (no parameters, forward(query, key, value, ...))",
 )
 
 _HEAD_ATTRS = ("num_heads", "n_heads", "n_head", "nhead", "heads", "h")
@@ -117,8 +164,9 @@ def from_torch(module: Any, **overrides: Any) -> tuple[flax.linen.Module, dict[s
 
     Args:
       module: a ``torch.nn.Module`` recognised as described in the module docstring.
-      **overrides: ``norm_first``, ``num_heads`` or ``activation`` where the module is
-        ambiguous (which ones apply depends on the module kind; others raise TypeError).
+      **overrides: ``norm_first``, ``num_heads``, ``num_kv_heads`` or ``activation`` where
+        the module is ambiguous (which ones apply depends on the module kind; others raise
+        TypeError).
 
     Returns:
       ``(flax_module, params)``; ``flax_module.apply({"params": params}, *inputs)`` takes
@@ -126,8 +174,10 @@ def from_torch(module: Any, **overrides: Any) -> tuple[flax.linen.Module, dict[s
 
     Raises:
       TypeError: unrecognised module type, or an override that does not apply.
-      ValueError: an unsupported feature (naming the attribute), or a state dict that does
-        not match (naming the key, and the expected and actual shapes).
+      ValueError: an unsupported feature (naming the attribute), a module that cannot run
+        as written (no or a stub ``forward``; the tutorial's BERT/GPT with vocab_size !=
+        d_model), or a state dict that does not match (naming the key, and the expected
+        and actual shapes).
     """
     import torch
 
@@ -183,16 +233,24 @@ def _recognise(m: Any, overrides: dict[str, Any]) -> _Conversion:
         if isinstance(m, cls):
             _check_overrides(type(m).__name__, overrides, allowed)
             return build(m, overrides)
+    _check_runnable(m)
 
+    blocks = ("norm_first", "num_heads", "activation")
     seeds = (
-        ("seed decoder layer", _is_seed_decoder, _seed_decoder, ("norm_first", "num_heads", "activation")),
-        ("seed pre-norm block", _is_seed_pre_block, functools.partial(_seed_block, pre=True),
-         ("norm_first", "num_heads", "activation")),
+        ("seed Transformer", _is_seed_transformer, _seed_transformer, blocks),
+        ("seed BERT", _is_seed_bert, _seed_bert, blocks),
+        ("seed GPT", _is_seed_gpt, _seed_gpt, blocks),
+        ("seed grouped-query attention", _gqa_names, _seed_gqa, ("num_heads", "num_kv_heads")),
+        ("seed input embedding", _is_seed_input_embedding, _seed_input_embedding, ()),
+        ("seed patch embedding", _is_seed_patch_embed, _seed_patch_embed, ()),
+        ("seed decoder layer", _is_seed_decoder, _seed_decoder, blocks),
+        ("seed pre-norm block", _is_seed_pre_block, functools.partial(_seed_block, pre=True), blocks),
         ("seed post-norm block", _is_seed_post_block, functools.partial(_seed_block, pre=False),
-         ("norm_first", "num_heads", "activation")),
+         blocks),
         ("seed multi-head attention", _is_seed_attention, _seed_attention_module, ("num_heads",)),
         ("seed positional encoding", _is_seed_pe, _seed_pe, ()),
         ("seed feed-forward", _is_seed_ff, _seed_ff_module, ("activation",)),
+        ("seed scaled dot-product attention", _is_seed_sdpa, _seed_sdpa, ()),
     )
     for kind, test, build, allowed in seeds:
         if test(m):
@@ -757,3 +815,403 @@ def _seed_decoder(m: Any, overrides: dict[str, Any]) -> _Conversion:
                              "feed_forward", ("norm1", "norm2", "norm3"), overrides)
     module = SeedDecoderLayer(**cfg, pre_norm=_norm_first(m, overrides, default=False))
     return _Conversion(module, maps)
+
+
+# ----------------------------------------------------------------------------- seed: runnable?
+
+_GQA_NO_FORWARD = (
+    "(The tutorial's GroupedQueryAttention is such a class: its code stops after __init__.) Give it a "
+    "forward(query, key, value, mask=None) in a subclass -- batch-first (B, T, D) inputs; N "
+    "query heads and K key/value heads, each shared by N/K consecutive query heads "
+    "(repeat_interleave); softmax(q k^T / sqrt(head_dim)) with mask 1 = may attend; o_proj "
+    "over the concatenated heads -- and convert that subclass (-> SeedGroupedQueryAttention), "
+    "or use transformer_jax.layers.MultiHeadAttention(num_heads=N, num_kv_heads=K) directly")
+_WINDOW_STUB = (
+    "(The tutorial's SlidingWindowAttention is such a stub: no projections and no windowing "
+    "were written.) For sliding-window attention use the library's own: set "
+    "model.attention_window=W (the GPTConfig/BertConfig/ViTConfig field; each token attends "
+    "to the W nearest tokens), or pass the mask "
+    "transformer_jax.layers.masks.sliding_window_mask(T, window=W) to a MultiHeadAttention or "
+    "to a converted seed attention")
+
+
+def _is_stub(fn: Any) -> bool:
+    """Whether a function's body does nothing but return None (``pass``, ``...``, a docstring)."""
+    import dis
+
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return False
+    for ins in dis.get_instructions(code):
+        if ins.opname in ("RESUME", "NOP", "CACHE", "EXTENDED_ARG", "RETURN_VALUE"):
+            continue
+        if ins.opname in ("LOAD_CONST", "RETURN_CONST") and ins.argval is None:
+            continue
+        return False
+    return True
+
+
+def _check_runnable(m: Any) -> None:
+    """Refuse a module whose ``forward`` is missing or a stub: PyTorch computes nothing to match."""
+    import torch.nn as tnn
+
+    forward, cls = getattr(type(m), "forward", None), type(m).__name__
+    if forward is tnn.Module.forward:
+        hint = _GQA_NO_FORWARD if _gqa_names(m) else "Define forward() in a subclass and convert that"
+        raise UserError(f"{cls} has no forward(): PyTorch cannot run it (calling it raises "
+                        f"NotImplementedError), so there is no computation to convert. {hint}")
+    if _is_stub(forward):
+        hint = _WINDOW_STUB if hasattr(m, "window_size") else "Implement forward() and convert that"
+        raise UserError(f"{cls}.forward is a stub: its body does nothing and returns None, so "
+                        f"PyTorch computes nothing that could be converted. {hint}")
+
+
+# ----------------------------------------------------------------------------- seed: more tests
+
+_GQA_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj")
+_KV_HEAD_ATTRS = ("n_kv_groups", "n_kv_heads", "num_kv_heads", "num_key_value_heads", "n_kv_head",
+                  "kv_heads")
+
+
+def _gqa_names(m: Any) -> bool:
+    import torch.nn as tnn
+
+    return all(isinstance(getattr(m, n, None), tnn.Linear) for n in _GQA_NAMES)
+
+
+def _is_seed_input_embedding(m: Any) -> bool:
+    import torch.nn as tnn
+
+    return (isinstance(getattr(m, "token_embedding", None), tnn.Embedding)
+            and isinstance(getattr(m, "position_embedding", None), tnn.Parameter))
+
+
+def _is_seed_patch_embed(m: Any) -> bool:
+    import torch.nn as tnn
+
+    return isinstance(getattr(m, "proj", None), tnn.Conv2d)
+
+
+def _is_seed_sdpa(m: Any) -> bool:
+    """No parameters or buffers, only Dropout children, ``forward(query, key, value, ...)``."""
+    import inspect
+
+    import torch.nn as tnn
+
+    if next(m.parameters(), None) is not None or next(m.buffers(), None) is not None:
+        return False
+    if not all(isinstance(c, tnn.Dropout) for c in m.children()):
+        return False
+    try:
+        names = [p.lower() for p in list(inspect.signature(type(m).forward).parameters)[1:4]]
+    except (TypeError, ValueError):
+        return False
+    return names in (["query", "key", "value"], ["q", "k", "v"])
+
+
+def _is_seed_transformer(m: Any) -> bool:
+    return _has(m, "embedding", "pos_encoder", "encoder_layers", "classifier")
+
+
+def _is_seed_bert(m: Any) -> bool:
+    return _has(m, "transformer", "pooler", "next_sentence_predictor", "masked_lm_predictor")
+
+
+def _is_seed_gpt(m: Any) -> bool:
+    return _has(m, "transformer", "lm_head")
+
+
+# ----------------------------------------------------------------------------- seed: small parts
+
+def _int_attr(m: Any, names: tuple[str, ...]) -> int | None:
+    for name in names:
+        value = getattr(m, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def _gqa_heads(m: Any, overrides: dict[str, Any]) -> tuple[int, int, int]:
+    """(N query heads, K key/value heads, head dim H) of a seed grouped-query attention."""
+    lq, lk = m.q_proj, m.k_proj
+    n = overrides.get("num_heads") or _int_attr(m, _HEAD_ATTRS)
+    if n is None:
+        raise UserError(f"cannot find the number of query heads (no int attribute among "
+                        f"{_HEAD_ATTRS}); pass num_heads= to from_torch")
+    n = int(n)
+    if lq.out_features % n:
+        raise UserError(f"q_proj: {lq.out_features} output features are not divisible by num_heads={n}")
+    h = lq.out_features // n
+    own = getattr(m, "head_dim", None)
+    if isinstance(own, int) and own != h:
+        raise UserError(f"head_dim={own} but q_proj's {lq.out_features} features over num_heads={n} "
+                        f"give {h}; pass the right num_heads=")
+    kv = overrides.get("num_kv_heads") or _int_attr(m, _KV_HEAD_ATTRS)
+    if kv is None:
+        if lk.out_features % h:
+            raise UserError(f"k_proj: {lk.out_features} output features are not a multiple of "
+                            f"head_dim={h}; pass num_kv_heads= to from_torch")
+        kv = lk.out_features // h
+    kv = int(kv)
+    for name in ("k_proj", "v_proj"):
+        if getattr(m, name).out_features != kv * h:
+            raise UserError(f"{name}: out_features={getattr(m, name).out_features}, expected "
+                            f"num_kv_heads * head_dim = {kv} * {h}")
+    if n % kv:
+        raise UserError(f"num_heads={n} is not a multiple of the {kv} key/value heads")
+    if m.o_proj.in_features != n * h:
+        raise UserError(f"o_proj: in_features={m.o_proj.in_features}, expected num_heads * head_dim "
+                        f"= {n * h} (the concatenated heads)")
+    return n, kv, h
+
+
+def _seed_gqa(m: Any, overrides: dict[str, Any]) -> _Conversion:
+    import torch.nn as tnn
+
+    n, kv, h = _gqa_heads(m, overrides)
+    lq, lk, lv, lo = (getattr(m, name) for name in _GQA_NAMES)
+    biases = {name: getattr(m, name).bias is not None for name in _GQA_NAMES}
+    if len(set(biases.values())) > 1:
+        raise UserError(f"bias presence differs between {biases}; the mirror has one use_bias")
+    bias = biases["q_proj"]
+    maps = linear("q_proj.", ("query",), lq.in_features, n * h, bias=bias,
+                  kernel_shape=(lq.in_features, n, h), bias_shape=(n, h))
+    for name, lin, flax_name in (("k_proj", lk, "key"), ("v_proj", lv, "value")):
+        maps += linear(f"{name}.", (flax_name,), lin.in_features, kv * h, bias=bias,
+                       kernel_shape=(lin.in_features, kv, h), bias_shape=(kv, h))
+    maps += linear("o_proj.", ("out",), n * h, lo.out_features, bias=bias,
+                   kernel_shape=(n, h, lo.out_features))
+    rate = _only_dropout_rate([x for x in m.modules() if isinstance(x, tnn.Dropout)], "dropout")
+    module = SeedGroupedQueryAttention(
+        num_heads=n, num_kv_heads=kv, head_dim=h, use_bias=bias, dropout_rate=rate,
+        out_features=None if lo.out_features == lq.in_features else lo.out_features)
+    return _Conversion(module, maps)
+
+
+def _seed_input_embedding(m: Any, overrides: dict[str, Any]) -> _Conversion:
+    import torch.nn as tnn
+
+    emb, pos = m.token_embedding, m.position_embedding
+    v, d = emb.num_embeddings, emb.embedding_dim
+    if emb.max_norm is not None or emb.scale_grad_by_freq:
+        raise UserError("token_embedding: max_norm / scale_grad_by_freq are not supported (the "
+                        "mirror is a plain lookup)")
+    if pos.ndim != 3 or pos.shape[0] != 1 or pos.shape[2] != d:
+        raise UserError(f"position_embedding: expected shape (1, max_len, {d}) (forward adds "
+                        f"position_embedding[:, :T]), got {tuple(pos.shape)}")
+    own = getattr(m, "d_model", d)
+    if own != d:
+        raise UserError(f"d_model={own!r} differs from token_embedding's width {d}; the mirror "
+                        "scales the embeddings by sqrt(width)")
+    shape = tuple(pos.shape)
+    maps = [TensorMap("token_embedding.weight", (v, d), ((("token_embedding", "embedding"), (v, d)),)),
+            TensorMap("position_embedding", shape, ((("position_embedding",), shape),))]
+    rate = _only_dropout_rate([x for x in m.modules() if isinstance(x, tnn.Dropout)], "dropout")
+    return _Conversion(SeedInputEmbedding(vocab_size=v, features=d, max_len=shape[1],
+                                          dropout_rate=rate), maps)
+
+
+def _seed_patch_embed(m: Any, overrides: dict[str, Any]) -> _Conversion:
+    conv = m.proj
+    kernel, stride = tuple(conv.kernel_size), tuple(conv.stride)
+    if kernel != stride:
+        raise UserError(f"proj: kernel_size={kernel} != stride={stride}; only non-overlapping "
+                        "patches (kernel_size == stride) are supported")
+    if conv.padding not in ((0, 0), "valid") or tuple(conv.dilation) != (1, 1) or conv.groups != 1:
+        raise UserError(f"proj: padding={conv.padding}, dilation={conv.dilation}, groups="
+                        f"{conv.groups}; only padding 0, dilation 1 and groups 1 are supported")
+    d, c = conv.out_channels, conv.in_channels
+    bias = conv.bias is not None
+    maps = [TensorMap("proj.weight", (d, c) + kernel, ((("proj", "kernel"), kernel + (c, d)),),
+                      transpose=(2, 3, 1, 0))]                                  # OIHW -> HWIO
+    if bias:
+        maps.append(TensorMap("proj.bias", (d,), ((("proj", "bias"), (d,)),)))
+    return _Conversion(SeedPatchEmbed(features=d, patch_size=kernel, in_channels=c, use_bias=bias),
+                       maps)
+
+
+def _seed_sdpa(m: Any, overrides: dict[str, Any]) -> _Conversion:
+    rate = _only_dropout_rate(list(m.children()), "dropout")
+    return _Conversion(SeedScaledDotProductAttention(dropout_rate=rate), [])
+
+
+# ----------------------------------------------------------------------------- seed: whole models
+
+_BLOCK_FIELDS = ("num_heads", "head_dim", "mlp_dim", "activation", "pre_norm", "norm_eps",
+                 "use_bias", "norm_bias", "dropout_rate", "attention_dropout_rate",
+                 "mlp_dropout_rate")
+_BLOCK_OVERRIDES = ("norm_first", "num_heads", "activation")
+
+
+def _nest(maps: list[TensorMap], tp: str, fp: tuple[str, ...]) -> list[TensorMap]:
+    """Maps of a submodule moved under state-dict key prefix ``tp`` and Flax path ``fp``."""
+    return [dataclasses.replace(t, key=tp + t.key, targets=tuple((fp + p, s) for p, s in t.targets))
+            for t in maps]
+
+
+def _part(child: Any, name: str, flax_name: str, want: type, overrides: dict[str, Any]) -> _Conversion:
+    """A submodule (attribute path ``name``) converted by the rules above; must give ``want``."""
+    import torch.nn as tnn
+
+    if not isinstance(child, tnn.Module):
+        raise UserError(f"{name}: expected a torch module, got {type(child).__name__}")
+    try:
+        conv = _recognise(child, dict(overrides))
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{name}: {e}") from e
+    if not isinstance(conv.module, want):
+        raise UserError(f"{name}: expected a module that converts to {want.__name__}, got "
+                        f"{type(child).__name__} (-> {type(conv.module).__name__})")
+    return _Conversion(conv.module, _nest(conv.maps, f"{name}.", (flax_name,)))
+
+
+def _differences(a: dict, b: dict) -> str:
+    return ", ".join(f"{k}: {a.get(k)!r} vs {b.get(k)!r}" for k in sorted(set(a) | set(b))
+                     if a.get(k) != b.get(k))
+
+
+def _stack_of(layers: Any, name: str, want: type, overrides: dict[str, Any]) -> tuple[dict, list]:
+    """(shared block fields, maps) of a ModuleList of seed layers ``name.{i}`` -> ``name_{i}``."""
+    import torch.nn as tnn
+
+    if not isinstance(layers, tnn.ModuleList) or not len(layers):
+        raise UserError(f"{name}: expected a non-empty nn.ModuleList of layers, got "
+                        f"{type(layers).__name__}")
+    cfgs, maps = [], []
+    for i, layer in enumerate(layers):
+        conv = _part(layer, f"{name}.{i}", f"{name}_{i}", want, overrides)
+        cfgs.append({f: getattr(conv.module, f) for f in _BLOCK_FIELDS})
+        maps += conv.maps
+    for i, cfg in enumerate(cfgs[1:], start=1):
+        if cfg != cfgs[0]:
+            raise UserError(f"{name}.{i} is configured differently from {name}.0 "
+                            f"({_differences(cfgs[0], cfg)}); the mirror stacks identical layers")
+    return cfgs[0], maps
+
+
+def _embeddings(m: Any, emb_name: str, pe_name: str) -> tuple[dict, list[TensorMap]]:
+    """(SeedTransformer embedding fields, maps) of an InputEmbedding + PositionalEncoding pair."""
+    emb = _part(getattr(m, emb_name, None), emb_name, emb_name, SeedInputEmbedding, {})
+    pe = _part(getattr(m, pe_name, None), pe_name, pe_name, SeedPositionalEncoding, {})
+    e, p = emb.module, pe.module
+    cfg = dict(vocab_size=e.vocab_size, d_model=e.features, max_len=e.max_len,
+               embedding_dropout_rate=e.dropout_rate, pe_max_len=p.max_len,
+               pe_dropout_rate=p.dropout_rate)
+    return cfg, emb.maps + pe.maps
+
+
+def _decoder_mask(m: Any) -> str:
+    """Which of SeedTransformer's decoder masks the module's ``generate_mask`` builds."""
+    import torch
+
+    if not callable(getattr(m, "generate_mask", None)):
+        raise UserError("generate_mask: an encoder-decoder Transformer needs its generate_mask(size) "
+                        "method (the decoder's tgt_mask)")
+    t = 5
+    with torch.no_grad():
+        keep = torch.as_tensor(m.generate_mask(t)) != 0       # the decoder reads mask == 0 as blocked
+    ones = torch.ones(t, t, dtype=torch.bool)
+    if tuple(keep.shape) == (t, t) and torch.equal(keep.cpu(), torch.triu(ones, diagonal=1)):
+        return "future"
+    if tuple(keep.shape) == (t, t) and torch.equal(keep.cpu(), torch.tril(ones)):
+        return "causal"
+    raise UserError(f"generate_mask({t}) gives {keep.int().tolist()} (nonzero = may attend, as the "
+                    "decoder layers read it); supported: the tutorial's triu(ones, diagonal=1) and "
+                    "a causal tril(ones)")
+
+
+def _seed_transformer_parts(m: Any, overrides: dict[str, Any]) -> tuple[dict, list[TensorMap]]:
+    """(SeedTransformer fields, maps) of the tutorial's whole Transformer."""
+    import torch.nn as tnn
+
+    enc_only = getattr(m, "encoder_only", False)
+    if not isinstance(enc_only, bool):
+        raise UserError(f"encoder_only: expected a bool, got {enc_only!r}")
+    blocks = {k: v for k, v in overrides.items() if k in _BLOCK_OVERRIDES}
+    cfg, maps = _embeddings(m, "embedding", "pos_encoder")
+    block, layer_maps = _stack_of(getattr(m, "encoder_layers", None), "encoder_layers",
+                                  SeedEncoderBlock, blocks)
+    maps += layer_maps
+    if not enc_only:
+        dec, dec_maps = _embeddings(m, "decoder_embedding", "decoder_pos_encoder")
+        if dec != cfg:
+            raise UserError("decoder_embedding/decoder_pos_encoder are configured differently from "
+                            f"embedding/pos_encoder ({_differences(cfg, dec)}); the mirror has one "
+                            "embedding configuration")
+        dec_block, layer_maps = _stack_of(getattr(m, "decoder_layers", None), "decoder_layers",
+                                          SeedDecoderLayer, blocks)
+        if dec_block != block:
+            raise UserError(f"decoder_layers are configured differently from encoder_layers "
+                            f"({_differences(block, dec_block)}); the mirror has one layer "
+                            "configuration")
+        maps += dec_maps + layer_maps
+        cfg.update(num_decoder_layers=len(m.decoder_layers), decoder_mask=_decoder_mask(m))
+    d, v = cfg["d_model"], cfg["vocab_size"]
+    clf = getattr(m, "classifier", None)
+    if not isinstance(clf, tnn.Linear) or (clf.in_features, clf.out_features) != (d, v):
+        raise UserError(f"classifier: expected nn.Linear({d}, {v}) (d_model -> vocab_size), got {clf!r}")
+    maps += linear("classifier.", ("classifier",), d, v, bias=clf.bias is not None)
+    cfg.update(block, num_layers=len(m.encoder_layers), encoder_only=enc_only,
+               classifier_bias=clf.bias is not None)
+    return cfg, maps
+
+
+def _seed_transformer(m: Any, overrides: dict[str, Any]) -> _Conversion:
+    cfg, maps = _seed_transformer_parts(m, overrides)
+    return _Conversion(SeedTransformer(**cfg), maps)
+
+
+def _check_linear(m: Any, name: str, d_in: int, d_out: int, bias: bool | None = True) -> bool:
+    import torch.nn as tnn
+
+    lin = getattr(m, name, None)
+    if not isinstance(lin, tnn.Linear) or (lin.in_features, lin.out_features) != (d_in, d_out):
+        raise UserError(f"{name}: expected nn.Linear({d_in}, {d_out}), got {lin!r}")
+    if bias is not None and (lin.bias is not None) != bias:
+        raise UserError(f"{name}: expected {'a' if bias else 'no'} bias, as in the tutorial's class")
+    return lin.bias is not None
+
+
+def _seed_lm_parts(m: Any, overrides: dict[str, Any], kind: str,
+                   heads: str) -> tuple[dict, list[TensorMap]]:
+    """The ``transformer`` of the tutorial's BERT/GPT, and the check that the class can run."""
+    if not _is_seed_transformer(m.transformer):
+        raise UserError("transformer: expected the tutorial's Transformer (embedding, pos_encoder, "
+                        f"encoder_layers, classifier), got {type(m.transformer).__name__}")
+    cfg, maps = _seed_transformer_parts(m.transformer, overrides)
+    if not cfg["encoder_only"]:
+        raise UserError(f"transformer: the {kind} calls transformer(input_ids) without target ids, "
+                        "which only an encoder_only=True Transformer accepts")
+    d, v = cfg["d_model"], cfg["vocab_size"]
+    if v != d:
+        raise UserError(
+            f"the tutorial's {kind} cannot run with vocab_size={v} != d_model={d}: its forward "
+            f"applies {heads} to transformer(input_ids), which is the Transformer's classifier "
+            f"output -- (B, T, {v}) vocabulary logits, not (B, T, {d}) hidden states -- so PyTorch "
+            "raises 'mat1 and mat2 shapes cannot be multiplied' and there is nothing to convert. "
+            "Convert its encoder on its own (from_torch(model.transformer)), or fix the class so "
+            "that its heads read the hidden states")
+    return cfg, _nest(maps, "transformer.", ("transformer",))
+
+
+def _seed_bert(m: Any, overrides: dict[str, Any]) -> _Conversion:
+    import torch.nn as tnn
+
+    heads = "pooler = Linear(d_model, d_model) and masked_lm_predictor = Linear(d_model, vocab_size)"
+    cfg, maps = _seed_lm_parts(m, overrides, "BERT", heads)
+    d, v = cfg["d_model"], cfg["vocab_size"]
+    if not isinstance(getattr(m, "activation", None), tnn.Tanh):
+        raise UserError(f"activation: expected nn.Tanh (the pooler's), got "
+                        f"{getattr(m, 'activation', None)!r}")
+    for name, d_out in (("pooler", d), ("next_sentence_predictor", 2), ("masked_lm_predictor", v)):
+        _check_linear(m, name, d, d_out)
+        maps += linear(f"{name}.", (name,), d, d_out)
+    return _Conversion(SeedBERT(**cfg), maps)
+
+
+def _seed_gpt(m: Any, overrides: dict[str, Any]) -> _Conversion:
+    cfg, maps = _seed_lm_parts(m, overrides, "GPT", "lm_head = Linear(d_model, vocab_size)")
+    d, v = cfg["d_model"], cfg["vocab_size"]
+    bias = _check_linear(m, "lm_head", d, v, bias=None)
+    maps += linear("lm_head.", ("lm_head",), d, v, bias=bias)
+    return _Conversion(SeedGPT(**cfg, lm_head_bias=bias), maps)

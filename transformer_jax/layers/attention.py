@@ -41,15 +41,16 @@ import jax.numpy as jnp
 from ..errors import UserError
 from . import cpu_tuning
 from .attention_base import NEG, block, check_broadcast, check_qkv, fill_empty_rows, group_heads
-from .chunked_attention import chunked_attention
+from .chunked_attention import chunked_attention, default_chunk
 from .dense import Dense, Initializer, default_kernel_init
 from .embeddings import apply_rope
 from .flash_attention import BlockSizes, flash_attention
-from .masks import causal_mask, combine_masks
+from .linear_attention import DEFAULT_CHUNK, linear_attention, linear_attention_step
+from .masks import AttentionPattern, causal_mask, combine_masks
 
 Array = jax.Array
 
-IMPLEMENTATIONS = ("auto", "xla", "chunked", "pallas", "jax", "cudnn")
+IMPLEMENTATIONS = ("auto", "xla", "chunked", "pallas", "jax", "cudnn", "linear")
 PLATFORMS = ("cpu", "gpu", "tpu")
 
 # ----------------------------------------------------------------------------- reference
@@ -210,9 +211,15 @@ def cudnn_problems(q: Array, k: Array, v: Array) -> list[str]:
     return problems
 
 
-def _jax_attention(q, k, v, mask, bias, scale, causal, use_cudnn: bool):
-    """``jax.nn.dot_product_attention``, through cuDNN or XLA's own path."""
+def _jax_attention(q, k, v, mask, bias, scale, causal, use_cudnn: bool, pattern=None):
+    """``jax.nn.dot_product_attention``, through cuDNN or XLA's own path; a window is its
+    ``local_window_size`` (cuDNN's sliding window), a sparse pattern a mask."""
     t, s = q.shape[1], k.shape[1]
+    window = None
+    if pattern is not None and pattern.kind == "window":
+        window = (pattern.size - 1, 0 if causal else pattern.size - 1)
+    elif pattern is not None:
+        mask = combine_masks(mask, pattern.mask(t, s, causal=False))
     if use_cudnn:
         # cuDNN takes masks as an additive bias of full (T, S) extent in the input dtype.
         if bias is not None:
@@ -221,7 +228,8 @@ def _jax_attention(q, k, v, mask, bias, scale, causal, use_cudnn: bool):
             mask = jnp.broadcast_to(mask, mask.shape[:2] + (t, s))
     return jax.nn.dot_product_attention(
         q, k, v, bias=bias, mask=None if mask is None else mask.astype(bool), scale=scale,
-        is_causal=causal, implementation="cudnn" if use_cudnn else "xla")
+        is_causal=causal, local_window_size=window,
+        implementation="cudnn" if use_cudnn else "xla")
 
 
 # ----------------------------------------------------------------------------- choosing
@@ -233,14 +241,18 @@ CPU_REFERENCE_MAX_LOGITS = 4096 * 4096
 
 def resolve_implementation(implementation: str, platform: str, *, dtype: Any = jnp.float32,
                            head_dim: int = 64, q_len: int = 128, kv_len: int = 128,
-                           dropout: bool = False,
-                           return_weights: bool = False) -> str:
+                           dropout: bool = False, return_weights: bool = False,
+                           pattern: AttentionPattern | None = None) -> str:
     """What ``implementation`` runs on ``platform`` ("cpu", "gpu" or "tpu") for a call
     of this description: ``"xla"``, ``"chunked"``, ``"pallas"`` or ``"cudnn"``.
 
     Explicit implementations resolve to themselves (``"jax"`` to ``"cudnn"`` or
     ``"xla"``); ``"auto"`` as the module docstring says. The training loop prints the
     result for the model's shapes when a run starts and writes it into ``config.json``.
+    With a ``pattern`` (window or sparse) ``"auto"`` takes the block paths, which skip the
+    blocks outside it: on the CPU for a window once there are 1,024 keys and 4 windows
+    (a causal window of 256 at T = 2,048: 3.6x faster than the reference; sparse patterns
+    as full attention), on a GPU/TPU the Pallas kernel (cuDNN for a window, which it has).
     """
     if implementation not in IMPLEMENTATIONS:
         raise UserError(f"unknown attention implementation {implementation!r}; "
@@ -255,8 +267,13 @@ def resolve_implementation(implementation: str, platform: str, *, dtype: Any = j
     if dropout or return_weights or q_len == 1:
         return "xla"
     if platform == "cpu":
-        return "xla" if q_len * kv_len <= CPU_REFERENCE_MAX_LOGITS else "chunked"
-    if platform == "gpu" and not _static_cudnn_problems(dtype, head_dim, q_len, kv_len):
+        window = pattern is not None and pattern.kind == "window"
+        long = q_len * kv_len > CPU_REFERENCE_MAX_LOGITS or (
+            window and kv_len >= max(1024, 4 * pattern.size))
+        return "chunked" if long else "xla"
+    cudnn_ok = pattern is None or pattern.kind == "window"
+    if platform == "gpu" and cudnn_ok and not _static_cudnn_problems(dtype, head_dim, q_len,
+                                                                     kv_len):
         return "cudnn"
     return "pallas"
 
@@ -267,7 +284,7 @@ def _static_cudnn_problems(dtype, head_dim, q_len, kv_len) -> list[str]:
     return cudnn_problems(q, k, k)
 
 
-def _kernel(name: str, platform: str, q_chunk, kv_chunk):
+def _kernel(name: str, platform: str, q_chunk, kv_chunk, pattern=None):
     """The kernel call ``f(q, k, v, mask, bias, scale, causal)`` of one implementation."""
     if name == "pallas":
         blocks = None
@@ -276,10 +293,10 @@ def _kernel(name: str, platform: str, q_chunk, kv_chunk):
         kernel_platform = platform if platform in ("gpu", "tpu") else "interpret"
         return lambda q, k, v, mask, bias, scale, causal: flash_attention(
             q, k, v, bias=bias, mask=mask, causal=causal, scale=scale, block_sizes=blocks,
-            platform=kernel_platform)
+            platform=kernel_platform, pattern=pattern)
     use_cudnn = name == "cudnn"
     return lambda q, k, v, mask, bias, scale, causal: _jax_attention(
-        q, k, v, mask, bias, scale, causal, use_cudnn)
+        q, k, v, mask, bias, scale, causal, use_cudnn, pattern)
 
 
 def _mesh_specs(q: Array, k: Array, mask: Array | None, bias: Array | None):
@@ -329,6 +346,7 @@ class _Call:
     kv_chunk: int | None
     cpu_tuning: bool
     mesh_specs: tuple | None    # ``_mesh_specs`` of the call, resolved outside the trace
+    pattern: AttentionPattern | None = None
 
 
 # Jitted with the call's settings static, so that the layers of a model, which attend with
@@ -338,13 +356,18 @@ class _Call:
 def _attend(q, k, v, mask, bias, *, call: _Call):
     """One implementation on one platform; the kernels run per device under a mesh."""
     if call.implementation == "xla":
+        if call.pattern is not None:
+            mask = combine_masks(mask, call.pattern.mask(q.shape[1], k.shape[1], causal=False))
         return xla_attention(q, k, v, mask, bias, call.scale, call.causal,
                              precision=call.precision, query_block=call.q_chunk,
                              cpu_tuning_on=call.cpu_tuning)[0]
     if call.implementation == "chunked":
         return chunked_attention(q, k, v, mask, bias, call.scale, call.causal, 0.0, None, True,
-                                 call.precision, call.q_chunk or 512, call.kv_chunk or 512)
-    kernel = _kernel(call.implementation, call.platform, call.q_chunk, call.kv_chunk)
+                                 call.precision, call.q_chunk or default_chunk(call.pattern),
+                                 call.kv_chunk or default_chunk(call.pattern),
+                                 pattern=call.pattern)
+    kernel = _kernel(call.implementation, call.platform, call.q_chunk, call.kv_chunk,
+                     call.pattern)
     if call.mesh_specs is None:
         return kernel(q, k, v, mask, bias, call.scale, call.causal)
     *in_specs, out_spec = call.mesh_specs
@@ -373,15 +396,32 @@ def _per_platform(q, k, v, mask, bias, choose, *, kernel_chunks: bool, q_chunk, 
                                       rocm=branch("gpu"), tpu=branch("tpu"), default=branch("cpu"))
 
 
-def _auto_attention(q, k, v, mask, bias, scale, causal, precision, q_chunk, kv_chunk, tuned):
+def _auto_attention(q, k, v, mask, bias, scale, causal, precision, q_chunk, kv_chunk, tuned,
+                    pattern):
     """``implementation="auto"``: one branch per platform, chosen at lowering time. The
     kernels keep their own block sizes; ``q_chunk``/``kv_chunk`` reach the reference and
     the chunked path."""
-    describe = dict(dtype=q.dtype, head_dim=q.shape[-1], q_len=q.shape[1], kv_len=k.shape[1])
+    describe = dict(dtype=q.dtype, head_dim=q.shape[-1], q_len=q.shape[1], kv_len=k.shape[1],
+                    pattern=pattern)
     choose = lambda platform: resolve_implementation("auto", platform, **describe)  # noqa: E731
     return _per_platform(q, k, v, mask, bias, choose, kernel_chunks=False, q_chunk=q_chunk,
                          kv_chunk=kv_chunk, scale=float(scale), causal=causal,
-                         precision=precision, cpu_tuning=tuned)
+                         precision=precision, cpu_tuning=tuned, pattern=pattern)
+
+
+def _linear(q, k, v, mask, bias, causal, dropout, return_weights, pattern, precision, chunk):
+    """``implementation="linear"``: what linear attention cannot take, refused by name;
+    ``chunk`` (``q_chunk``) is the causal scan's chunk."""
+    refused = [name for name, present in (("a bias", bias is not None), ("dropout", dropout),
+                                          ("returned weights", return_weights),
+                                          ("a window/sparse pattern", pattern is not None))
+               if present]
+    if refused:
+        raise UserError(f"implementation='linear' (linear attention) has no {', '.join(refused)}:"
+                        " it never forms the (T, S) weights; use a softmax implementation "
+                        "('auto', 'xla', 'chunked', 'pallas') for them")
+    return linear_attention(q, k, v, mask=mask, causal=causal, precision=precision,
+                            chunk=chunk or DEFAULT_CHUNK)
 
 
 # ----------------------------------------------------------------------------- public
@@ -404,6 +444,7 @@ def dot_product_attention(
     q_chunk: int | None = None,
     kv_chunk: int | None = None,
     cpu_tuning: bool = True,
+    pattern: AttentionPattern | None = None,
 ):
     """``softmax(Q K^T * scale + bias, masked) V`` for every head.
 
@@ -419,12 +460,23 @@ def dot_product_attention(
       dropout_rate, dropout_rng, deterministic: dropout on the attention weights.
       return_weights: also return the (B, N, T, S) fp32 weights (the reference computes them).
       implementation: one of ``IMPLEMENTATIONS`` (module docstring).
-      q_chunk, kv_chunk: query/key block sizes of ``"chunked"`` (default 512) and of
+      q_chunk, kv_chunk: query/key block sizes of ``"chunked"`` (default 512; with a pattern,
+        ``chunked_attention.default_chunk``) and of
         ``"pallas"`` (powers of two; default per platform, ``flash_attention.BlockSizes``);
-        ``q_chunk`` is also the query block of causal ``"xla"`` attention (default 64, or
+        ``q_chunk`` is also the chunk of causal ``"linear"`` attention (default 64) and
+        the query block of causal ``"xla"`` attention (default 64, or
         T / 8 beyond T = 512; a value >= T computes the whole (T, S) square). Under
         ``"auto"`` they reach the reference and chunked paths; the kernels keep their own.
       cpu_tuning: the reference's XLA:CPU derivative layouts (``cpu_tuning.py``).
+      pattern: a sliding window or a strided/fixed sparse pattern
+        (``masks.AttentionPattern``; self-attention, query i and key i the same token),
+        ANDed with the mask and causality. ``"xla"`` applies it as a mask; ``"chunked"``
+        and ``"pallas"`` skip the key blocks it excludes (a window: O(T W) time and
+        memory); ``"jax"``/``"cudnn"`` pass a window as ``local_window_size``.
+
+    ``implementation="linear"`` is not softmax attention: it is linear attention
+    (``linear_attention.py``, Katharopoulos et al. 2020: feature map elu + 1, O(T)), which
+    takes key-padding masks only and no bias, scale, dropout or pattern.
 
     Returns:
       (B, T, N, Hv) in value's dtype, or ``(out, weights)`` when ``return_weights``.
@@ -443,9 +495,14 @@ def dot_product_attention(
                         "but no dropout_rng was given")
     rng = dropout_rng if dropout else None
 
+    if implementation == "linear":
+        return _linear(query, key, value, mask, bias, causal, dropout, return_weights, pattern,
+                       precision, q_chunk)
     if implementation == "auto" and (dropout or return_weights or t == 1):
         implementation = "xla"
     if implementation == "xla":
+        if pattern is not None:
+            mask = combine_masks(mask, pattern.mask(t, s, causal=False))
         out, weights = xla_attention(query, key, value, mask, bias, scale, causal, dropout_rate,
                                      rng, precision, return_weights, q_chunk, cpu_tuning)
         return (out, weights) if return_weights else out
@@ -454,14 +511,17 @@ def dot_product_attention(
                         f"{implementation!r} path never materialises the weights)")
     if implementation == "chunked":
         return chunked_attention(query, key, value, mask, bias, scale, causal, dropout_rate,
-                                 rng, deterministic, precision, q_chunk or 512, kv_chunk or 512)
+                                 rng, deterministic, precision, q_chunk or default_chunk(pattern),
+                                 kv_chunk or default_chunk(pattern),
+                                 pattern=pattern)
     if dropout:
         raise UserError(f"implementation={implementation!r} has no attention dropout; "
                         "use implementation='auto', 'xla' or 'chunked', or dropout_rate=0")
     if implementation == "auto":
         return _auto_attention(query, key, value, mask, bias, scale, causal, precision,
-                               q_chunk, kv_chunk, cpu_tuning)
-    settings = dict(scale=float(scale), causal=causal, precision=precision, cpu_tuning=cpu_tuning)
+                               q_chunk, kv_chunk, cpu_tuning, pattern)
+    settings = dict(scale=float(scale), causal=causal, precision=precision, cpu_tuning=cpu_tuning,
+                    pattern=pattern)
     if implementation == "pallas":
         # one source for every platform: Mosaic, Triton or interpret mode, chosen at lowering
         return _per_platform(query, key, value, mask, bias, lambda platform: "pallas",
@@ -514,6 +574,15 @@ class MultiHeadAttention(nn.Module):
     rotated keys; PEFT hands its prefix tensors over as they are). With a KV cache the
     prefix is not stored in it: it is put in front of the cache's keys and values at
     every step. Returned weights then cover (B, N, T, P + S).
+
+    Efficient attention (self-attention only; the cross-attention never takes them):
+    ``pattern`` (``masks.AttentionPattern``: a sliding window or Child et al.'s strided /
+    fixed sparse pattern) is handed to ``dot_product_attention``, whose block paths skip
+    what it excludes. Decoding with a window of W keeps a ring of W cache slots when the
+    cache would be longer (slot = position mod W; memory independent of the generated
+    length): each step attends over the ring and its new keys. ``implementation="linear"``
+    is linear attention; its decode cache is the constant-size recurrent state
+    ``linear_state`` (B, K, H, Hv) and ``linear_norm`` (B, K, H) instead of keys and values.
     """
     num_heads: int
     num_kv_heads: int | None = None
@@ -534,6 +603,7 @@ class MultiHeadAttention(nn.Module):
     precision: Any = None
     cpu_tuning: bool = True
     prefix_tokens: int = 0                          # prefix tuning: P learned keys/values
+    pattern: AttentionPattern | None = None         # window / sparse (self-attention only)
 
     def _dims(self, d: int) -> tuple[int, int, int]:
         n = self.num_heads
@@ -573,12 +643,15 @@ class MultiHeadAttention(nn.Module):
 
     def _self_cache(self, q, k, v, mask, causal, positions, rope: bool):
         """Append k, v (B, T, K, H) at ``cache_index``; return q, the whole cache, the mask
-        over it and causal=False (the mask now holds causality)."""
+        over it and causal=False (the mask now holds causality and the pattern)."""
         cached = self.has_variable("cache", "cached_key")
         heads_first = functools.partial(jnp.swapaxes, axis1=1, axis2=2)    # (B, K, S, H)
-        cached_key = self.variable("cache", "cached_key", jnp.zeros, heads_first(k).shape, k.dtype)
-        cached_value = self.variable("cache", "cached_value", jnp.zeros, heads_first(v).shape,
-                                     v.dtype)
+        slots = k.shape[1]
+        if self.pattern is not None and self.pattern.kind == "window":
+            slots = min(slots, self.pattern.size)            # a ring of W slots (docstring)
+        shape = lambda x: (x.shape[0], x.shape[2], slots, x.shape[3])    # noqa: E731
+        cached_key = self.variable("cache", "cached_key", jnp.zeros, shape(k), k.dtype)
+        cached_value = self.variable("cache", "cached_value", jnp.zeros, shape(v), v.dtype)
         cache_index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
         if not cached:                       # creating the cache: attend as without one
             return q, k, v, mask, causal, rope
@@ -586,6 +659,10 @@ class MultiHeadAttention(nn.Module):
         if rope:                             # cached keys are stored rotated
             pos = self.prefix_tokens + idx + jnp.arange(t) if positions is None else positions
             q, k = self._rope(q, pos), self._rope(k, pos)
+        if (self.pattern is not None and self.pattern.kind == "window"
+                and cached_key.value.shape[2] == self.pattern.size):
+            return (q, *self._ring(cached_key, cached_value, cache_index, k, v, mask), False,
+                    False)
         ck = jax.lax.dynamic_update_slice(
             cached_key.value, heads_first(k).astype(cached_key.value.dtype), (0, 0, idx, 0))
         cv = jax.lax.dynamic_update_slice(
@@ -595,9 +672,66 @@ class MultiHeadAttention(nn.Module):
         s_max = k.shape[1]
         filled = (causal_mask(t, s_max, offset=idx) if causal
                   else (jnp.arange(s_max) < idx + t)[None, None, None, :])
+        if self.pattern is not None:
+            filled = filled & self.pattern.mask(t, s_max, causal=False, offset=idx)
         if mask is not None:
             mask = check_broadcast(mask, "mask", (b, self.num_heads, t, s_max))
         return q, k, v, combine_masks(mask, filled), False, False
+
+    def _ring(self, cached_key, cached_value, cache_index, k, v, mask):
+        """Sliding-window decoding over a ring of W slots (slot = position mod W; causal).
+
+        The T new positions idx .. idx+T-1 attend over the ring (positions before idx)
+        and over themselves; slot j holds the latest position p < idx with p = j mod W.
+        ``mask`` is in absolute positions, (B|1, 1, 1|T, S_max), as for the full cache.
+        Returns keys and values (B, W + T, K, H) and their mask (B|1, 1|N, T, W + T)."""
+        w, idx, t = self.pattern.size, cache_index.value, k.shape[1]
+        heads_first = functools.partial(jnp.swapaxes, axis1=1, axis2=2)
+        slot = jnp.arange(w)
+        old_pos = idx - 1 - jnp.mod(idx - 1 - slot, w)                      # (W,), -1..: empty
+        q_pos = idx + jnp.arange(t)[:, None]                                 # (T, 1)
+        new_pos = idx + jnp.arange(t)
+        key_pos = jnp.concatenate([old_pos, new_pos])                        # (W + T,)
+        allowed = (key_pos >= 0) & (key_pos <= q_pos) & (q_pos - key_pos < w)   # (T, W + T)
+        if mask is not None:
+            mask = jnp.take(mask, jnp.clip(key_pos, 0, mask.shape[-1] - 1), axis=-1)
+        keys = jnp.concatenate([heads_first(cached_key.value), k.astype(cached_key.value.dtype)], 1)
+        values = jnp.concatenate([heads_first(cached_value.value),
+                                  v.astype(cached_value.value.dtype)], 1)
+        keep = min(t, w)                     # the newest W positions go into the ring
+        write = jnp.mod(idx + t - keep + jnp.arange(keep), w)
+        cached_key.value = cached_key.value.at[:, :, write].set(heads_first(k[:, t - keep:])
+                                                                .astype(cached_key.value.dtype))
+        cached_value.value = cached_value.value.at[:, :, write].set(
+            heads_first(v[:, t - keep:]).astype(cached_value.value.dtype))
+        cache_index.value = idx + t
+        return keys, values, combine_masks(mask, allowed[None, None])
+
+    def _linear_cache(self, q, k, v, mask, positions, rope: bool):
+        """Linear attention's decode cache: the recurrent state replaces keys and values.
+        Returns the attention output (B, T, N, Hv), or None while the cache is created."""
+        cached = self.has_variable("cache", "linear_state")
+        (b, t, kh, h), hv = k.shape, v.shape[-1]
+        state = self.variable("cache", "linear_state", jnp.zeros, (b, kh, h, hv), jnp.float32)
+        norm = self.variable("cache", "linear_norm", jnp.zeros, (b, kh, h), jnp.float32)
+        cache_index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
+        if not cached:
+            return None
+        idx = cache_index.value
+        if rope:
+            pos = idx + jnp.arange(t) if positions is None else positions
+            q, k = self._rope(q, pos), self._rope(k, pos)
+        valid = None
+        if mask is not None:                 # a key-padding mask over the absolute positions
+            if mask.ndim != 4 or mask.shape[1:3] != (1, 1):
+                raise UserError(f"{self.name}: linear attention decodes with a key-padding "
+                                f"mask (B, 1, 1, S_max) only; got {mask.shape}")
+            valid = jax.lax.dynamic_slice_in_dim(mask[:, 0, 0], idx, t, axis=1)
+            valid = jnp.broadcast_to(valid, (b, t))
+        out, state.value, norm.value = linear_attention_step(
+            q, k, v, state.value, norm.value, key_valid=valid, precision=self.precision)
+        cache_index.value = idx + t
+        return out
 
     def _with_prefix(self, k, v, mask, bias, causal, t: int):
         """Prefix tuning: the P learned keys/values in front of k, v (B, S, K, H), which
@@ -643,6 +777,10 @@ class MultiHeadAttention(nn.Module):
                             "inputs must agree on (B, S)")
         d = inputs_q.shape[-1]
         n, kh, h = self._dims(d)
+        if self.prefix_tokens and (self.pattern is not None or self.implementation == "linear"):
+            raise UserError(f"{self.name}: prefix tuning (prefix_tokens) works with full "
+                            "softmax attention only; drop the window/sparsity/linear attention "
+                            "or the prefix")
         q = self._proj(n, h, ("embed", "heads", "head_dim"), "query",
                        self.query_kernel_init)(inputs_q)                     # (B, T, N, H)
         if decode and not self_attention:
@@ -651,8 +789,15 @@ class MultiHeadAttention(nn.Module):
             k, v = self._key_value(inputs_kv, inputs_v, kh, h)
 
         rope = self.rope_base is not None and self_attention
-        if decode and self_attention:
+        pattern = self.pattern if self_attention else None
+        if decode and self_attention and self.implementation == "linear":
+            out = self._linear_cache(q, k, v, mask, positions, rope)
+            if out is not None:
+                return self._output(out, d)
+        elif decode and self_attention:
+            was_cached = self.has_variable("cache", "cached_key")
             q, k, v, mask, causal, rope = self._self_cache(q, k, v, mask, causal, positions, rope)
+            pattern = None if was_cached else pattern     # the cache's mask holds it
         if rope:
             pos = self.prefix_tokens + jnp.arange(q.shape[1]) if positions is None else positions
             q, k = self._rope(q, pos), self._rope(k, pos)
@@ -666,12 +811,17 @@ class MultiHeadAttention(nn.Module):
             q, k, v, mask=mask, bias=bias, causal=causal, scale=self.scale,
             dropout_rate=self.dropout_rate, dropout_rng=dropout_rng, deterministic=deterministic,
             return_weights=return_weights, implementation=self.implementation,
-            precision=self.precision, cpu_tuning=self.cpu_tuning)
+            precision=self.precision, cpu_tuning=self.cpu_tuning, pattern=pattern)
         out, weights = result if return_weights else (result, None)
-        out = nn.with_logical_constraint(out, ("act_batch", "act_length", "act_heads", "act_head_dim"))
-        y = Dense(self.out_features or d, in_axes=2, use_bias=self.use_bias,
-                  kernel_axes=("heads", "head_dim", "embed"), dtype=self.dtype,
-                  param_dtype=self.param_dtype, kernel_init=self.out_kernel_init or self.kernel_init,
-                  bias_init=self.bias_init, precision=self.precision,
-                  cpu_tuning=self.cpu_tuning, name="out")(out)
+        y = self._output(out, d)
         return (y, weights) if return_weights else y
+
+    def _output(self, out: Array, d: int) -> Array:
+        """The heads (B, T, N, Hv) through the output projection -> (B, T, D)."""
+        out = nn.with_logical_constraint(out, ("act_batch", "act_length", "act_heads", "act_head_dim"))
+        return Dense(self.out_features or d, in_axes=2, use_bias=self.use_bias,
+                     kernel_axes=("heads", "head_dim", "embed"), dtype=self.dtype,
+                     param_dtype=self.param_dtype,
+                     kernel_init=self.out_kernel_init or self.kernel_init,
+                     bias_init=self.bias_init, precision=self.precision,
+                     cpu_tuning=self.cpu_tuning, name="out")(out)

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from ..errors import UserError
-from .masks import as_4d, causal_mask
+from .masks import AttentionPattern, as_4d, causal_mask
 
 Array = jax.Array
 
@@ -81,24 +81,64 @@ def pad_axis(x: Array, axis: int, size: int, value=0, *, keep_broadcast: bool = 
     return jnp.pad(x, pad, constant_values=value)
 
 
-def empty_rows(mask: Array, t: int, s: int) -> Array:
-    """(Bm, Nm, T) bool: rows in which ``mask`` and the causal mask leave no key at all."""
+def empty_rows(mask: Array, t: int, s: int, causal: bool = True,
+               pattern: AttentionPattern | None = None) -> Array:
+    """(Bm, Nm, T) bool: rows in which ``mask``, causality and the pattern leave no key."""
     mask = jnp.broadcast_to(mask, mask.shape[:3] + (s,)).astype(bool)
-    if mask.shape[2] == 1:     # one key mask for every query: linear in T + S
+    rows = jnp.arange(t)
+    if mask.shape[2] == 1 and pattern is None:   # one key mask for all queries: O(T + S)
         first = jnp.argmax(mask[:, :, 0], axis=-1)[..., None]      # first allowed key
         has_any = jnp.any(mask[:, :, 0], axis=-1)[..., None]
-        return ~(has_any & (first <= jnp.arange(t)))
-    return ~jnp.any(mask & causal_mask(t, s)[0, 0], axis=-1)
+        return ~(has_any & (first <= rows)) if causal else ~has_any
+    if mask.shape[2] == 1 and pattern.kind == "window":   # allowed keys in each row's window
+        count = jnp.concatenate([jnp.zeros(mask.shape[:2] + (1,), jnp.int32),
+                                 jnp.cumsum(mask[:, :, 0], axis=-1, dtype=jnp.int32)], axis=-1)
+        lo, hi = pattern.key_span(rows, rows + 1, causal)
+        hi = rows + pattern.size if hi is None else hi
+        lo, hi = jnp.clip(lo, 0, s), jnp.clip(hi, 0, s)
+        return count[..., hi] - count[..., lo] == 0
+    allowed = (causal_mask(t, s)[0, 0] if causal else True)
+    if pattern is not None:
+        allowed = allowed & pattern.mask(t, s, causal=False)[0, 0]
+    return ~jnp.any(mask & allowed, axis=-1)
 
 
-def fill_empty_rows(out: Array, value: Array, mask: Array, t: int, s: int) -> Array:
-    """Give rows without any allowed key (causal + mask) the mean of V, as the reference does.
+def key_block_range(pattern: AttentionPattern | None, causal: bool, qa, qc: int, kc: int,
+                    nk: int):
+    """Key blocks [first, end) that the query rows [qa, qa + qc) may see: all, up to the
+    causal diagonal, or (a pattern) inside its span."""
+    lo, hi = pattern.key_span(qa, qa + qc, causal) if pattern else (0, qa + qc if causal else None)
+    end = nk if hi is None else jnp.minimum(nk, jax.lax.div(hi + kc - 1, kc))
+    return jax.lax.div(lo, kc) if pattern else 0, end
 
-    Block-skipping implementations never visit the key blocks past the causal diagonal,
-    so in such (degenerate) rows they would average over the visited keys only.
+
+def query_block_range(pattern: AttentionPattern | None, causal: bool, ka, kc: int, qc: int,
+                      nq: int):
+    """Query blocks [first, end) that may see the key rows [ka, ka + kc)."""
+    lo, hi = pattern.query_span(ka, ka + kc, causal) if pattern else (ka if causal else 0, None)
+    end = nq if hi is None else jnp.minimum(nq, jax.lax.div(hi + qc - 1, qc))
+    return jax.lax.div(lo, qc) if (pattern or causal) else 0, end
+
+
+def visit(pattern: AttentionPattern | None, causal: bool, tile, body, carry):
+    """``body(carry)`` on a tile (qa, qe, ka, ke) the pattern may reach, else ``carry``:
+    sparse patterns skip the dead tiles inside their block ranges."""
+    if pattern is None or pattern.kind == "window":
+        return body(carry)
+    return jax.lax.cond(pattern.tile_live(*tile, causal), body, lambda c: c, carry)
+
+
+def fill_empty_rows(out: Array, value: Array, mask: Array, t: int, s: int, causal: bool = True,
+                    pattern: AttentionPattern | None = None) -> Array:
+    """Give rows without any allowed key (mask + causality + pattern) the mean of V, as the
+    reference does.
+
+    Block-skipping implementations never visit the key blocks past the causal diagonal
+    (or outside a pattern's span), so in such (degenerate) rows they would average over
+    the visited keys only.
     """
     n, kh = out.shape[2], value.shape[2]
-    empty = empty_rows(mask, t, s).transpose(0, 2, 1)[..., None]            # (Bm, T, Nm, 1)
+    empty = empty_rows(mask, t, s, causal, pattern).transpose(0, 2, 1)[..., None]  # (Bm,T,Nm,1)
     mean_v = jnp.mean(value.astype(jnp.float32), axis=1)                     # (B, K, Hv)
     mean_v = jnp.repeat(mean_v, n // kh, axis=1)[:, None]                    # (B, 1, N, Hv)
     return jnp.where(empty, mean_v.astype(out.dtype), out)

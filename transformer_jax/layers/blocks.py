@@ -12,7 +12,9 @@ none (``use_bias``, ``norm_bias``), the attention ``attention_scale`` (T5: 1), r
 positions (``rope_base``), grouped-query heads, gated MLPs, and an initialiser for each
 kind of kernel. An additive logit bias (T5's relative positions) is a call argument.
 ``prefix_tokens`` > 0 gives the self-attention (never the cross-attention) P learned
-prefix keys and values (prefix tuning; ``MultiHeadAttention``'s docstring).
+prefix keys and values (prefix tuning; ``MultiHeadAttention``'s docstring), and
+``attention_pattern`` restricts it to a sliding window or a sparse pattern
+(``attention_impl="linear"`` makes it linear attention).
 
 Each block sows its intermediates (``'intermediates'`` collection, when made mutable):
 ``+sa`` after self-attention, ``+ca`` after cross-attention, ``+mlp`` after the
@@ -34,6 +36,7 @@ from ..errors import UserError
 from .attention import MultiHeadAttention
 from .cpu_tuning import residual
 from .dense import Initializer, default_kernel_init
+from .masks import AttentionPattern
 from .mlp import FeedForward
 from .norms import make_norm
 
@@ -68,6 +71,7 @@ class _BlockBase(nn.Module):
     precision: Any = None
     cpu_tuning: bool = True
     prefix_tokens: int = 0               # prefix tuning of the self-attention (0: none)
+    attention_pattern: AttentionPattern | None = None   # window / sparse self-attention
 
     def _attention(self, name: str, rope: bool) -> MultiHeadAttention:
         return MultiHeadAttention(
@@ -78,7 +82,8 @@ class _BlockBase(nn.Module):
             param_dtype=self.param_dtype, kernel_init=self.kernel_init,
             query_kernel_init=self.query_kernel_init, out_kernel_init=self.out_kernel_init,
             precision=self.precision, cpu_tuning=self.cpu_tuning,
-            prefix_tokens=self.prefix_tokens if name == "self_attn" else 0, name=name)
+            prefix_tokens=self.prefix_tokens if name == "self_attn" else 0,
+            pattern=self.attention_pattern if name == "self_attn" else None, name=name)
 
     def _mlp(self) -> FeedForward:
         return FeedForward(

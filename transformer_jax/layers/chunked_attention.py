@@ -16,7 +16,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .attention_base import NEG, block, check_qkv, fill_empty_rows, group_heads, pad_axis
+from .attention_base import (NEG, block, check_qkv, fill_empty_rows, group_heads,
+                             key_block_range, pad_axis, query_block_range, visit)
+from .masks import AttentionPattern
 
 Array = jax.Array
 
@@ -33,20 +35,32 @@ class _Chunking:
     nq: int
     nk: int
     dropout_rate: float        # 0.0: no dropout
-    skip: bool                 # skip key blocks past the causal diagonal
+    skip: bool                 # skip key blocks past the causal diagonal / the pattern
     precision: Any
+    pattern: AttentionPattern | None = None
 
 
-def _chunk_upper(c: _Chunking, qi):
-    """Key blocks visited by query block ``qi``: all, or up to the causal diagonal."""
-    if not (c.causal and c.skip):
-        return c.nk
-    return jnp.minimum(c.nk, (qi * c.qc + c.qc + c.kc - 1) // c.kc)
+def _key_blocks(c: _Chunking, qi):
+    """Key blocks [first, end) visited by query block ``qi``: all, or those the causal
+    diagonal and the pattern leave."""
+    if not c.skip:
+        return 0, c.nk
+    return key_block_range(c.pattern, c.causal, qi * c.qc, c.qc, c.kc, c.nk)
 
 
-def _chunk_lower(c: _Chunking, ki):
-    """First query block that sees key block ``ki``."""
-    return (ki * c.kc) // c.qc if (c.causal and c.skip) else 0
+def _query_blocks(c: _Chunking, ki):
+    """Query blocks [first, end) that see key block ``ki``."""
+    if not c.skip:
+        return 0, c.nq
+    return query_block_range(c.pattern, c.causal, ki * c.kc, c.kc, c.qc, c.nq)
+
+
+def _visit(c: _Chunking, qi, ki, body, carry):
+    """``body(carry)`` unless the pattern leaves the (qi, ki) tile without a pair."""
+    if not c.skip:
+        return body(carry)
+    tile = (qi * c.qc, qi * c.qc + c.qc, ki * c.kc, ki * c.kc + c.kc)
+    return visit(c.pattern, c.causal, tile, body, carry)
 
 
 def _chunk_scores(c: _Chunking, q_blk, k_blk, qi, ki, bias, mask):
@@ -67,6 +81,8 @@ def _chunk_scores(c: _Chunking, q_blk, k_blk, qi, ki, bias, mask):
     allowed = key_ok[None, :]
     if c.causal:
         allowed = allowed & (k_pos[None, :] <= q_pos[:, None])
+    if c.pattern is not None:
+        allowed = allowed & c.pattern.allowed(q_pos[:, None], k_pos[None, :])
     allowed = allowed[None, None, None]
     if mask is not None:
         blk = block(block(mask, 2, qi * c.qc, c.qc), 3, ki * c.kc, c.kc)
@@ -90,6 +106,9 @@ def _chunk_forward(c: _Chunking, q, k, v, bias, mask, rng):
         q_blk = jax.lax.dynamic_slice_in_dim(q, qi * c.qc, c.qc, 1)
 
         def key_step(ki, carry):
+            return _visit(c, qi, ki, functools.partial(key_tile, ki), carry)
+
+        def key_tile(ki, carry):
             acc, m, l = carry                         # (B,K,G,qc,Hv), (B,K,G,qc), (B,K,G,qc)
             k_blk = jax.lax.dynamic_slice_in_dim(k, ki * c.kc, c.kc, 1)
             logits, _, key_ok = _chunk_scores(c, q_blk, k_blk, qi, ki, bias, mask)
@@ -108,7 +127,8 @@ def _chunk_forward(c: _Chunking, q, k, v, bias, mask, rng):
         init = (jnp.zeros((b, kh, g, c.qc, hv), jnp.float32),
                 jnp.full((b, kh, g, c.qc), NEG, jnp.float32),
                 jnp.zeros((b, kh, g, c.qc), jnp.float32))
-        acc, m, l = jax.lax.fori_loop(0, _chunk_upper(c, qi), key_step, init)
+        acc, m, l = jax.lax.fori_loop(*_key_blocks(c, qi), key_step, init)
+        l = jnp.where(l > 0, l, 1.0)     # a padded query row a pattern kept from every key
         return (acc / l[..., None]).astype(v.dtype), m, l
 
     out, m, l = jax.lax.map(query_block, jnp.arange(c.nq))          # out (nq, B, K, G, qc, Hv)
@@ -165,13 +185,16 @@ def _grad_q(bw: _Backward) -> Array:
     def dq_block(qi):
         q_blk, do_blk = bw.q_slices(qi)
 
-        def step(ki, dq):
+        def tile(ki, dq):
             k_blk, v_blk = bw.kv_slices(ki)
             _, ds = bw.pair(qi, ki, q_blk, k_blk, v_blk, do_blk)
             return dq + jnp.einsum("BKGQC,BCKH->BQKGH", ds.astype(k.dtype), k_blk,
                                    precision=c.precision, preferred_element_type=jnp.float32)
 
-        dq = jax.lax.fori_loop(0, _chunk_upper(c, qi), step, jnp.zeros(q_blk.shape, jnp.float32))
+        def step(ki, dq):
+            return _visit(c, qi, ki, functools.partial(tile, ki), dq)
+
+        dq = jax.lax.fori_loop(*_key_blocks(c, qi), step, jnp.zeros(q_blk.shape, jnp.float32))
         return (dq * c.scale).astype(q.dtype)
 
     dq = jax.lax.map(dq_block, jnp.arange(c.nq))                    # (nq, B, qc, K, G, H)
@@ -186,6 +209,9 @@ def _grad_kv(bw: _Backward) -> tuple[Array, Array]:
         k_blk, v_blk = bw.kv_slices(ki)
 
         def step(qi, carry):
+            return _visit(c, qi, ki, functools.partial(tile, qi), carry)
+
+        def tile(qi, carry):
             dk, dv = carry
             q_blk, do_blk = bw.q_slices(qi)
             p, ds = bw.pair(qi, ki, q_blk, k_blk, v_blk, do_blk)
@@ -196,7 +222,7 @@ def _grad_kv(bw: _Backward) -> tuple[Array, Array]:
             return dk, dv
 
         init = (jnp.zeros(k_blk.shape, jnp.float32), jnp.zeros(v_blk.shape, jnp.float32))
-        dk, dv = jax.lax.fori_loop(_chunk_lower(c, ki), c.nq, step, init)
+        dk, dv = jax.lax.fori_loop(*_query_blocks(c, ki), step, init)
         return (dk * c.scale).astype(k.dtype), dv.astype(v.dtype)
 
     dk, dv = jax.lax.map(dkdv_block, jnp.arange(c.nk))              # (nk, B, kc, K, H|Hv)
@@ -215,6 +241,9 @@ def _grad_bias(bw: _Backward) -> Array:
         q_blk, do_blk = bw.q_slices(qi)
 
         def step(ki, acc):
+            return _visit(c, qi, ki, functools.partial(tile, ki), acc)
+
+        def tile(ki, acc):
             k_blk, v_blk = bw.kv_slices(ki)
             _, ds = bw.pair(qi, ki, q_blk, k_blk, v_blk, do_blk)
             ds = ds.reshape(b, kh * g, c.qc, c.kc)                   # head n = k * G + g
@@ -224,7 +253,7 @@ def _grad_bias(bw: _Backward) -> Array:
             return jax.lax.dynamic_update_slice_in_dim(acc, ds, ki * c.kc, 3)
 
         init = jnp.zeros((bb, nb, c.qc if tb > 1 else 1, sp if sb > 1 else 1), jnp.float32)
-        return jax.lax.fori_loop(0, _chunk_upper(c, qi), step, init)
+        return jax.lax.fori_loop(*_key_blocks(c, qi), step, init)
 
     d_bias = jax.lax.map(dbias_block, jnp.arange(c.nq))             # (nq, Bb, Nb, qc|1, Sp|1)
     if tb > 1:
@@ -265,12 +294,27 @@ def _chunked_core_bwd(c, residuals, d_out):
 _chunked_core.defvjp(_chunked_core_fwd, _chunked_core_bwd)
 
 
+def default_chunk(pattern: AttentionPattern | None) -> int:
+    """Query/key block size of ``"chunked"`` when none is given: 512, and for a window the
+    power of two at or below W / 4 within [64, 512], so that few keys outside the window
+    are computed (W = 512 in blocks of 128: 5 key blocks per query block, 640 keys for 512
+    allowed). Sparse patterns keep 512: their tiles then all hold an allowed pair, and
+    smaller ones cost more loop steps than they skip (docs/performance.md, 2026-12-02)."""
+    if pattern is None or pattern.kind != "window":
+        return 512
+    return max(64, min(512, 1 << max(0, (pattern.size // 4).bit_length() - 1)))
+
+
 def chunked_attention(q, k, v, mask, bias, scale, causal, dropout_rate, dropout_rng,
-                      deterministic, precision, q_chunk, kv_chunk, skip_masked_blocks=True):
+                      deterministic, precision, q_chunk, kv_chunk, skip_masked_blocks=True,
+                      pattern: AttentionPattern | None = None):
     """Exact attention in (q_chunk, kv_chunk) blocks with an online softmax (module doc).
 
-    ``skip_masked_blocks=False`` visits every key block also under ``causal`` (the blocks
-    past the diagonal then contribute exact zeros): a reference for the skipping path.
+    ``pattern`` (a window or a strided/fixed sparse pattern, ``masks.AttentionPattern``)
+    restricts the pairs; the key blocks outside its span are never visited, and inside it
+    the tiles without an allowed pair are skipped. ``skip_masked_blocks=False`` visits
+    every key block (the blocks past the diagonal or the pattern then contribute exact
+    zeros): a reference for the skipping path.
     """
     b, t, s, n, kh, h = check_qkv(q, k, v)
     g = n // kh
@@ -279,7 +323,7 @@ def chunked_attention(q, k, v, mask, bias, scale, causal, dropout_rate, dropout_
     use_dropout = (not deterministic) and dropout_rate > 0.0
     c = _Chunking(scale=float(scale), causal=causal, t=t, s=s, qc=qc, kc=kc, nq=tp // qc,
                   nk=sp // kc, dropout_rate=float(dropout_rate) if use_dropout else 0.0,
-                  skip=skip_masked_blocks, precision=precision)
+                  skip=skip_masked_blocks, precision=precision, pattern=pattern)
     qg = pad_axis(q, 1, tp, 0).reshape(b, tp, kh, g, h)
     kp, vp = pad_axis(k, 1, sp, 0), pad_axis(v, 1, sp, 0)
     mask_p = None if mask is None else pad_axis(
@@ -288,7 +332,7 @@ def chunked_attention(q, k, v, mask, bias, scale, causal, dropout_rate, dropout_
         bias = pad_axis(pad_axis(bias, 3, sp, 0), 2, tp, 0)
     out = _chunked_core(qg, kp, vp, bias, mask_p, dropout_rng if use_dropout else None, c)
     out = out.reshape(b, tp, n, v.shape[-1])[:, :t]
-    if causal and mask is not None:
-        out = fill_empty_rows(out, v, mask, t, s)
+    if (causal or pattern is not None) and mask is not None:
+        out = fill_empty_rows(out, v, mask, t, s, causal, pattern)
     return out
 

@@ -49,7 +49,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ..errors import UserError
-from .attention_base import NEG, check_broadcast, check_qkv, fill_empty_rows, pad_axis
+from .attention_base import (NEG, check_broadcast, check_qkv, fill_empty_rows, key_block_range,
+                             pad_axis, query_block_range, visit)
+from .masks import AttentionPattern
 
 Array = jax.Array
 
@@ -117,6 +119,7 @@ class _Static:
     platform: str          # "gpu", "tpu" or "interpret"
     num_warps: int
     num_stages: int
+    pattern: AttentionPattern | None = None   # window / sparse: blocks outside it skipped
 
     @property
     def interpret(self) -> bool:
@@ -144,9 +147,12 @@ def _scores(st: _Static, q, k, q_start, k_start, bias_blk, mask_blk):
     k_pos = k_start + lax.broadcasted_iota(jnp.int32, s.shape, 1)
     key_ok = None if st.s == st.sp else k_pos < st.s
     allowed = key_ok
+    q_pos = q_start + lax.broadcasted_iota(jnp.int32, s.shape, 0)
     if st.causal:
-        q_pos = q_start + lax.broadcasted_iota(jnp.int32, s.shape, 0)
         allowed = (k_pos <= q_pos) if allowed is None else allowed & (k_pos <= q_pos)
+    if st.pattern is not None:
+        rule = st.pattern.allowed(q_pos, k_pos)
+        allowed = rule if allowed is None else allowed & rule
     if mask_blk is not None:
         allowed = (mask_blk != 0) if allowed is None else allowed & (mask_blk != 0)
     if allowed is not None:
@@ -155,16 +161,20 @@ def _scores(st: _Static, q, k, q_start, k_start, bias_blk, mask_blk):
 
 
 def _kv_blocks(st: _Static, i, bq: int, bk: int):
-    """Number of key blocks query block ``i`` visits: all, or up to the causal diagonal."""
-    nk = st.sp // bk
-    if not st.causal:
-        return nk
-    return jnp.minimum(nk, lax.div(i * bq + bq + bk - 1, bk))
+    """Key blocks [first, end) query block ``i`` visits: all, up to the causal diagonal,
+    or inside the pattern's span."""
+    return key_block_range(st.pattern, st.causal, i * bq, bq, bk, st.sp // bk)
 
 
-def _first_q_block(st: _Static, j, bq: int, bk: int):
-    """First query block that sees key block ``j`` (causal), else 0."""
-    return lax.div(j * bk, bq) if st.causal else 0
+def _q_blocks(st: _Static, j, bq: int, bk: int):
+    """Query blocks [first, end) that see key block ``j``."""
+    return query_block_range(st.pattern, st.causal, j * bk, bk, bq, st.tp // bq)
+
+
+def _visit(st: _Static, q_start, k_start, bq: int, bk: int, body, carry):
+    """``body(carry)`` unless the pattern leaves the tile without an allowed pair."""
+    return visit(st.pattern, st.causal, (q_start, q_start + bq, k_start, k_start + bk), body,
+                 carry)
 
 
 def _unpack(refs, names):
@@ -179,6 +189,9 @@ def _fwd_kernel(*refs, st: _Static, has_bias: bool, has_mask: bool):
     i = pl.program_id(2)
     q_start = i * bq
     q = r["q"][...]                                                  # (bq, H)
+
+    def step(j, carry):
+        return _visit(st, q_start, j * bk, bq, bk, functools.partial(body, j), carry)
 
     def body(j, carry):
         acc, m, l = carry                                            # (bq, Hv), (bq, 1), (bq, 1)
@@ -201,7 +214,8 @@ def _fwd_kernel(*refs, st: _Static, has_bias: bool, has_mask: bool):
     hv = r["o"].shape[-1]
     init = (jnp.zeros((bq, hv), jnp.float32), jnp.full((bq, 1), NEG, jnp.float32),
             jnp.zeros((bq, 1), jnp.float32))
-    acc, m, l = lax.fori_loop(0, _kv_blocks(st, i, bq, bk), body, init)
+    acc, m, l = lax.fori_loop(*_kv_blocks(st, i, bq, bk), step, init)
+    l = jnp.where(l > 0, l, 1.0)         # a padded query row a pattern kept from every key
     r["o"][...] = (acc / l).astype(r["o"].dtype)
     r["m"][...] = m
     r["l"][...] = l
@@ -221,6 +235,9 @@ def _dkdv_kernel(*refs, st: _Static, has_bias: bool, has_mask: bool):
             return None
         return ref[qs, :] if ref.shape[0] > 1 else ref[...]
 
+    def step(i, carry):
+        return _visit(st, i * bq, k_start, bq, bk, functools.partial(body, i), carry)
+
     def body(i, carry):
         dk, dv = carry
         q_start = pl.multiple_of(i * bq, bq)
@@ -239,7 +256,7 @@ def _dkdv_kernel(*refs, st: _Static, has_bias: bool, has_mask: bool):
         return dk, dv
 
     init = (jnp.zeros(r["dk"].shape, jnp.float32), jnp.zeros(r["dv"].shape, jnp.float32))
-    dk, dv = lax.fori_loop(_first_q_block(st, j, bq, bk), st.tp // bq, body, init)
+    dk, dv = lax.fori_loop(*_q_blocks(st, j, bq, bk), step, init)
     r["dk"][...] = (dk * st.scale).astype(r["dk"].dtype)
     r["dv"][...] = dv.astype(r["dv"].dtype)
 
@@ -254,6 +271,9 @@ def _dq_kernel(*refs, st: _Static, has_bias: bool, has_mask: bool, emit_dq: bool
     q_start = i * bq
     q, do = r["q"][...], r["do"][...]
     m, inv_l, delta = r["m"][...], 1.0 / r["l"][...], r["delta"][...]
+
+    def step(j, dq):
+        return _visit(st, q_start, j * bk, bq, bk, functools.partial(body, j), dq)
 
     def body(j, dq):
         k_start = pl.multiple_of(j * bk, bk)
@@ -275,14 +295,14 @@ def _dq_kernel(*refs, st: _Static, has_bias: bool, has_mask: bool, emit_dq: bool
             dq = dq + _dot(ds.astype(k.dtype), k, (1, 0))
         return dq
 
-    upper = _kv_blocks(st, i, bq, bk)
-    init = jnp.zeros((bq, q.shape[-1]) if emit_dq else (1, 1), jnp.float32)
-    dq = lax.fori_loop(0, upper, body, init)
-    if emit_ds and st.causal:                      # skipped key blocks: zero gradient
+    first, end = _kv_blocks(st, i, bq, bk)
+    if emit_ds and (st.causal or st.pattern is not None):   # skipped key blocks: zero gradient
         def zero(j, carry):
             r["ds"][:, pl.ds(pl.multiple_of(j * bk, bk), bk)] = jnp.zeros((bq, bk), jnp.float32)
             return carry
-        lax.fori_loop(upper, st.sp // bk, zero, 0)
+        lax.fori_loop(0, st.sp // bk, zero, 0)
+    init = jnp.zeros((bq, q.shape[-1]) if emit_dq else (1, 1), jnp.float32)
+    dq = lax.fori_loop(first, end, step, init)
     if emit_dq:
         r["dq"][...] = (dq * st.scale).astype(r["dq"].dtype)
 
@@ -430,7 +450,7 @@ def flash_attention(query: Array, key: Array, value: Array, *, bias: Array | Non
                     mask: Array | None = None, causal: bool = False, scale: float | None = None,
                     block_sizes: BlockSizes | None = None, interpret: bool | None = None,
                     platform: str | None = None, num_warps: int | None = None,
-                    num_stages: int = 2) -> Array:
+                    num_stages: int = 2, pattern: AttentionPattern | None = None) -> Array:
     """Exact attention with Pallas kernels, same conventions as ``dot_product_attention``.
 
     Args:
@@ -446,6 +466,9 @@ def flash_attention(query: Array, key: Array, value: Array, *, bias: Array | Non
         runs on (``jax.jit(f).trace(...).lower(lowering_platforms=...)``) passes it.
       num_warps, num_stages: Triton launch parameters on GPU (default 4 warps for H <= 64,
         else 8; 2 stages).
+      pattern: a window or strided/fixed sparse ``masks.AttentionPattern`` (self-attention,
+        aligned positions): key blocks outside its span are not visited, and tiles inside
+        it without an allowed pair are skipped, so a window costs O(T W).
 
     Returns: (B, T, N, Hv) in value's dtype.
     """
@@ -473,7 +496,8 @@ def flash_attention(query: Array, key: Array, value: Array, *, bias: Array | Non
     st = _Static(scale=1.0 / math.sqrt(h) if scale is None else float(scale), causal=causal,
                  t=t, s=s, tp=tp, sp=sp, groups=n // kh, bq=bq, bk=bk, bq_bwd=bq_bwd,
                  bk_bwd=bk_bwd, platform=platform,
-                 num_warps=num_warps or (4 if max(h, hv) <= 64 else 8), num_stages=num_stages)
+                 num_warps=num_warps or (4 if max(h, hv) <= 64 else 8), num_stages=num_stages,
+                 pattern=pattern)
 
     # (B, T, N, H) -> (B, N, Tp, H'): heads outermost, so that a block is a 2-D (rows, H)
     # tile; Triton also needs power-of-two head dims (zero padding changes no logit).
@@ -484,6 +508,6 @@ def flash_attention(query: Array, key: Array, value: Array, *, bias: Array | Non
     out = _flash(q, k, v, _prepare_aux(bias, t, s, tp, sp, jnp.float32),
                  _prepare_aux(mask, t, s, tp, sp, jnp.int32), st)
     out = out[:, :, :t, :hv].transpose(0, 2, 1, 3).astype(value.dtype)
-    if causal and mask is not None:
-        out = fill_empty_rows(out, value, mask, t, s)
+    if (causal or pattern is not None) and mask is not None:
+        out = fill_empty_rows(out, value, mask, t, s, causal, pattern)
     return out

@@ -19,6 +19,7 @@ from ..errors import UserError
 from ..layers.attention import IMPLEMENTATIONS, resolve_implementation
 from ..layers.dense import canonical_dtype
 from ..layers.lora import LoraConfig
+from ..layers.masks import AttentionPattern
 from ..layers.stack import REMAT_POLICIES, convert_layout
 
 C = TypeVar("C", bound="PresetConfig")
@@ -365,14 +366,100 @@ def to_config_layout(params: dict, config: Any) -> dict:
     return convert_layout(params, config.layer_stacks, scanned=config.scan_layers)
 
 
+class EfficientAttentionConfig:
+    """The efficient-attention fields the GPT, BERT and ViT configs share:
+
+      ``attention``          "softmax" (exact attention, ``attention_impl`` chooses the
+                             kernel) or "linear" (Katharopoulos et al. 2020; O(T), its
+                             decode cache a constant-size state: ``layers.linear_attention``);
+      ``attention_window``   W: each token attends to the W nearest tokens (causal: the W
+                             most recent, itself included; Mistral's ``sliding_window``);
+      ``attention_sparsity`` "strided:L" or "fixed:L:C", Child et al. (2019)'s patterns
+                             (``layers.masks.AttentionPattern``).
+
+    The block paths ("chunked", "pallas") skip what a window or pattern excludes, and
+    decoding with a window keeps a ring of W cache slots. Call
+    ``_require_attention_options`` from ``__post_init__`` after the model settings.
+    """
+
+    @property
+    def attention_pattern(self) -> AttentionPattern | None:
+        if self.attention_window is not None:
+            return AttentionPattern("window", self.attention_window)
+        if self.attention_sparsity is not None:
+            return AttentionPattern.parse(self.attention_sparsity)
+        return None
+
+    @property
+    def attention_implementation(self) -> str:
+        """``attention_impl``, or "linear" for linear attention."""
+        return "linear" if self.attention == "linear" else self.attention_impl
+
+    def attention_reach(self, seq_len: int) -> float:
+        """Keys one query's attention works over (FLOP counts): T, or the window, or the
+        pattern's keys per row; linear attention's per-token work is a head-dim-sized
+        state, so its reach is the head dim."""
+        if self.attention == "linear":
+            return self.head_dim
+        pattern = self.attention_pattern
+        if pattern is None:
+            return seq_len
+        if pattern.kind == "window":
+            return min(seq_len, pattern.size)
+        strided = seq_len / pattern.size if pattern.kind == "strided" else (
+            seq_len * pattern.summary / pattern.size)
+        return min(seq_len, pattern.size + strided)
+
+    def _require_attention_options(self) -> None:
+        name = type(self).__name__
+        self._require_choice("attention", ("softmax", "linear"))
+        self._require_number("attention_window", integer=True, minimum=1, allow_none=True)
+        if self.attention_sparsity is not None:
+            try:
+                AttentionPattern.parse(self.attention_sparsity)
+            except UserError as e:
+                raise UserError(f"{name}.attention_sparsity: {e}") from None
+        self._require_relation(
+            self.attention_window is None or self.attention_sparsity is None,
+            ("attention_window", "attention_sparsity"),
+            f"and attention_sparsity={self.attention_sparsity!r} are both set; the strided and "
+            "fixed patterns have their own local part: choose one")
+        linear = self.attention == "linear"
+        self._require_relation(
+            not linear or (self.attention_window is None and self.attention_sparsity is None),
+            ("attention", "attention_window", "attention_sparsity"),
+            "has no window or sparse pattern (it never forms the weights); unset "
+            "attention_window/attention_sparsity or use attention='softmax'")
+        self._require_relation(
+            not linear or self.attention_impl in ("auto", "linear"),
+            ("attention", "attention_impl"),
+            f"runs its own implementation; attention_impl={self.attention_impl!r} is for "
+            "softmax attention: leave it 'auto'")
+        rate = getattr(self, "attention_dropout_rate", getattr(self, "dropout_rate", 0.0))
+        self._require_relation(
+            not linear or rate == 0, ("attention", "attention_dropout_rate"),
+            f"has no attention weights to drop (attention dropout {rate}); set "
+            "attention_dropout_rate=0")
+        self._require_relation(
+            self.attention_impl != "linear" or linear, ("attention_impl", "attention"),
+            "is linear attention; choose it with attention='linear'")
+        prefix = getattr(self, "prefix_tokens", 0)
+        self._require_relation(
+            not prefix or (not linear and self.attention_pattern is None),
+            ("prefix_tokens", "attention", "attention_window", "attention_sparsity"),
+            "(prefix tuning) needs full softmax attention; unset the window/sparsity or "
+            "use attention='softmax'")
+
+
 def attention_plan(config: Any, seq_len: int, platform: str) -> dict[str, str]:
     """What ``config.attention_impl`` runs on ``platform`` ("cpu", "gpu", "tpu") for
     sequences of ``seq_len`` (a ViT's own patch count instead), in training (with its
     attention dropout) and at eval: ``{"implementation", "platform", "train", "eval"}``."""
     rate = getattr(config, "attention_dropout_rate", getattr(config, "dropout_rate", 0.0))
     seq_len = getattr(config, "seq_len", seq_len)
-    shape = dict(dtype=config.dtype, head_dim=config.head_dim, q_len=seq_len, kv_len=seq_len)
-    impl = config.attention_impl
+    shape = dict(dtype=config.dtype, head_dim=config.head_dim, q_len=seq_len, kv_len=seq_len,
+                 pattern=getattr(config, "attention_pattern", None))
+    impl = getattr(config, "attention_implementation", config.attention_impl)
     return {"implementation": impl, "platform": platform,
             "train": resolve_implementation(impl, platform, dropout=rate > 0, **shape),
             "eval": resolve_implementation(impl, platform, **shape)}

@@ -59,7 +59,7 @@ from ..layers.masks import key_padding_mask
 from ..layers.mlp import ACTIVATIONS
 from ..layers.norms import LayerNorm
 from ..layers.stack import layer_stack
-from .base import PresetConfig, check_id_values
+from .base import EfficientAttentionConfig, PresetConfig, check_id_values
 
 Array = jax.Array
 
@@ -67,7 +67,7 @@ HEADS = ("pretraining", "mlm", "base", "classification")
 
 
 @dataclasses.dataclass(frozen=True)
-class BertConfig(PresetConfig):
+class BertConfig(EfficientAttentionConfig, PresetConfig):
     vocab_size: int = 30522
     max_len: int = 512                   # learned position table size (max_position_embeddings)
     type_vocab_size: int = 2             # segment (token type) table size
@@ -88,6 +88,9 @@ class BertConfig(PresetConfig):
     remat: bool = False                  # recompute activations in the backward pass
     remat_policy: str = "nothing_saveable"
     attention_impl: str = "auto"         # layers.attention.IMPLEMENTATIONS
+    attention: str = "softmax"           # or "linear" (models/base.py EfficientAttentionConfig)
+    attention_window: int | None = None  # sliding window W (None: every key)
+    attention_sparsity: str | None = None  # "strided:L" or "fixed:L:C" (Child et al. 2019)
     cpu_tuning: bool = True              # layers/cpu_tuning.py on XLA:CPU
     dtype: str = "float32"               # compute dtype
     param_dtype: str = "float32"
@@ -111,6 +114,7 @@ class BertConfig(PresetConfig):
         self._require_rates("classifier_dropout_rate", allow_none=True)    # None: dropout_rate
         self._require_number("initializer_range", minimum=0)
         self._require_model_settings()
+        self._require_attention_options()
         self._require_divisible("d_model", "num_heads")
         self._require_token_ids("pad_token_id", allow_none=True)           # None: no pad row
 
@@ -163,7 +167,7 @@ class BertConfig(PresetConfig):
         n = self.num_params(non_embedding=True)
         if self.head in ("pretraining", "mlm"):
             n += self.vocab_size * self.d_model
-        return 6 * n + 12 * self.num_layers * self.d_model * seq_len
+        return 6 * n + 12 * self.num_layers * self.d_model * self.attention_reach(seq_len)
 
 
 # ----------------------------------------------------------------------------- layers
@@ -248,7 +252,8 @@ class BertEncoder(nn.Module):
             num_heads=cfg.num_heads, mlp_dim=cfg.mlp_features, activation=cfg.activation,
             pre_norm=False, norm="layernorm", norm_eps=cfg.norm_eps, use_bias=True,
             dropout_rate=cfg.dropout_rate, attention_dropout_rate=cfg.attention_dropout_rate,
-            attention_impl=cfg.attention_impl, dtype=dtype, param_dtype=param_dtype,
+            attention_impl=cfg.attention_implementation,
+            attention_pattern=cfg.attention_pattern, dtype=dtype, param_dtype=param_dtype,
             kernel_init=init, cpu_tuning=cfg.cpu_tuning)
         x = layer_stack(EncoderBlock, fields, cfg.num_layers, x, name="layer",
                         operands={"mask": mask}, static={"deterministic": deterministic},

@@ -36,7 +36,7 @@ from ..layers.masks import key_padding_mask
 from ..layers.mlp import ACTIVATIONS
 from ..layers.norms import make_norm
 from ..layers.stack import layer_stack
-from .base import PresetConfig, check_id_values, check_ids
+from .base import EfficientAttentionConfig, PresetConfig, check_id_values, check_ids
 
 Array = jax.Array
 
@@ -48,7 +48,7 @@ _LLAMA: dict[str, Any] = dict(
 
 
 @dataclasses.dataclass(frozen=True)
-class GPTConfig(PresetConfig):
+class GPTConfig(EfficientAttentionConfig, PresetConfig):
     vocab_size: int = 50257
     max_len: int = 1024                  # learned position table size (n_positions)
     num_layers: int = 12
@@ -71,6 +71,9 @@ class GPTConfig(PresetConfig):
     remat: bool = False                  # recompute activations in the backward pass
     remat_policy: str = "nothing_saveable"
     attention_impl: str = "auto"         # layers.attention.IMPLEMENTATIONS
+    attention: str = "softmax"           # or "linear" (models/base.py EfficientAttentionConfig)
+    attention_window: int | None = None  # sliding window W (None: every key)
+    attention_sparsity: str | None = None  # "strided:L" or "fixed:L:C" (Child et al. 2019)
     cpu_tuning: bool = True              # layers/cpu_tuning.py on XLA:CPU
     dtype: str = "float32"               # compute dtype
     param_dtype: str = "float32"
@@ -98,6 +101,12 @@ class GPTConfig(PresetConfig):
         "llama-3.2-1b": dict(_LLAMA, vocab_size=128256, max_len=8192, num_layers=16,
                              num_heads=32, num_kv_heads=8, d_model=2048, mlp_dim=8192,
                              rope_base=500000.0, tie_embeddings=True),
+        # Mistral: a Llama with a sliding window (HF sliding_window = attention_window);
+        # mistral-7b is Mistral-7B-v0.1's config.json (rms_norm_eps 1e-5, rope_theta 1e4).
+        "mistral-tiny": dict(_LLAMA, vocab_size=512, max_len=128, num_layers=2, num_heads=4,
+                             num_kv_heads=2, d_model=64, mlp_dim=176, attention_window=16),
+        "mistral-7b": dict(_LLAMA, vocab_size=32000, max_len=32768, num_layers=32, num_heads=32,
+                           num_kv_heads=8, d_model=4096, mlp_dim=14336, attention_window=4096),
     }
 
     def __post_init__(self):
@@ -114,6 +123,7 @@ class GPTConfig(PresetConfig):
         self._require_number("initializer_range", minimum=0)
         self._require_number("prefix_tokens", integer=True, minimum=0)
         self._require_model_settings()
+        self._require_attention_options()
         self._require_divisible("d_model", "num_heads")
         if self.num_kv_heads is not None:
             self._require_divisible("num_heads", "num_kv_heads")
@@ -161,7 +171,7 @@ class GPTConfig(PresetConfig):
         or the untied ``lm_head``.
         """
         n = self.num_params(non_embedding=True) + self.vocab_size * self.d_model
-        return 6 * n + 12 * self.num_layers * self.d_model * seq_len
+        return 6 * n + 12 * self.num_layers * self.d_model * self.attention_reach(seq_len)
 
 
 class GPT(nn.Module):
@@ -268,7 +278,8 @@ class GPT(nn.Module):
             num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, mlp_dim=cfg.mlp_features,
             activation=cfg.activation, gated_mlp=cfg.gated_mlp, pre_norm=True, norm=cfg.norm,
             norm_eps=cfg.norm_eps, use_bias=cfg.use_bias, dropout_rate=cfg.dropout_rate,
-            attention_dropout_rate=cfg.attention_dropout_rate, attention_impl=cfg.attention_impl,
+            attention_dropout_rate=cfg.attention_dropout_rate,
+            attention_impl=cfg.attention_implementation, attention_pattern=cfg.attention_pattern,
             rope_base=cfg.rope_base if cfg.position == "rope" else None,
             dtype=canonical_dtype(cfg.dtype), param_dtype=canonical_dtype(cfg.param_dtype),
             kernel_init=nn.initializers.normal(cfg.initializer_range), out_kernel_init=out_init,

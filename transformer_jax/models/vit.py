@@ -55,7 +55,7 @@ from ..layers.lora import LoraConfig, with_lora
 from ..layers.mlp import ACTIVATIONS
 from ..layers.norms import LayerNorm
 from ..layers.stack import convert_layout, layer_stack
-from .base import PresetConfig
+from .base import EfficientAttentionConfig, PresetConfig
 
 Array = jax.Array
 
@@ -79,7 +79,7 @@ def _variant_presets() -> dict[str, dict[str, Any]]:
 
 
 @dataclasses.dataclass(frozen=True)
-class ViTConfig(PresetConfig):
+class ViTConfig(EfficientAttentionConfig, PresetConfig):
     image_size: int = 224                # square images, H = W
     patch_size: int = 16
     num_channels: int = 3
@@ -98,6 +98,9 @@ class ViTConfig(PresetConfig):
     remat: bool = False                  # recompute activations in the backward pass
     remat_policy: str = "nothing_saveable"
     attention_impl: str = "auto"         # layers.attention.IMPLEMENTATIONS
+    attention: str = "softmax"           # or "linear" (models/base.py EfficientAttentionConfig)
+    attention_window: int | None = None  # sliding window W (None: every key)
+    attention_sparsity: str | None = None  # "strided:L" or "fixed:L:C" (Child et al. 2019)
     cpu_tuning: bool = True              # layers/cpu_tuning.py on XLA:CPU
     dtype: str = "float32"               # compute dtype
     param_dtype: str = "float32"
@@ -121,6 +124,7 @@ class ViTConfig(PresetConfig):
         self._require_number("initializer_range", minimum=0)
         self._require_bools("head_zeroinit")
         self._require_model_settings()
+        self._require_attention_options()
         self._require_divisible("d_model", "num_heads")
         self._require_relation(self.image_size % self.patch_size == 0, ("image_size", "patch_size"),
                                f"is not a multiple of patch_size={self.patch_size}; pick sizes "
@@ -189,7 +193,7 @@ class ViTConfig(PresetConfig):
         t = self.seq_len if seq_len is None else seq_len
         body = self.num_layers * self._layer_params() + 2 * self.d_model
         return (6 * self._patch_params() * (t - 1) + 6 * body * t + 6 * self._head_params()
-                + 12 * self.num_layers * self.d_model * t * t)
+                + 12 * self.num_layers * self.d_model * t * self.attention_reach(t))
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
         """:meth:`flops_per_image` / T, T = patches + 1 (``seq_len`` defaults to ``self.seq_len``)."""
@@ -405,7 +409,8 @@ class ViT(nn.Module):
             num_heads=cfg.num_heads, mlp_dim=cfg.mlp_features, activation=cfg.activation,
             pre_norm=True, norm="layernorm", norm_eps=cfg.norm_eps, use_bias=True,
             dropout_rate=cfg.dropout_rate, attention_dropout_rate=cfg.attention_dropout_rate,
-            attention_impl=cfg.attention_impl, dtype=dtype, param_dtype=param_dtype,
+            attention_impl=cfg.attention_implementation,
+            attention_pattern=cfg.attention_pattern, dtype=dtype, param_dtype=param_dtype,
             cpu_tuning=cfg.cpu_tuning)
         x = layer_stack(EncoderBlock, fields, cfg.num_layers, x, name="encoderblock",
                         static={"deterministic": deterministic}, scan=cfg.scan_layers,

@@ -2,7 +2,7 @@
 a PEFT directory.
 
   --format hf    ``model.safetensors`` + ``config.json`` + the tokenizer files: what
-                 ``AutoModel*.from_pretrained(DIR)`` loads (GPT-2 or Llama, BERT with the
+                 ``AutoModel*.from_pretrained(DIR)`` loads (GPT-2, Llama or Mistral, BERT with the
                  run's head, T5, ViT). A LoRA run needs ``--merge`` (the adapters folded
                  into the kernels); a QLoRA run's base is read back from its quantized form.
   --format peft  ``adapter_model.safetensors`` + ``adapter_config.json`` (LoRA, or prefix
@@ -45,7 +45,7 @@ def hf_architecture(config: Any) -> str:
                 "classification": "BertForSequenceClassification", "base": "BertModel"}[config.head]
     if family == "vit":
         return "ViTForImageClassification" if config.num_classes else "ViTModel"
-    return {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
+    return {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
             "t5": "T5ForConditionalGeneration"}[family]
 
 
