@@ -93,8 +93,7 @@ def empty_rows(mask: Array, t: int, s: int, causal: bool = True,
     if mask.shape[2] == 1 and pattern.kind == "window":   # allowed keys in each row's window
         count = jnp.concatenate([jnp.zeros(mask.shape[:2] + (1,), jnp.int32),
                                  jnp.cumsum(mask[:, :, 0], axis=-1, dtype=jnp.int32)], axis=-1)
-        lo, hi = pattern.key_span(rows, rows + 1, causal)
-        hi = rows + pattern.size if hi is None else hi
+        lo, hi = pattern.key_span(rows, rows + 1, causal)     # a window's span: both ends
         lo, hi = jnp.clip(lo, 0, s), jnp.clip(hi, 0, s)
         return count[..., hi] - count[..., lo] == 0
     allowed = (causal_mask(t, s)[0, 0] if causal else True)
