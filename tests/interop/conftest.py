@@ -218,3 +218,28 @@ def assert_strict_round_trip(hf_model, module, params, hf_cls, logits, inputs):
     for key, value in hf_model.state_dict().items():
         torch.testing.assert_close(sd[key], value, rtol=0, atol=0, msg=key)
     return sd
+
+
+def meta_param_count(build) -> int:
+    """Parameters of the HF model ``build()`` makes on the meta device (no memory; a tied
+    or aliased tensor counts once)."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in build().parameters())
+
+
+def abstract_param_count(init) -> int:
+    """Parameters of the variables ``init()`` would make, traced abstractly (no memory)."""
+    import flax.linen as nn
+
+    shapes = jax.eval_shape(init)["params"]
+    return sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(nn.meta.unbox(shapes)))
+
+
+def assert_same_leaves(got, want) -> None:
+    """Every leaf of the params tree ``got`` equals (bit for bit) the leaf at its path in
+    ``want``."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(got):
+        ref = want
+        for k in path:
+            ref = ref[k.key]
+        np.testing.assert_array_equal(np.asarray(leaf), np.asarray(ref))

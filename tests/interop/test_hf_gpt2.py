@@ -19,7 +19,8 @@ from transformer_jax.interop._common import ConversionError
 from transformer_jax.interop.hf import from_hf_state_dict, to_hf_numpy
 from transformer_jax.models.gpt import GPT, GPTConfig
 
-from .conftest import (ATOL, GPT2_TINY, RTOL, assert_gradients_match,
+from .conftest import (ATOL, GPT2_TINY, RTOL, abstract_param_count, assert_gradients_match,
+                       assert_same_leaves, meta_param_count,
                        assert_left_padded_greedy_matches_hf, assert_strict_round_trip,
                        gpt2_model, hf_generate, lm_gradients, run_without_torch, state_dict,
                        torch, transformers)
@@ -162,11 +163,7 @@ def test_load_sharded_and_bf16_dirs(hf_model, converted, tmp_path):
     hf_model.save_pretrained(tmp_path / "sharded", safe_serialization=True, max_shard_size="40KB")
     assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
     module, params = from_hf(tmp_path / "sharded")
-    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-        ref = converted[1]
-        for k in path:
-            ref = ref[k.key]
-        np.testing.assert_array_equal(np.asarray(leaf), np.asarray(ref))
+    assert_same_leaves(params, converted[1])
 
     copy.deepcopy(hf_model).to(torch.bfloat16).save_pretrained(tmp_path / "bf16",
                                                               safe_serialization=True)
@@ -222,12 +219,9 @@ def test_greedy_generate_eos_matches_hf(hf_model, converted):
 @pytest.mark.parametrize("name", ["tiny", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"])
 def test_parameter_counts_match_hf(name):
     cfg = GPTConfig.preset(name)
-    with torch.device("meta"):
-        hf = transformers.GPT2LMHeadModel(hf_config(cfg))
-    hf_count = sum(p.numel() for p in hf.parameters())      # the tied lm_head counts once
-    shapes = jax.eval_shape(lambda: GPT(cfg).init(jax.random.PRNGKey(0),
-                                                  jnp.zeros((1, 1), jnp.int32)))["params"]
-    ours = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(shapes))
+    hf_count = meta_param_count(lambda: transformers.GPT2LMHeadModel(hf_config(cfg)))
+    ours = abstract_param_count(lambda: GPT(cfg).init(jax.random.PRNGKey(0),
+                                                      jnp.zeros((1, 1), jnp.int32)))
     assert cfg.num_params() == ours == hf_count
     if name == "gpt2":
         assert hf_count == 124_439_808

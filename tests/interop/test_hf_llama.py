@@ -20,7 +20,8 @@ from transformer_jax.interop.registry import family_for_config
 from transformer_jax.models.bert import BertConfig
 from transformer_jax.models.gpt import GPT, GPTConfig
 
-from .conftest import (ATOL, RTOL, assert_aligned_greedy_matches_hf, assert_gradients_match,
+from .conftest import (ATOL, RTOL, abstract_param_count, assert_aligned_greedy_matches_hf,
+                       assert_gradients_match, assert_same_leaves, meta_param_count,
                        assert_left_padded_greedy_matches_hf, assert_strict_round_trip,
                        lm_gradients, perturbed, run_without_torch, state_dict, torch,
                        transformers)
@@ -132,12 +133,9 @@ def test_dispatch_on_gpt_config_settings():
 @pytest.mark.parametrize("name", LLAMA_PRESETS)
 def test_parameter_counts_match_hf(name):
     cfg = GPTConfig.preset(name)
-    with torch.device("meta"):
-        hf = transformers.LlamaForCausalLM(hf_config(cfg))
-    hf_count = sum(p.numel() for p in hf.parameters())      # a tied lm_head counts once
-    shapes = jax.eval_shape(lambda: GPT(cfg).init(jax.random.PRNGKey(0),
-                                                  jnp.zeros((1, 1), jnp.int32)))["params"]
-    ours = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(shapes))
+    hf_count = meta_param_count(lambda: transformers.LlamaForCausalLM(hf_config(cfg)))
+    ours = abstract_param_count(lambda: GPT(cfg).init(jax.random.PRNGKey(0),
+                                                      jnp.zeros((1, 1), jnp.int32)))
     assert cfg.num_params() == ours == hf_count
     published = {"llama-tiny": 158_016, "llama-2-7b": 6_738_415_616,
                  "tinyllama-1.1b": 1_100_048_384, "llama-3.2-1b": 1_235_814_400}
@@ -238,11 +236,7 @@ def test_save_pretrained_dir(tied, tmp_path):
     hf_model.save_pretrained(tmp_path / "ckpt", safe_serialization=True)
     module, loaded = from_hf(tmp_path / "ckpt")
     assert module.config == tied[1].config
-    for path, leaf in jax.tree_util.tree_leaves_with_path(loaded):
-        ref = params
-        for k in path:
-            ref = ref[k.key]
-        np.testing.assert_array_equal(np.asarray(leaf), np.asarray(ref))
+    assert_same_leaves(loaded, params)
 
 
 def test_load_save_pretrained_dir_without_torch(untied, tmp_path):

@@ -20,7 +20,7 @@ from transformer_jax.models.gpt import GPT, GPTConfig
 
 from .conftest import (ATOL, RTOL, assert_aligned_greedy_matches_hf, assert_gradients_match,
                        assert_left_padded_greedy_matches_hf, assert_strict_round_trip,
-                       lm_gradients, perturbed, state_dict, torch, transformers)
+                       lm_gradients, meta_param_count, perturbed, state_dict, transformers)
 from .test_hf_llama import hf_logits, our_logits, random_ids
 
 WINDOW = 8
@@ -89,9 +89,7 @@ def test_parameter_counts_match_hf(name):
     hf_cfg = hf_config(cfg)
     assert type(hf_cfg) is transformers.MistralConfig
     assert hf_cfg.sliding_window == cfg.attention_window
-    with torch.device("meta"):
-        hf = transformers.MistralForCausalLM(hf_cfg)
-    hf_count = sum(p.numel() for p in hf.parameters())
+    hf_count = meta_param_count(lambda: transformers.MistralForCausalLM(hf_cfg))
     assert cfg.num_params() == hf_count == {"mistral-tiny": 158_016,
                                             "mistral-7b": 7_241_732_096}[name]
     if name == "mistral-7b":       # Mistral-7B-v0.1's config.json

@@ -24,7 +24,8 @@ from transformer_jax.layers.relative import relative_position_bucket
 from transformer_jax.models.t5 import T5, T5Config
 
 from .conftest import (T5_ATOL, T5_GRAD_ATOL, T5_GRAD_RTOL, T5_RTOL, assert_gradients_match,
-                       run_without_torch, t5_model, torch, transformers, untie_lm_head)
+                       assert_same_leaves, run_without_torch, t5_model, torch, transformers,
+                       untie_lm_head)
 
 GATED = dict(feed_forward_proj="gated-gelu", tie_word_embeddings=False)
 
@@ -183,11 +184,7 @@ def test_round_trip_strict_load(pair):
     ids, mask, dec = inputs(4)
     np.testing.assert_array_equal(hf_logits(fresh, ids, mask, dec), hf_logits(hf, ids, mask, dec))
     again = from_hf(fresh)[1]
-    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-        ref = again
-        for k in path:
-            ref = ref[k.key]
-        np.testing.assert_array_equal(np.asarray(leaf), np.asarray(ref))
+    assert_same_leaves(params, again)
 
 
 def test_save_pretrained_dir_loads_without_torch(pair, tmp_path):

@@ -7,7 +7,6 @@ so images are transposed with (0, 2, 3, 1).
 import functools
 import json
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,7 +19,8 @@ from transformer_jax.interop.hf_vit import vit_to_state_dict
 from transformer_jax.models.vit import ViT, ViTConfig, resize_pos_embedding
 
 from .conftest import (ATOL, GRAD_ATOL, GRAD_RTOL, RTOL, assert_gradients_match,
-                       assert_strict_round_trip, run_without_torch, state_dict, torch, transformers, vit_model)
+                       assert_strict_round_trip, abstract_param_count, meta_param_count,
+                       run_without_torch, state_dict, torch, transformers, vit_model)
 
 
 def random_images(seed, batch=3, size=16, channels=3) -> np.ndarray:
@@ -242,17 +242,13 @@ def test_task_starts_from_a_pretrained_hf_dir(tmp_path):
 @pytest.mark.parametrize("name", sorted(ViTConfig.PRESETS))
 def test_parameter_counts_match_hf(name):
     cfg = ViTConfig.preset(name)
-    with torch.device("meta"):
-        hf = transformers.ViTForImageClassification(hf_config(cfg))
-    hf_count = sum(p.numel() for p in hf.parameters())
+    hf_count = meta_param_count(lambda: transformers.ViTForImageClassification(hf_config(cfg)))
     images = jnp.zeros((1, cfg.image_size, cfg.image_size, cfg.num_channels))
     scanned = ViT(cfg.replace(scan_layers=True))                 # same count, a quicker trace
-    shapes = jax.eval_shape(lambda: scanned.init(jax.random.PRNGKey(0), images))["params"]
-    ours = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(nn.meta.unbox(shapes)))
+    ours = abstract_param_count(lambda: scanned.init(jax.random.PRNGKey(0), images))
     assert cfg.num_params() == ours == hf_count
-    with torch.device("meta"):                        # the pooler exists only in ViTModel
-        pooled = transformers.ViTModel(hf_config(cfg))
-    assert sum(p.numel() for p in pooled.parameters()) == hf_count - (cfg.d_model + 1) * (cfg.num_classes - cfg.d_model)
+    pooled = meta_param_count(lambda: transformers.ViTModel(hf_config(cfg)))  # ViTModel: a pooler
+    assert pooled == hf_count - (cfg.d_model + 1) * (cfg.num_classes - cfg.d_model)
 
 
 # ----------------------------------------------------------------------------- bad input
