@@ -19,6 +19,11 @@ callbacks, paused with ``stop_at`` and continued with ``resume=True``: its print
 show a pause and a resume that together logged every log step once, a curve redrawn at least
 at every logged row, and losses equal, bit for bit, to those of an uninterrupted run.
 
+Notebook 06_scaling_laws runs 8 tiny members of ``experiments/scaling_laws.py`` with
+``run_sweep``: its panels must be redrawn after each member (``drawn after k/8 members``),
+and the work directory it prints must hold the fits (``fit.json`` with every law's keys,
+``scaling.png``, ``scaling.md``).
+
 The kernels share one TFDS data directory (the embedded corpus is built once), run without
 network access to the Hugging Face Hub, and compile with ``--xla_backend_optimization_level=0``
 (the smoke-sized programs are tiny, so XLA's compile time dominates the run time).
@@ -43,13 +48,13 @@ from jupyter_client.kernelspec import KernelSpecManager  # noqa: E402
 COLAB = Path(__file__).resolve().parents[1] / "colab"
 NOTEBOOKS = sorted(COLAB.glob("*.ipynb"))
 EXPECTED = {"01_attention_from_scratch", "02_train_gpt", "03_bert_t5_vit", "04_scaling_tpu",
-            "05_hf_pytorch_weights", "06_finetune"}
+            "05_hf_pytorch_weights", "06_finetune", "06_scaling_laws"}
 # Notebooks that compare numbers with a reference (PyTorch, HF, another device layout).
 PARITY_NOTEBOOKS = {"01_attention_from_scratch", "02_train_gpt", "04_scaling_tpu",
                     "05_hf_pytorch_weights", "06_finetune"}
 # Notebooks that build a model and print what attention_impl="auto" runs on this platform.
 ATTENTION_NOTEBOOKS = {"02_train_gpt", "03_bert_t5_vit", "04_scaling_tpu", "05_hf_pytorch_weights",
-                       "06_finetune"}
+                       "06_finetune", "06_scaling_laws"}
 ATTENTION_LINE = re.compile(r"^attention: auto -> xla \(cpu\)$", re.MULTILINE)
 # Notebook 02: one line per train() call, and one per compared loss.
 RUN_LINE = re.compile(r"^(?P<how>paused|finished|stopped) at step (?P<step>\d+) \(this call started at "
@@ -57,6 +62,11 @@ RUN_LINE = re.compile(r"^(?P<how>paused|finished|stopped) at step (?P<step>\d+) 
                       r"(?P<evals>\[[\d, ]*\]); curve drawn (?P<draws>\d+) times", re.MULTILINE)
 LOSS_LINE = re.compile(r"^step (?P<step>\d+): loss (?P<ours>\S+) paused and resumed, (?P<ref>\S+) "
                        r"uninterrupted", re.MULTILINE)
+# Notebook 06_scaling_laws: one line per redraw of its panels, and where its sweep ran.
+DRAWN_LINE = re.compile(r"^drawn after (?P<done>\d+)/(?P<total>\d+) members", re.MULTILINE)
+WORKDIR_LINE = re.compile(r"^work directory: (?P<path>.+)$", re.MULTILINE)
+FIT_KEYS = {"alpha_N", "alpha_N_ci", "E_N", "r2_N", "gamma_C", "gamma_C_ci", "r2_C", "beta_D",
+            "beta_D_ci", "r2_D", "n_opt_exponent", "members"}
 PARITY_LINE = re.compile(r"^parity (?P<name>.+?): max \|diff\| = (?P<diff>\S+) \(tolerance (?P<tol>\S+)\)$",
                          re.MULTILINE)
 BADGE = "https://colab.research.google.com/github/transformer-jax/transformer_jax/blob/main/colab/{}"
@@ -172,6 +182,8 @@ def test_notebook_runs_top_to_bottom(path, tmp_path, kernel_spec_manager, kernel
         assert ATTENTION_LINE.search(text), f"{path.name} did not print 'attention: auto -> xla (cpu)'"
     if path.stem == "02_train_gpt":
         check_paused_and_resumed(text)
+    if path.stem == "06_scaling_laws":
+        check_scaling_sweep(text, tmp_path)
 
 
 def check_paused_and_resumed(text: str) -> None:
@@ -198,3 +210,16 @@ def check_paused_and_resumed(text: str) -> None:
     assert [s for s in compared if s > pause], f"no loss compared after the pause at {pause}"
     for step, (ours, reference) in losses.items():
         assert ours == reference, f"step {step}: resumed loss {ours!r} != uninterrupted {reference!r}"
+
+
+def check_scaling_sweep(text: str, cwd: Path) -> None:
+    """Notebook 06_scaling_laws: its panels redrawn after each of the 8 smoke members, and the
+    fits written into the work directory it printed."""
+    drawn = [(int(m["done"]), int(m["total"])) for m in DRAWN_LINE.finditer(text)]
+    assert drawn == [(k, 8) for k in range(1, 9)], drawn
+    workdir = cwd / WORKDIR_LINE.search(text)["path"].strip()   # an absolute path stays one
+    fit = json.loads((workdir / "fit.json").read_text())
+    assert FIT_KEYS <= fit.keys(), sorted(FIT_KEYS - fit.keys())
+    assert len(fit["members"]) == 8, [m["member"] for m in fit["members"]]
+    assert {m["group"] for m in fit["members"]} == {"size", "data"}, fit["members"]
+    assert (workdir / "scaling.png").stat().st_size and (workdir / "scaling.md").stat().st_size

@@ -7,6 +7,7 @@
   transformer-jax eval --workdir DIR [--batches N]
   transformer-jax generate --workdir DIR --prompt TEXT --max-new-tokens N [--temperature T] [--top-k K] [--top-p P] [--seed S]
   transformer-jax export --workdir DIR --out DIR [--format hf|peft] [--merge]
+  transformer-jax sweep --experiment NAME|FILE --workdir DIR [--quick] [--parallel N] [--set k=v ...]
   transformer-jax experiments
 
 This module only parses flags; the work happens in ``transformer_jax.train.loop``.
@@ -75,6 +76,20 @@ def _parser() -> argparse.ArgumentParser:
                         "peft: the LoRA or prefix adapter (PeftModel.from_pretrained)")
     x.add_argument("--merge", action="store_true",
                    help="fold a LoRA run's adapters into the kernels (with --format hf)")
+
+    s = sub.add_parser("sweep", help="run an experiment's grid of runs (e.g. scaling_laws) and "
+                                     "its analysis; started again, it continues")
+    s.add_argument("--experiment", required=True, help="an experiment that defines a grid "
+                                                         "(SWEEP or get_sweep), by name or path")
+    s.add_argument("--workdir", default=None, help="sweep directory: one run per member, "
+                                                   "results.jsonl (default: runs/<experiment name>)")
+    s.add_argument("--quick", action="store_true", help="the experiment's small grid")
+    s.add_argument("--parallel", type=int, default=1, metavar="N",
+                   help="members at once, as separate processes (default 1: one after another "
+                        "in this process)")
+    s.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field of every member (repeatable)")
+    s.add_argument("--no-progress", action="store_true", help="no progress bars")
 
     sub.add_parser("experiments", help="list the experiments that --experiment accepts")
     return p
@@ -146,6 +161,28 @@ def _export(args) -> int:
     return 0
 
 
+def _sweep(args) -> int:
+    from .train import distributed
+    from .train.config import experiment_path
+    from .train.sweep import SweepInterrupted, run_sweep
+
+    distributed.initialize(None, None, None)
+    workdir = args.workdir or os.path.join("runs", experiment_path(args.experiment).stem)
+    try:
+        out = run_sweep(args.experiment, workdir, quick=args.quick, parallel=args.parallel,
+                        overrides=args.overrides, progress=not args.no_progress)
+    except SweepInterrupted as e:
+        print(f"{e}: transformer-jax sweep --experiment {args.experiment} --workdir {workdir}"
+              + (" --quick" if args.quick else ""), file=sys.stderr)
+        return 143 if e.signal == "SIGTERM" else 130
+    out.pop("rows")
+    if isinstance(out["analysis"], dict):   # its numbers; the lists (members, ...) are in its files
+        out["analysis"] = {k: v for k, v in out["analysis"].items()
+                           if not isinstance(v, (list, dict)) or k.endswith("_ci")}
+    print(json.dumps(out, indent=2))
+    return 0
+
+
 def _experiments(args) -> int:
     from .train.config import available_experiments, experiment_dirs
 
@@ -166,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     from .train.checkpoint import CheckpointWriteError
 
     handlers = {"train": _train, "eval": _eval, "generate": _generate, "export": _export,
-                "experiments": _experiments}
+                "sweep": _sweep, "experiments": _experiments}
     _quiet_background_errors()
     try:
         return handlers[args.command](args)

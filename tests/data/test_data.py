@@ -281,6 +281,44 @@ def test_stdlib_iterator_and_cache(tfds_dir):
     _assert_same_batches([next(again)], [batch])
 
 
+def _windows_of(it, n):
+    """The (T+1)-token windows of n batches: inputs plus the last target of each row."""
+    out = []
+    for b in _batches(it, n):
+        out += [tuple(np.append(i, t[-1])) for i, t in zip(b["inputs"], b["targets"])]
+    return out
+
+
+def test_max_tokens_trains_on_nested_prefixes(tfds_dir):
+    """The first N tokens of the split's stream, from the cached stream of the stdlib corpus
+    and, for an in-memory corpus, read document by document (the same tokens); N=4,096 in
+    windows of 33 is 127 windows: 7 batches of 16 per epoch, every window a slice of the
+    first 4,096 tokens, and the 4,096 a prefix of the 16,384."""
+    full = data.make_lm_iterator("python_stdlib", "train", seq_len=32, batch_size=16,
+                                 data_dir=tfds_dir, shuffle=False)
+    stream = np.asarray(full._stream)
+    small = data.make_lm_iterator("python_stdlib", "train", seq_len=32, batch_size=16,
+                                  data_dir=tfds_dir, max_tokens=4096)
+    larger = data.make_lm_iterator("python_stdlib", "train", seq_len=32, batch_size=16,
+                                   data_dir=tfds_dir, max_tokens=16384)
+    assert (small.mode, small.num_windows, small.batches_per_epoch) == ("memory", 127, 7)
+    np.testing.assert_array_equal(small._stream, stream[:4096])
+    np.testing.assert_array_equal(larger._stream[:4096], small._stream)
+    starts = {tuple(stream[k * 32: k * 32 + 33]) for k in range(127)}
+    epoch = _windows_of(small, 7)
+    assert set(epoch) <= starts and len(set(epoch)) == 7 * 16   # one epoch: 112 of the 127 windows
+    # in memory (no cache): read document by document until there are enough tokens
+    tok = ByteTokenizer()
+    corpus_stream = np.concatenate([tok.encode_array(t, add_eos=True) for t in CORPUS])
+    it = data.make_lm_iterator(CORPUS, "train", seq_len=8, batch_size=2, max_tokens=100)
+    np.testing.assert_array_equal(it._stream, corpus_stream[:100])
+    with pytest.raises(UserError, match=f"holds {len(corpus_stream)} tokens, fewer than the "
+                                        "100000 asked for; lower the subset size"):
+        data.make_lm_iterator(CORPUS, "train", seq_len=8, batch_size=2, max_tokens=100_000)
+    with pytest.raises(UserError, match="max_tokens=1 must be an int >= 2"):
+        data.make_lm_iterator(CORPUS, "train", seq_len=8, batch_size=2, max_tokens=1)
+
+
 # -------------------------------------------------------------------------
 # Shuffling, state, sharding.
 

@@ -7,6 +7,7 @@ import jax
 import numpy as np
 import pytest
 
+from transformer_jax.errors import UserError
 from transformer_jax.tasks import make_task
 from transformer_jax.tasks.lm import LMTask
 from transformer_jax.train.config import ExperimentConfig
@@ -85,6 +86,22 @@ def test_train_iterator_shuffles_full_windows_per_epoch(tmp_path):
         assert [tuple(i) + (int(t[-1]),) for b in (next(again), next(again))
                 for i, t in zip(b["inputs"], b["targets"])] == rows
     assert len({tuple(o) for o in orders}) > 1      # the seed changes the order
+
+
+def test_train_tokens_trains_on_the_first_tokens_and_evaluates_on_all(tmp_path):
+    """task.train_tokens=7: the train stream is STREAM[:7] (2 windows of T + 1 = 4: one
+    batch per epoch); the eval pass still reads every window."""
+    task = lm_task(tmp_path, task_options={"train_tokens": 7})
+    it = task.train_iterator(0, 1)
+    batch = next(it)
+    rows = {tuple(i) + (int(t[-1]),) for i, t in zip(batch["inputs"], batch["targets"])}
+    assert rows == {tuple(WINDOWS[0]), tuple(WINDOWS[1])}
+    assert it.get_state() == {"mode": "memory", "epoch": 1, "index": 0}
+    evals = [np.concatenate([b["inputs"], b["targets"][:, -1:]], 1) for b in task.eval_batches(0, 1)]
+    np.testing.assert_array_equal(np.concatenate(evals)[:5], WINDOWS)
+    for bad in (1, 2.5, "7", True):
+        with pytest.raises(UserError, match=f"task.train_tokens={bad!r} must be an int >= 2"):
+            lm_task(tmp_path, task_options={"train_tokens": bad})
 
 
 def test_task_fixes_vocab_init_args_and_spec(tmp_path):

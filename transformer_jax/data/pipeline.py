@@ -446,6 +446,32 @@ def _load_or_build_stream(source, name, split, tokenizer, text_key, data_dir, ca
     return stream
 
 
+def _first_tokens(source, name, split, tokenizer, text_key, data_dir, cache,
+                  max_tokens: int) -> np.ndarray:
+    """The first ``max_tokens`` tokens of the split's stream: from the (cached) whole
+    stream of a split that fits in memory, else read document by document until there
+    are enough (the same tokens either way)."""
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) or max_tokens < 2:
+        raise UserError(f"max_tokens={max_tokens!r} must be an int >= 2 (the training subset's "
+                        "size in tokens), or None for the whole split")
+    if cache:
+        stream = _load_or_build_stream(source, name, split, tokenizer, text_key, data_dir, True)
+    else:
+        parts, count = [], 0
+        for text in _iter_texts(source, text_key):
+            part = _token_stream([text], tokenizer)
+            parts.append(part)
+            count += len(part)
+            if count >= max_tokens:
+                break
+        stream = np.concatenate(parts) if parts else np.zeros((0,), np.int32)
+    if len(stream) < max_tokens:
+        raise UserError(f"dataset {name!r} split {split!r} holds {len(stream)} tokens, fewer than "
+                        f"the {max_tokens} asked for; lower the subset size (task.train_tokens) "
+                        "or use a larger dataset")
+    return np.array(stream[:max_tokens], dtype=np.int32)
+
+
 # --------------------------------------------------------------------------
 # The iterator.
 
@@ -766,6 +792,7 @@ def make_lm_iterator(
     text_key: str = "text",
     mode: str = "auto",
     cache: bool = True,
+    max_tokens: int | None = None,
 ) -> LMIterator:
     """Returns an iterator of packed language-model batches.
 
@@ -788,6 +815,9 @@ def make_lm_iterator(
       text_key: name of the text feature in the dataset's examples.
       mode: ``"memory"``, ``"stream"`` or ``"auto"`` (see the module docstring).
       cache: in memory mode, cache the token stream of a TFDS split on disk.
+      max_tokens: use only the first ``max_tokens`` tokens of the split's token
+        stream (its documents in the source's order, each followed by eos), in
+        memory mode: nested subsets of one corpus, for data-scaling studies.
 
     Returns:
       An :class:`LMIterator` yielding ``{"inputs", "targets": int32 (B, T),
@@ -811,14 +841,16 @@ def make_lm_iterator(
     tokenizer = get_tokenizer(tokenizer)
     data_dir = data_dir or default_data_dir()
     source, name = open_source(dataset, split, data_dir=data_dir)
+    cache = cache and isinstance(dataset, str)
     if mode == "auto":
         mode = "memory" if len(source) <= MAX_IN_MEMORY_DOCUMENTS else "stream"
     stream = None
-    if mode == "memory" and len(source):
-        stream = _load_or_build_stream(
-            source, name, split, tokenizer, text_key, data_dir,
-            cache and isinstance(dataset, str),
-        )
+    if max_tokens is not None:
+        stream = _first_tokens(source, name, split, tokenizer, text_key, data_dir,
+                               cache and mode == "memory", max_tokens)
+        mode = "memory"
+    elif mode == "memory" and len(source):
+        stream = _load_or_build_stream(source, name, split, tokenizer, text_key, data_dir, cache)
     return LMIterator(
         source,
         name=name,

@@ -62,9 +62,11 @@ class PadAsEos:
 
 @register_task
 class LMTask(Task):
-    """Decoder-only LM. Options: none (tokenizer, dataset and lengths are config fields)."""
+    """Decoder-only LM. Option ``train_tokens``: train on the first N tokens of the train
+    split only (nested subsets, for data-scaling studies; None: all of it). The tokenizer,
+    the dataset and the lengths are config fields."""
     name = "lm"
-    OPTIONS = {}
+    OPTIONS = {"train_tokens": None}
     loss_fn = staticmethod(lm_loss)
     ID_FIELDS = {"inputs": "vocab_size", "targets": "vocab_size"}
 
@@ -72,6 +74,10 @@ class LMTask(Task):
         super().__init__(cfg, workdir, spec=spec)
         self.tokenizer, self.tokenizer_spec = self._tokenizer(spec)
         self.eos_id, self.pad_id = lm_special_ids(self.tokenizer)
+        limit = self.options["train_tokens"]
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 2):
+            raise UserError(f"task.train_tokens={limit!r} must be an int >= 2 (the size of the "
+                            "training subset in tokens) or None (the whole train split)")
 
     def _tokenizer(self, spec):
         if spec is not None:
@@ -102,7 +108,8 @@ class LMTask(Task):
         it = data_lib.make_lm_iterator(
             cfg.dataset, split, tokenizer=stream_tokenizer, seq_len=cfg.seq_len,
             batch_size=cfg.batch_size, seed=cfg.seed, shuffle=train, repeat=train,
-            data_dir=cfg.data_dir, process_index=process_index, process_count=process_count)
+            data_dir=cfg.data_dir, process_index=process_index, process_count=process_count,
+            max_tokens=self.options["train_tokens"] if train else None)
         return PadAsEos(it, self.pad_id) if same else it
 
     def init_args(self):

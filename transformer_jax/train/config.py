@@ -342,10 +342,8 @@ def available_experiments() -> list[str]:
     return sorted(names)
 
 
-def load_experiment(name_or_path: str | None) -> ExperimentConfig:
-    """The default config (``None``), an experiment by name, or a path to an experiment file."""
-    if name_or_path is None:
-        return ExperimentConfig()
+def experiment_path(name_or_path: str) -> Path:
+    """The file of an experiment given by name (looked up in :func:`experiment_dirs`) or path."""
     path = Path(name_or_path)
     if path.suffix != ".py":
         path = next((d / f"{name_or_path}.py" for d in experiment_dirs()
@@ -360,13 +358,28 @@ def load_experiment(name_or_path: str | None) -> ExperimentConfig:
     if not path.is_file():
         raise UserError(f"experiment file {path} does not exist; give an experiment name "
                         "(`transformer-jax experiments` lists them) or the path of a .py file")
+    return path.resolve()
+
+
+def experiment_module(name_or_path: str):
+    """The experiment file, imported (it must define ``get_config()``)."""
+    path = experiment_path(name_or_path)
     spec = importlib.util.spec_from_file_location(f"_experiment_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     if not hasattr(module, "get_config"):
         raise UserError(f"experiment file {path} defines no get_config(); add one that "
                         "returns an ExperimentConfig")
+    return module
+
+
+def load_experiment(name_or_path: str | None) -> ExperimentConfig:
+    """The default config (``None``), an experiment by name, or a path to an experiment file."""
+    if name_or_path is None:
+        return ExperimentConfig()
+    module = experiment_module(name_or_path)
     cfg = module.get_config()
     if not isinstance(cfg, ExperimentConfig):
-        raise UserError(f"{path}: get_config() must return an ExperimentConfig, got {type(cfg).__name__}")
+        raise UserError(f"{module.__file__}: get_config() must return an ExperimentConfig, got "
+                        f"{type(cfg).__name__}")
     return cfg

@@ -740,6 +740,22 @@ def load_run(workdir: str | Path, step: int | None = None):
     return run_config, model, params, task
 
 
+def run_costs(workdir: str | Path) -> dict[str, float]:
+    """What a run costs, from its config.json: parameters (total, and non-embedding, which
+    the scaling laws count), tokens and training FLOPs per step (``Task.flops_per_step``;
+    GPT: 6 N + 12 L D T per token, N counting the read-out)."""
+    run_config = json.loads(storage.read_text(storage.path(workdir) / "config.json"))
+    model_cfg, _ = model_from_config(run_config["family"], run_config["model"])
+    task = make_task(ExperimentConfig.from_dict(run_config["experiment"]), workdir,
+                     spec=run_config["task_spec"])
+    try:
+        non_embedding = model_cfg.num_params(non_embedding=True)
+    except TypeError:   # a family without embedding tables to leave out (ViT)
+        non_embedding = model_cfg.num_params()
+    return {"params": model_cfg.num_params(), "non_embedding_params": non_embedding,
+            "tokens_per_step": task.tokens_per_step(), "flops_per_step": task.flops_per_step(model_cfg)}
+
+
 def evaluate_workdir(workdir: str | Path, *, batches: int | None = None) -> dict[str, float]:
     _, model, params, task = load_run(workdir)
     if batches:
