@@ -45,9 +45,10 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from .. import storage
@@ -192,7 +193,9 @@ def _gpu_count() -> int:
 
 
 def _spawn(experiment: Path, common: list[str], member: Member, workdir: Path, slot: int,
-           gpus: int) -> subprocess.Popen:
+           gpus: int) -> tuple[subprocess.Popen, Path]:
+    """The member's ``transformer-jax train`` process, and the local file its output goes
+    to (``DIR/<member>/train.log``; for a bucket, a temporary file :func:`_keep_log` copies)."""
     cmd = [sys.executable, "-m", "transformer_jax.cli", "train", "--experiment", str(experiment),
            "--workdir", str(workdir), "--no-progress"]
     for item in (*member.overrides, *common):   # as member_config: --set last
@@ -203,11 +206,21 @@ def _spawn(experiment: Path, common: list[str], member: Member, workdir: Path, s
     if gpus:
         env["CUDA_VISIBLE_DEVICES"] = str(slot % gpus)
     storage.makedirs(workdir)
-    log = open(workdir / "train.log", "a")
-    try:
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    finally:
-        log.close()
+    if storage.is_remote(workdir):   # a process writes a local file; copied when it ends
+        fd, name = tempfile.mkstemp(prefix=f"{member.name}.", suffix=".log")
+        os.close(fd)
+        log_path = Path(name)
+    else:
+        log_path = Path(workdir) / "train.log"
+    with open(log_path, "a") as log:
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log_path
+
+
+def _keep_log(log_path: Path, workdir: Path) -> None:
+    """A bucket member's log, from its local temporary file to ``DIR/<member>/train.log``."""
+    if storage.is_remote(workdir):
+        storage.append_text(workdir / "train.log", log_path.read_text(errors="replace"))
+        log_path.unlink()
 
 
 class _Sweep:
@@ -355,17 +368,18 @@ def _parallel(sweep: _Sweep, todo: list[Member], parallel: int) -> None:
         while queue or running:
             while queue and len(running) < parallel and not failed and sweep.signum is None:
                 member = queue.pop(0)
-                slot = min(set(range(parallel)) - {s for _, s, _ in running.values()})
-                proc = _spawn(sweep.experiment, sweep.common, member, sweep.workdir / member.name,
-                              slot, gpus)
-                running[member.name] = (proc, slot, time.perf_counter())
-                sweep.children = [p for p, _, _ in running.values()]
+                slot = min(set(range(parallel)) - {s for _, s, *_ in running.values()})
+                proc, log = _spawn(sweep.experiment, sweep.common, member,
+                                   sweep.workdir / member.name, slot, gpus)
+                running[member.name] = (proc, slot, time.perf_counter(), log)
+                sweep.children = [p for p, *_ in running.values()]
             time.sleep(0.2)
-            for name, (proc, _, t) in list(running.items()):
+            for name, (proc, _, t, log) in list(running.items()):
                 if proc.poll() is None:
                     continue
                 del running[name]
-                sweep.children = [p for p, _, _ in running.values()]
+                sweep.children = [p for p, *_ in running.values()]
+                _keep_log(log, sweep.workdir / name)
                 member = next(m for m in sweep.members if m.name == name)
                 if proc.returncode == 0:
                     sweep.finish(member, time.perf_counter() - t)
@@ -376,11 +390,12 @@ def _parallel(sweep: _Sweep, todo: list[Member], parallel: int) -> None:
             if sweep.signum is not None and not running:
                 raise KeyboardInterrupt
     finally:
-        for proc, _, _ in running.values():   # an exception here: stop them cleanly
+        for proc, *_ in running.values():   # an exception here: stop them cleanly
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
-        for proc, _, _ in running.values():
+        for name, (proc, _, _, log) in running.items():
             proc.wait()
+            _keep_log(log, sweep.workdir / name)
     if failed:
         name, code = failed[0]
         raise UserError(f"member {name} failed (exit status {code}); see "
