@@ -131,21 +131,17 @@ def member_config(base: ExperimentConfig, common: list[str], member: Member) -> 
 
 # ----------------------------------------------------------------------------- rows
 
-def _eval_rows(workdir: Path) -> list[dict]:
-    text = storage.read_text(workdir / "metrics.jsonl") if storage.exists(workdir / "metrics.jsonl") else ""
-    return [row for row in map(json.loads, text.splitlines()) if "eval_loss" in row]
-
-
 def member_row(member: Member, cfg: ExperimentConfig, workdir: Path) -> dict[str, Any]:
     """The results row of a finished member, from its workdir (config.json, metrics.jsonl).
     FLOPs are the task's ``flops_per_step`` (GPT: 6 N + 12 L D T per token) x steps."""
     from .loop import run_costs
+    from .monitor import read_metrics
 
     costs = run_costs(workdir)
     per_step_tokens, per_step_flops = costs["tokens_per_step"], costs["flops_per_step"]
     curve = [{"step": r["step"], "tokens": r["step"] * per_step_tokens,
               "flops": r["step"] * per_step_flops, "eval_loss": r["eval_loss"]}
-             for r in _eval_rows(workdir)]
+             for r in read_metrics(workdir) if "eval_loss" in r]
     if not curve or curve[-1]["step"] != cfg.steps:
         raise UserError(f"member {member.name}: {workdir}/metrics.jsonl has no eval at the last "
                         f"step {cfg.steps}; run it again (delete {workdir}) or check its train.log")
