@@ -1,12 +1,15 @@
-"""GPT-2 124M on LM1B, data parallel over the 8 TPU cores of a Colab TPU v2-8 / v3-8.
+"""GPT-2 124M on LM1B, data parallel over the 8 TPU cores of a TPU v3-8 (or v2-8).
 
-Command (in a Colab TPU runtime; Google Drive keeps the run across disconnects):
+Colab retired its v2-8 in September 2025 and offers single chips now: there, use
+``gpt2_124m_tpu_v5e_1``. On a v3-8 / v2-8 TPU VM (or a notebook that still has one):
 
-    pip install -e ".[test]" "jax[tpu]"              # in a clone of this repository
-    from google.colab import drive; drive.mount("/content/drive")
+    pip install -e ".[tpu]"                          # in a clone of this repository
     transformer-jax train --experiment gpt2_124m_tpu_v3_8 \\
         --workdir /content/drive/MyDrive/runs/gpt2_124m_tpu_v3_8 --no-progress
     # after a disconnect, the same command plus --resume continues at the exact batch
+
+Check it first, from any machine: ``transformer-jax compile --experiment
+gpt2_124m_tpu_v3_8 --tpu v3-8`` (or ``--tpu v2-8``).
 
 Devices: one process sees 8 TPU devices (v2/v3 expose each core); ``mesh="data=-1"`` puts
 them all on the ``data`` axis: parameters and Adam state replicated (124M x 12 bytes =
@@ -20,9 +23,15 @@ Data: TFDS ``lm1b`` (prepared by TFDS on first use; needs a network), a 32k Sent
 vocabulary trained into the workdir from 200k training sentences, packed into windows of
 512 tokens. Mixed precision: bf16 compute, fp32 parameters and Adam moments; layers
 scanned (compile time flat in depth) and rematerialised (activation memory). Attention:
-``attention_impl="auto"`` runs the Pallas (Mosaic) flash kernel, which has no attention
-dropout, so the recipe keeps dropout on the residual stream only (as nanoGPT and llm.c do);
-the run prints its attention path when it starts.
+``attention_impl="auto"`` takes XLA's attention on v2/v3 (Mosaic compiles Pallas kernels
+for v4 and later only) and the Pallas flash kernel on the v4-32 and v5e variants of this
+recipe; the kernel has no attention dropout, so the recipe keeps dropout on the residual
+stream only (as nanoGPT and llm.c do). The run prints its attention path when it starts.
+
+Compiled for the slices on a CPU host (``transformer-jax compile``, libtpu 0.0.42, jax
+0.10.2): per device {V3_8_MEM}; v2-8: {V2_8_MEM}. GPT-2 large on a v2-8 (``--set
+model_preset=gpt2-large``): {LARGE_DATA} with ``--mesh data=-1`` (does not fit the 8 GiB
+cores), {LARGE_FSDP} with ``--mesh fsdp=-1``.
 
 Runtime: not measured (this machine has no TPU). Estimate from the model FLOPs: 7.99e8
 training FLOP per token (``GPTConfig.flops_per_token(512)``) x 131,072 tokens per step =

@@ -31,6 +31,10 @@ chip), 32 sequences of 1024 tokens per chip; parameters and Adam state replicate
 bigger model, ``--mesh data=4,fsdp=4`` shards parameters and Adam state 4 ways across the
 chips while the batch stays split 16 ways.
 
+Check it first, from any machine: ``transformer-jax compile --experiment gpt2_124m_tpu_v4_32 --tpu
+v4-32`` compiles the step for the 16 chips on 4 hosts (libtpu 0.0.42, jax 0.10.2): per
+device {GPT_V4_32_MEM}.
+
 Runtime: not measured (this machine has no TPU). Estimate: 8.55e8 training FLOP per token
 (``GPTConfig.flops_per_token(1024)``) x 524,288 tokens per step = 4.5e14 FLOP per step; at
 40% of 16 x 275 TFLOP/s bf16 that is 0.25 s per step, ~45 min for 10k steps (5.2B tokens,

@@ -1,13 +1,19 @@
-"""ViT-B/16 on ImageNet-2012 from scratch, data parallel over a Colab TPU v2-8 / v3-8.
+"""ViT-B/16 on ImageNet-2012 from scratch, data parallel over a TPU v3-8 (or v2-8).
 
-Command (in a Colab TPU runtime; ImageNet must be prepared for TFDS first: download
+Colab retired its v2-8 in September 2025; on its single chips use ``vit_b16_tpu_v5e_1``.
+On a v3-8 / v2-8 (ImageNet must be prepared for TFDS first: download
 ILSVRC2012_img_train.tar and ILSVRC2012_img_val.tar into ``DATA/downloads/manual`` and let
 TFDS build ``imagenet2012`` there - it cannot download ImageNet itself):
 
-    pip install -e ".[test]" "jax[tpu]"              # in a clone of this repository
+    pip install -e ".[tpu]"                          # in a clone of this repository
     transformer-jax train --experiment vit_b16_tpu_v3_8 --set data_dir=DATA \\
         --workdir /content/drive/MyDrive/runs/vit_b16_tpu_v3_8 --no-progress
     # after a disconnect: the same command plus --resume
+
+Check it first, from any machine: ``transformer-jax compile --experiment vit_b16_tpu_v3_8
+--tpu v3-8``. Compiled on a CPU host (libtpu 0.0.42, jax 0.10.2): per device {VIT_V3_MEM};
+v2-8: {VIT_V2_MEM}. Attention: XLA's on v2/v3 (no Pallas kernels there), the flash kernel
+on v4 and later.
 
 Recipe: ViT-B/16 (86.6M parameters, 224x224 images, 197 tokens), bf16 compute with fp32
 parameters and AdamW moments, layers scanned and rematerialised; batch 1024 (128 per

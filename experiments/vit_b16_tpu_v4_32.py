@@ -24,6 +24,10 @@ Devices: ``mesh="data=-1"``: data parallel over the 16 chips. ``--mesh data=4,fs
 shards parameters and AdamW state 4 ways (for ViT-L/H); ``--resume`` continues on any
 mesh or slice.
 
+Check it first, from any machine: ``transformer-jax compile --experiment vit_b16_tpu_v4_32 --tpu
+v4-32`` compiles the step for the 16 chips on 4 hosts (libtpu 0.0.42, jax 0.10.2): per
+device {VIT_V4_32_MEM}.
+
 Runtime: not measured (this machine has no TPU). Estimate: 1.055e11 training FLOP per
 image x 4096 = 4.3e14 FLOP per step; at 40% of 16 x 275 TFLOP/s that is 0.25 s per step,
 ~6.4 h for 300 epochs - if each host's one-thread image pipeline keeps up with 1024 images

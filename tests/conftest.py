@@ -1,6 +1,9 @@
 """Test-wide settings.
 
 * fp32 parity needs full-precision matmuls on every backend.
+* The package is imported first: with libtpu installed (``make test`` installs it for the
+  TPU compile tests) and no TPU, it keeps JAX from starting the TPU runtime and sets the
+  variables that keep libtpu quiet, for this process and the subprocesses tests start.
 * XLA:CPU compiles at backend (LLVM) optimisation level 0 unless ``XLA_FLAGS`` names a
   level: the test programs are small, compiling dominates their time, and level 0 cuts it
   by about a third. The suite passed at both levels (2026-12-01), the tests that read
@@ -26,6 +29,8 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+import transformer_jax  # noqa: E402,F401 - with libtpu on this CPU host: no TPU start, quiet
 
 jax.config.update("jax_default_matmul_precision", "highest")
 

@@ -5,9 +5,13 @@
 
 Importing the package never imports torch or transformers.
 """
-from . import layers, models
-from .decode import generate, sample_logits
-from .models import GPT, GPTConfig
+from .tpu import quiet_on_cpu_host
+
+quiet_on_cpu_host()   # libtpu installed on a host without a TPU: no runtime start, no warnings
+
+from . import layers, models  # noqa: E402
+from .decode import generate, sample_logits  # noqa: E402
+from .models import GPT, GPTConfig  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["GPT", "GPTConfig", "generate", "layers", "models", "sample_logits"]

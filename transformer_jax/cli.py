@@ -8,6 +8,8 @@
   transformer-jax generate --workdir DIR --prompt TEXT --max-new-tokens N [--temperature T] [--top-k K] [--top-p P] [--seed S]
   transformer-jax export --workdir DIR --out DIR [--format hf|peft] [--merge]
   transformer-jax sweep --experiment NAME|FILE --workdir DIR [--quick] [--parallel N] [--set k=v ...]
+  transformer-jax compile --experiment NAME --tpu TYPE|--topology NAME [--mesh M] [--what train|eval|decode]
+                          [--set k=v ...] [--mfu F] [--json]
   transformer-jax experiments
 
 This module only parses flags; the work happens in ``transformer_jax.train.loop``.
@@ -91,8 +93,32 @@ def _parser() -> argparse.ArgumentParser:
                    help="override a config field of every member (repeatable)")
     s.add_argument("--no-progress", action="store_true", help="no progress bars")
 
+    _add_compile_parser(sub)
     sub.add_parser("experiments", help="list the experiments that --experiment accepts")
     return p
+
+
+def _add_compile_parser(sub) -> None:
+    c = sub.add_parser("compile", help="compile an experiment's step for a TPU slice with the "
+                                       "real TPU compiler, on this host; report its memory per "
+                                       "device, collectives and estimated step time")
+    c.add_argument("--experiment", default=None, help="experiment name in experiments/ or a path")
+    where = c.add_mutually_exclusive_group(required=True)
+    where.add_argument("--tpu", default=None, metavar="TYPE",
+                       help="Cloud TPU type: v2-8, v3-8, v4-8 ... v4-N, v5e-1/4/8/16/... "
+                            "(v5litepod-N), v5p-8/..., v6e-1/4/8/...")
+    where.add_argument("--topology", default=None, metavar="NAME",
+                       help="JAX's topology name instead, e.g. v5e:2x4 or v4:2x2x4")
+    c.add_argument("--mesh", default=None, metavar="data=N,fsdp=N,tensor=N",
+                   help="device mesh (default: the experiment's)")
+    c.add_argument("--what", choices=("train", "eval", "decode"), default="train",
+                   help="the train step (default), the eval step, or generate's decode loop")
+    c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field (repeatable)")
+    c.add_argument("--mfu", type=float, default=0.4,
+                   help="model FLOPs utilisation the step-time estimate assumes (default 0.4)")
+    c.add_argument("--json", action="store_true",
+                   help="also print the report as one JSON object, the last line of stdout")
 
 
 def _train(args) -> int:
@@ -183,6 +209,26 @@ def _sweep(args) -> int:
     return 0
 
 
+def _compile(args) -> int:
+    from .aot import compile_experiment
+    from .tpu import TpuSlice
+    from .train.config import apply_overrides, load_experiment
+
+    tpu = TpuSlice.parse(args.tpu) if args.tpu else TpuSlice.from_topology(args.topology)
+    cfg = apply_overrides(load_experiment(args.experiment), list(args.overrides))
+    if not 0 < args.mfu <= 1:
+        from .errors import UserError
+        raise UserError(f"--mfu {args.mfu} must be in (0, 1]")
+    report = compile_experiment(cfg, tpu, mesh=args.mesh, what=args.what, mfu=args.mfu)
+    print(report.describe(), flush=True)
+    if args.json:
+        print(json.dumps(report.to_dict()))
+    if not report.fits:
+        print("error: " + report.not_fit_message(), file=sys.stderr)
+        return 2
+    return 0
+
+
 def _experiments(args) -> int:
     from .train.config import available_experiments, experiment_dirs
 
@@ -203,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     from .train.checkpoint import CheckpointWriteError
 
     handlers = {"train": _train, "eval": _eval, "generate": _generate, "export": _export,
-                "sweep": _sweep, "experiments": _experiments}
+                "sweep": _sweep, "compile": _compile, "experiments": _experiments}
     _quiet_background_errors()
     try:
         return handlers[args.command](args)

@@ -17,7 +17,8 @@ One signature, several implementations (``implementation=``):
                   cuDNN can run the call, XLA's path otherwise.
   * ``"cudnn"``   the same, but insists on cuDNN: a ValueError lists what prevents it.
   * ``"auto"``    (the default) chosen when the function is lowered, per platform, by
-                  :func:`resolve_implementation`: the Pallas kernel on TPU, cuDNN on a GPU
+                  :func:`resolve_implementation`: the Pallas kernel on TPU v4 and later
+                  (XLA's paths on v2/v3, where Mosaic cannot compile it), cuDNN on a GPU
                   where it can run the call (else the Pallas kernel), the reference on the
                   CPU (``"chunked"`` beyond 4,096 x 4,096 logits per head). Calls the
                   kernels cannot serve (dropout, returned weights, one query row of a
@@ -32,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 from typing import Any
 
 import flax.linen as nn
@@ -235,14 +237,42 @@ def _jax_attention(q, k, v, mask, bias, scale, causal, use_cudnn: bool, pattern=
 # ----------------------------------------------------------------------------- choosing
 
 # Above this many logits per (batch, head) the CPU's "auto" takes the chunked path, whose
-# memory is linear in the lengths; below it the reference is the faster exact path.
+# memory is linear in the lengths; below it the reference is the faster exact path. A
+# TPU v2/v3 (no Pallas kernels) draws the same line.
 CPU_REFERENCE_MAX_LOGITS = 4096 * 4096
+
+# Mosaic compiles Pallas TPU kernels for TPU v4 and later; on v2/v3 it fails ("Unsupported
+# matmul RHS type on target", jax-ml/jax#18595), so "auto" takes XLA's paths there.
+PALLAS_MIN_TPU_GENERATION = 4
+
+
+def tpu_generation() -> int | None:
+    """The TPU generation (2, 3, 4, 5, 6, 7, ...) this trace compiles for, or None if it
+    cannot be known: the devices of the current mesh (``jax.set_mesh``; also the devices
+    of a TPU topology compiled on a host without a TPU), else this process's TPU."""
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    kind = getattr(device, "device_kind", None) if device is not None else None
+    if kind is None and jax.default_backend() == "tpu":
+        kind = jax.devices()[0].device_kind
+    return tpu_generation_of(kind)
+
+
+def tpu_generation_of(device_kind: str | None) -> int | None:
+    """``"TPU v3"`` -> 3, ``"TPU v5 lite"`` -> 5, ``"TPU7x"`` -> 7; None for another kind."""
+    m = re.match(r"TPU\s*v?(\d+)", device_kind or "")
+    return int(m.group(1)) if m else None
+
+
+def _pallas_on_tpu(generation: int | None) -> bool:
+    """Whether the Pallas TPU kernel compiles for this generation (None: unknown, assumed)."""
+    return generation is None or generation >= PALLAS_MIN_TPU_GENERATION
 
 
 def resolve_implementation(implementation: str, platform: str, *, dtype: Any = jnp.float32,
                            head_dim: int = 64, q_len: int = 128, kv_len: int = 128,
                            dropout: bool = False, return_weights: bool = False,
-                           pattern: AttentionPattern | None = None) -> str:
+                           pattern: AttentionPattern | None = None,
+                           tpu_generation: int | None = None) -> str:
     """What ``implementation`` runs on ``platform`` ("cpu", "gpu" or "tpu") for a call
     of this description: ``"xla"``, ``"chunked"``, ``"pallas"`` or ``"cudnn"``.
 
@@ -253,6 +283,9 @@ def resolve_implementation(implementation: str, platform: str, *, dtype: Any = j
     blocks outside it: on the CPU for a window once there are 1,024 keys and 4 windows
     (a causal window of 256 at T = 2,048: 3.6x faster than the reference; sparse patterns
     as full attention), on a GPU/TPU the Pallas kernel (cuDNN for a window, which it has).
+    On a TPU of ``tpu_generation`` 2 or 3 the Pallas kernel does not compile: ``"auto"``
+    takes the CPU's choice (the reference, or ``"chunked"`` for long sequences or a
+    window), and an explicit ``"pallas"`` is a UserError.
     """
     if implementation not in IMPLEMENTATIONS:
         raise UserError(f"unknown attention implementation {implementation!r}; "
@@ -262,11 +295,15 @@ def resolve_implementation(implementation: str, platform: str, *, dtype: Any = j
     if implementation == "jax":
         return "cudnn" if platform == "gpu" and not _static_cudnn_problems(
             dtype, head_dim, q_len, kv_len) else "xla"
+    if implementation == "pallas" and platform == "tpu" and not _pallas_on_tpu(tpu_generation):
+        raise UserError(f"attention implementation 'pallas' cannot run on a TPU "
+                        f"v{tpu_generation}: Mosaic compiles Pallas TPU kernels for v4 and "
+                        "later only; use 'auto' (XLA's attention on v2/v3), 'xla' or 'chunked'")
     if implementation != "auto":
         return implementation
     if dropout or return_weights or q_len == 1:
         return "xla"
-    if platform == "cpu":
+    if platform == "cpu" or (platform == "tpu" and not _pallas_on_tpu(tpu_generation)):
         window = pattern is not None and pattern.kind == "window"
         long = q_len * kv_len > CPU_REFERENCE_MAX_LOGITS or (
             window and kv_len >= max(1024, 4 * pattern.size))
@@ -380,13 +417,14 @@ def _attend(q, k, v, mask, bias, *, call: _Call):
 
 def _per_platform(q, k, v, mask, bias, choose, *, kernel_chunks: bool, q_chunk, kv_chunk,
                   **settings):
-    """``lax.platform_dependent`` over the platforms, ``choose(platform)`` naming the
-    implementation of each; the Pallas kernel gets ``q_chunk``/``kv_chunk`` as its block
+    """``lax.platform_dependent`` over the platforms, ``choose(platform, tpu_generation)``
+    naming the implementation of each; the Pallas kernel gets ``q_chunk``/``kv_chunk`` as its block
     sizes only with ``kernel_chunks`` (else its own defaults)."""
     specs = _mesh_specs(q, k, mask, bias)
+    generation = tpu_generation()
 
     def branch(platform):
-        name = choose(platform)
+        name = choose(platform, generation)
         chunks = (q_chunk, kv_chunk) if kernel_chunks or name in ("xla", "chunked") else (None, None)
         call = _Call(implementation=name, platform=platform, mesh_specs=specs, q_chunk=chunks[0],
                      kv_chunk=chunks[1], **settings)
@@ -403,7 +441,8 @@ def _auto_attention(q, k, v, mask, bias, scale, causal, precision, q_chunk, kv_c
     the chunked path."""
     describe = dict(dtype=q.dtype, head_dim=q.shape[-1], q_len=q.shape[1], kv_len=k.shape[1],
                     pattern=pattern)
-    choose = lambda platform: resolve_implementation("auto", platform, **describe)  # noqa: E731
+    choose = lambda platform, generation: resolve_implementation(  # noqa: E731
+        "auto", platform, tpu_generation=generation if platform == "tpu" else None, **describe)
     return _per_platform(q, k, v, mask, bias, choose, kernel_chunks=False, q_chunk=q_chunk,
                          kv_chunk=kv_chunk, scale=float(scale), causal=causal,
                          precision=precision, cpu_tuning=tuned, pattern=pattern)
@@ -524,8 +563,10 @@ def dot_product_attention(
                     pattern=pattern)
     if implementation == "pallas":
         # one source for every platform: Mosaic, Triton or interpret mode, chosen at lowering
-        return _per_platform(query, key, value, mask, bias, lambda platform: "pallas",
-                             kernel_chunks=True, q_chunk=q_chunk, kv_chunk=kv_chunk, **settings)
+        choose = lambda platform, generation: resolve_implementation(  # noqa: E731
+            "pallas", platform, tpu_generation=generation if platform == "tpu" else None)
+        return _per_platform(query, key, value, mask, bias, choose, kernel_chunks=True,
+                             q_chunk=q_chunk, kv_chunk=kv_chunk, **settings)
     problems = cudnn_problems(query, key, value)
     if jax.default_backend() != "gpu":
         problems.insert(0, f"it needs a GPU (the backend is {jax.default_backend()!r})")

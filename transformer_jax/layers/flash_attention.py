@@ -25,7 +25,9 @@ slices (``pl.ds``), ``lax.fori_loop`` and 2-D ``dot_general``, so one source tar
   * GPU: the Triton lowering (selected with ``pallas.triton.CompilerParams``; block sizes
     and the head dim must be powers of two there, so the head dim is zero-padded to one);
   * TPU: Mosaic (2-D blocks whose last dims are full or multiples of (8, 128); K and V of
-    one head are held in VMEM, S * H * itemsize * 4 bytes with double buffering);
+    one head are held in VMEM, S * H * itemsize * 4 bytes with double buffering; key
+    blocks of at least 128 when a bias or mask is sliced along its keys; a raised scoped
+    VMEM limit on chips with 64 MiB or more, for long sequences' row statistics);
   * CPU (and any other backend): ``interpret=True`` (chosen automatically), which runs the
     kernels as plain XLA loops; exact but slow, for tests.
 The tests run the kernels in interpret mode and lower them for TPU (Mosaic) and GPU
@@ -129,8 +131,15 @@ class _Static:
 # ----------------------------------------------------------------------------- kernel math
 
 def _dot(a: Array, b: Array, contract: tuple[int, int]) -> Array:
-    """2-D matmul contracting a's axis contract[0] with b's axis contract[1], fp32 result."""
+    """2-D matmul contracting a's axis contract[0] with b's axis contract[1], fp32 result.
+
+    bf16/fp16 operands multiply at the default precision whatever the global
+    ``jax_default_matmul_precision`` says: their products are exact in fp32 anyway, and
+    Mosaic refuses a "highest" bf16 matmul ("Bad lhs type"). fp32 operands follow the
+    global setting."""
+    low = jnp.dtype(a.dtype).itemsize < 4 and jnp.dtype(b.dtype).itemsize < 4
     return lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((), ())),
+                           precision=lax.Precision.DEFAULT if low else None,
                            preferred_element_type=jnp.float32)
 
 
@@ -221,10 +230,15 @@ def _fwd_kernel(*refs, st: _Static, has_bias: bool, has_mask: bool):
     r["l"][...] = l
 
 
+def _row_stats(block: Array) -> tuple[Array, Array, Array]:
+    """The (rows, 1) columns m, l, delta of a (rows, 4) block of row statistics."""
+    return block[:, 0:1], block[:, 1:2], block[:, 2:3]
+
+
 def _dkdv_kernel(*refs, st: _Static, has_bias: bool, has_mask: bool):
     r = _unpack(refs, [("q", True), ("k", True), ("v", True), ("bias", has_bias),
-                       ("mask", has_mask), ("do", True), ("m", True), ("l", True),
-                       ("delta", True), ("dk", True), ("dv", True)])
+                       ("mask", has_mask), ("do", True), ("stats", True), ("dk", True),
+                       ("dv", True)])
     bq, bk = st.bq_bwd, st.bk_bwd
     j = pl.program_id(2)
     k_start = j * bk
@@ -245,11 +259,12 @@ def _dkdv_kernel(*refs, st: _Static, has_bias: bool, has_mask: bool):
         q, do = r["q"][qs, :], r["do"][qs, :]
         s, allowed, key_ok = _scores(st, q, k, q_start, k_start, rows(r["bias"], qs),
                                      rows(r["mask"], qs))
-        p = jnp.exp(s - r["m"][qs, :]) * (1.0 / r["l"][qs, :])
+        m, l, delta = _row_stats(r["stats"][qs, :])
+        p = jnp.exp(s - m) * (1.0 / l)
         if key_ok is not None:
             p = jnp.where(key_ok, p, 0.0)
         dv = dv + _dot(p.astype(do.dtype), do, (0, 0))               # (bk, Hv)
-        ds = p * (_dot(do, v, (1, 1)) - r["delta"][qs, :])           # (bq, bk)
+        ds = p * (_dot(do, v, (1, 1)) - delta)                       # (bq, bk)
         if allowed is not None:
             ds = jnp.where(allowed, ds, 0.0)
         dk = dk + _dot(ds.astype(q.dtype), q, (0, 0))                # (bk, H)
@@ -264,13 +279,14 @@ def _dkdv_kernel(*refs, st: _Static, has_bias: bool, has_mask: bool):
 def _dq_kernel(*refs, st: _Static, has_bias: bool, has_mask: bool, emit_dq: bool,
                emit_ds: bool):
     r = _unpack(refs, [("q", True), ("k", True), ("v", True), ("bias", has_bias),
-                       ("mask", has_mask), ("do", True), ("m", True), ("l", True),
-                       ("delta", True), ("dq", emit_dq), ("ds", emit_ds)])
+                       ("mask", has_mask), ("do", True), ("stats", True), ("dq", emit_dq),
+                       ("ds", emit_ds)])
     bq, bk = st.bq_bwd, st.bk_bwd
     i = pl.program_id(2)
     q_start = i * bq
     q, do = r["q"][...], r["do"][...]
-    m, inv_l, delta = r["m"][...], 1.0 / r["l"][...], r["delta"][...]
+    m, l, delta = _row_stats(r["stats"][...])
+    inv_l = 1.0 / l
 
     def step(j, dq):
         return _visit(st, q_start, j * bk, bq, bk, functools.partial(body, j), dq)
@@ -315,8 +331,23 @@ def _compiler_params(st: _Static):
         return pltriton.CompilerParams(num_warps=st.num_warps, num_stages=st.num_stages)
     if st.platform == "tpu":
         from jax.experimental.pallas import tpu as pltpu
-        return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel"))
+        return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel"),
+                                    vmem_limit_bytes=_tpu_vmem_limit())
     return None
+
+
+def _tpu_vmem_limit() -> int | None:
+    """Scoped VMEM for the kernels on the TPU being compiled for: 3/4 of the chip's VMEM
+    where it has 64 MiB or more (v5e, v6e: 128 MiB; v5p: 64 MiB), the compiler's default
+    elsewhere (v4: 16 MiB). The dK/dV kernel holds a head's whole-length row statistics
+    (m, l, delta side by side: (T, 4) fp32, a 128-lane tile per row) and Q, dO. None where JAX cannot tell the TPU (lowering on a host
+    without one) or the chip has little VMEM."""
+    try:
+        from jax._src.pallas.mosaic import tpu_info
+        capacity = tpu_info.get_tpu_info().vmem_capacity_bytes
+    except Exception:  # noqa: BLE001 - no TPU known here, or JAX moved it: the default
+        return None
+    return capacity * 3 // 4 if capacity >= 64 << 20 else None
 
 
 def _call(kernel, st: _Static, grid, in_specs, out_specs, out_shape, name: str):
@@ -325,11 +356,16 @@ def _call(kernel, st: _Static, grid, in_specs, out_specs, out_shape, name: str):
                           compiler_params=_compiler_params(st), name=name)
 
 
-def _head_spec(rows: int, cols: int, kv: bool, groups: int, along_grid: bool):
+def _head_spec(rows: int, cols: int, kv: bool, groups: int, along_grid: bool,
+               single_buffer: bool = False):
     """(B, N|K, L, C) array, one head per program, ``rows`` rows: block i of the grid's
-    last axis when ``along_grid``, else the whole length. ``kv``: head n reads kv head n // G."""
+    last axis when ``along_grid``, else the whole length. ``kv``: head n reads kv head n // G.
+    ``single_buffer``: one VMEM buffer instead of two (a block that stays the same along
+    the grid's last axis: prefetching it ahead saves nothing there)."""
     def index(b, n, x):
         return (b, n // groups if kv else n, x if along_grid else 0, 0)
+    if single_buffer:
+        return pl.BlockSpec((None, None, rows, cols), index, pipeline_mode=pl.Buffered(1))
     return pl.BlockSpec((None, None, rows, cols), index)
 
 
@@ -372,21 +408,27 @@ def _backward(q, k, v, bias, mask, out, m, l, do, st: _Static):
     kh, sp, hv = k.shape[1], k.shape[2], v.shape[-1]
     bq, bk = st.bq_bwd, st.bk_bwd
     delta = jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), axis=-1, keepdims=True)
+    # m, l, delta side by side: one (rows, 4) block instead of three (rows, 1) ones, each of
+    # which a TPU pads to 128 lanes in VMEM (the dK/dV kernel holds whole rows of them); the
+    # fourth column is zeros (Triton takes power-of-two shapes only)
+    stats = jnp.concatenate([m, l, delta, jnp.zeros_like(m)], axis=-1)   # (B, N, Tp, 4)
     aux = [x for x in (bias, mask) if x is not None]
     flags = dict(st=st, has_bias=bias is not None, has_mask=mask is not None)
-    row_stats = [_head_spec(tp, 1, False, 1, False)] * 3            # m, l, delta: whole rows
-
-    # dK, dV per query head: grid over key blocks.
-    in_specs = [_head_spec(tp, h, False, st.groups, False),
+    # dK, dV per query head: grid over key blocks; Q, dO and the row statistics are whole
+    # rows, the same block for every key block of a head: single-buffered on a TPU
+    # (VMEM: 16 MiB on a v4, where double buffers of them overflow it at T = 8,192)
+    once = st.platform == "tpu"
+    in_specs = [_head_spec(tp, h, False, st.groups, False, once),
                 _head_spec(bk, h, True, st.groups, True),
                 _head_spec(bk, hv, True, st.groups, True)]
     in_specs += [_aux_spec(x, bq, bk, False) for x in aux]
-    in_specs += [_head_spec(tp, hv, False, 1, False)] + row_stats
+    in_specs += [_head_spec(tp, hv, False, 1, False, once), _head_spec(tp, 4, False, 1, False,
+                                                                      once)]
     dk, dv = _call(functools.partial(_dkdv_kernel, **flags), st, (b, n, sp // bk), in_specs,
                    [_head_spec(bk, h, False, 1, True), _head_spec(bk, hv, False, 1, True)],
                    [jax.ShapeDtypeStruct((b, n, sp, h), jnp.float32),
                     jax.ShapeDtypeStruct((b, n, sp, hv), jnp.float32)],
-                   "flash_attention_dkdv")(q, k, v, *aux, do, m, l, delta)
+                   "flash_attention_dkdv")(q, k, v, *aux, do, stats)
     dk = dk.reshape(b, kh, st.groups, sp, h).sum(axis=2).astype(k.dtype)
     dv = dv.reshape(b, kh, st.groups, sp, hv).sum(axis=2).astype(v.dtype)
 
@@ -395,8 +437,8 @@ def _backward(q, k, v, bias, mask, out, m, l, do, st: _Static):
                 _head_spec(sp, h, True, st.groups, False),
                 _head_spec(sp, hv, True, st.groups, False)]
     in_specs += [_aux_spec(x, bq, sp, True) for x in aux]
-    in_specs += [_head_spec(bq, hv, False, 1, True)] + [_head_spec(bq, 1, False, 1, True)] * 3
-    args = (q, k, v, *aux, do, m, l, delta)
+    in_specs += [_head_spec(bq, hv, False, 1, True), _head_spec(bq, 4, False, 1, True)]
+    args = (q, k, v, *aux, do, stats)
     dq = _call(functools.partial(_dq_kernel, emit_dq=True, emit_ds=False, **flags), st,
                (b, n, tp // bq), in_specs, _head_spec(bq, h, False, 1, True),
                jax.ShapeDtypeStruct((b, n, tp, h), q.dtype), "flash_attention_dq")(*args)
@@ -491,6 +533,10 @@ def flash_attention(query: Array, key: Array, value: Array, *, bias: Array | Non
 
     bq, bk = fit(blocks.block_q, t), fit(blocks.block_k, s)
     bq_bwd, bk_bwd = fit(blocks.bwd[0], t), fit(blocks.bwd[1], s)
+    if platform == "tpu" and (bias is not None or mask is not None):
+        # bias/mask blocks are sliced along their key (lane) axis, which Mosaic takes at
+        # multiples of 128 only: short keys are padded to one 128-wide block
+        bk, bk_bwd = max(bk, 128), max(bk_bwd, 128)
     tp, sp = _round_up(t, max(bq, bq_bwd)), _round_up(s, max(bk, bk_bwd))
     hv = value.shape[-1]
     st = _Static(scale=1.0 / math.sqrt(h) if scale is None else float(scale), causal=causal,

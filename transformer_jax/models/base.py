@@ -451,16 +451,21 @@ class EfficientAttentionConfig:
             "use attention='softmax'")
 
 
-def attention_plan(config: Any, seq_len: int, platform: str) -> dict[str, str]:
-    """What ``config.attention_impl`` runs on ``platform`` ("cpu", "gpu", "tpu") for
-    sequences of ``seq_len`` (a ViT's own patch count instead), in training (with its
-    attention dropout) and at eval: ``{"implementation", "platform", "train", "eval"}``."""
+def attention_plan(config: Any, seq_len: int, platform: str,
+                   tpu_generation: int | None = None) -> dict[str, str]:
+    """What ``config.attention_impl`` runs on ``platform`` ("cpu", "gpu", "tpu"; a TPU of
+    ``tpu_generation``, e.g. 3 for a v3, when known) for sequences of ``seq_len`` (a ViT's
+    own patch count instead), in training (with its attention dropout) and at eval:
+    ``{"implementation", "platform", "train", "eval"}``; ``platform`` names the TPU
+    generation (``"tpu v3"``) when it is known."""
     rate = getattr(config, "attention_dropout_rate", getattr(config, "dropout_rate", 0.0))
     seq_len = getattr(config, "seq_len", seq_len)
     shape = dict(dtype=config.dtype, head_dim=config.head_dim, q_len=seq_len, kv_len=seq_len,
-                 pattern=getattr(config, "attention_pattern", None))
+                 pattern=getattr(config, "attention_pattern", None),
+                 tpu_generation=tpu_generation if platform == "tpu" else None)
     impl = getattr(config, "attention_implementation", config.attention_impl)
-    return {"implementation": impl, "platform": platform,
+    where = f"tpu v{tpu_generation}" if platform == "tpu" and tpu_generation else platform
+    return {"implementation": impl, "platform": where,
             "train": resolve_implementation(impl, platform, dropout=rate > 0, **shape),
             "eval": resolve_implementation(impl, platform, **shape)}
 

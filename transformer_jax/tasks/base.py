@@ -160,6 +160,26 @@ class Task(abc.ABC):
     def init_args(self) -> tuple:
         """Positional arguments for ``model.init(rng, *args)``."""
 
+    #: batch key -> (dtype, trailing dims: "T" seq_len, "S"/"T" of a seq2seq task, ...),
+    #: as every batch of the task holds them; read by :meth:`batch_shapes`
+    BATCH: ClassVar[dict[str, tuple[str, tuple[str, ...]]]] = {}
+
+    def batch_dims(self) -> dict[str, int]:
+        """The sizes the names in ``BATCH`` stand for (default: T = ``seq_len``)."""
+        return {"T": self.cfg.seq_len}
+
+    def batch_shapes(self, batch_size: int | None = None) -> dict[str, Any]:
+        """``jax.ShapeDtypeStruct`` of each array of a global batch (``batch_size`` rows,
+        default the config's), from the config alone: what ahead-of-time compilation
+        (``transformer-jax compile``) traces the train step with, no data read."""
+        import jax
+        import numpy as np
+
+        b = self.cfg.batch_size if batch_size is None else batch_size
+        dims = self.batch_dims()
+        return {key: jax.ShapeDtypeStruct((b, *(dims[d] for d in trailing)), np.dtype(dtype))
+                for key, (dtype, trailing) in self.BATCH.items()}
+
     # -- optional -----------------------------------------------------------------
     def init_params(self, params):
         """Adjust freshly initialised params (e.g. load a pretrained encoder); default: unchanged."""

@@ -180,6 +180,9 @@ class ClassifyTask(Task):
     loss_fn = staticmethod(classify_loss)
     ID_FIELDS = {"input_ids": "vocab_size", "token_type_ids": "type_vocab_size",
                  "labels": "num_classes"}
+    BATCH = {"input_ids": ("int32", ("T",)), "token_type_ids": ("int32", ("T",)),
+             "attention_mask": ("int32", ("T",)), "labels": ("int32", ()),
+             "weights": ("float32", ())}
 
     def __init__(self, cfg, workdir, *, spec=None):
         super().__init__(cfg, workdir, spec=spec)

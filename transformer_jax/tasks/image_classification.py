@@ -57,6 +57,8 @@ class ImageClassificationTask(Task):
                "split_seed": 0, "num_samples": 8, "pretrained": None}
     loss_fn = staticmethod(image_classification_loss)
     ID_FIELDS = {"labels": "num_classes"}
+    BATCH = {"images": ("float32", ("H", "W", "C")), "labels": ("int32", ()),
+             "weights": ("float32", ())}
 
     def __init__(self, cfg, workdir, *, spec=None):
         super().__init__(cfg, workdir, spec=spec)
@@ -107,6 +109,9 @@ class ImageClassificationTask(Task):
                 "num_channels": info.num_channels, "max_value": info.max_value,
                 "label_names": list(info.label_names), "image_size": self.image_size,
                 "flip": info.flip}
+
+    def batch_dims(self) -> dict[str, int]:
+        return {"H": self.image_size, "W": self.image_size, "C": self.info.num_channels}
 
     def init_args(self):
         s, c = self.image_size, self.info.num_channels

@@ -69,6 +69,8 @@ class LMTask(Task):
     OPTIONS = {"train_tokens": None}
     loss_fn = staticmethod(lm_loss)
     ID_FIELDS = {"inputs": "vocab_size", "targets": "vocab_size"}
+    BATCH = {"inputs": ("int32", ("T",)), "targets": ("int32", ("T",)),
+             "weights": ("float32", ("T",))}
 
     def __init__(self, cfg, workdir, *, spec=None):
         super().__init__(cfg, workdir, spec=spec)

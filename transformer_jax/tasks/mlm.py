@@ -346,6 +346,8 @@ class MLMTask(Task):
     OPTIONS = {"mask_prob": 0.15, "mask_token_prob": 0.8, "random_token_prob": 0.1}
     loss_fn = staticmethod(mlm_loss)
     ID_FIELDS = {"input_ids": "vocab_size", "targets": "vocab_size"}
+    BATCH = {"input_ids": ("int32", ("T",)), "targets": ("int32", ("T",)),
+             "weights": ("float32", ("T",)), "attention_mask": ("int32", ("T",))}
 
     def __init__(self, cfg, workdir, *, spec=None):
         super().__init__(cfg, workdir, spec=spec)

@@ -275,6 +275,9 @@ class Seq2SeqTask(Task):
                "bleu_tokenize": None}
     loss_fn = staticmethod(seq2seq_loss)
     ID_FIELDS = {"inputs": "vocab_size", "targets": "vocab_size", "labels": "vocab_size"}
+    BATCH = {"inputs": ("int32", ("S",)), "input_mask": ("int32", ("S",)),
+             "targets": ("int32", ("T",)), "labels": ("int32", ("T",)),
+             "weights": ("float32", ("T",))}
 
     def __init__(self, cfg, workdir, *, spec=None):
         super().__init__(cfg, workdir, spec=spec)
@@ -363,6 +366,9 @@ class Seq2SeqTask(Task):
             seed=cfg.seed, shuffle=train, repeat=train, process_index=process_index,
             process_count=process_count,
             describe=f"seq2seq {cfg.dataset!r} split {split!r}")
+
+    def batch_dims(self) -> dict[str, int]:
+        return {"S": self.src_len, "T": self.tgt_len}
 
     def init_args(self):
         import jax.numpy as jnp

@@ -63,6 +63,7 @@ from jax.experimental.multihost_utils import sync_global_devices
 from .. import storage
 from ..errors import UserError
 from ..models import build_model, model_from_config
+from ..layers.attention import tpu_generation
 from ..models.base import attention_plan, describe_attention_plan
 from ..tasks import Task, make_task
 from . import finetune
@@ -316,7 +317,7 @@ def setup(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
     model_cfg, model = build(cfg, task.model_overrides())
     tx, schedule = make_tx(cfg, model_cfg)
     loss_scale = make_loss_scale(cfg, model_cfg)
-    plan = attention_plan(model_cfg, cfg.seq_len, _platform())
+    plan = attention_plan(model_cfg, cfg.seq_len, _platform(), tpu_generation())
     run_config = {"experiment": cfg.to_dict(), "family": cfg.model, "model": model_cfg.to_dict(),
                   "task": cfg.task, "task_spec": task.spec(), "loss_scaling": loss_scale is not None,
                   "attention": plan}

@@ -23,12 +23,11 @@ import jax.numpy as jnp
 
 from .. import storage
 from ..storage import PathLike, TextLog
+from ..tpu import GENERATIONS, generation_of
 
 # Dense bf16 peak FLOP/s per device, as reported by jax.devices()[i].device_kind.
 # TPU v2/v3 expose each core as a device (half a chip).
-PEAK_FLOPS = {
-    "TPU v2": 22.5e12, "TPU v3": 61.5e12, "TPU v4": 275e12, "TPU v5 lite": 197e12,
-    "TPU v5e": 197e12, "TPU v5p": 459e12, "TPU v6 lite": 918e12, "TPU v6e": 918e12,
+PEAK_FLOPS = {   # GPUs; TPUs by generation from transformer_jax.tpu (a v5p says "TPU v5")
     "NVIDIA H100": 989e12, "NVIDIA H200": 989e12, "NVIDIA A100": 312e12,
     "NVIDIA L4": 121e12, "Tesla T4": 65e12, "NVIDIA A10G": 125e12, "Tesla V100": 125e12,
 }
@@ -51,6 +50,9 @@ def measure_matmul_peak(n: int = 2048, repeats: int = 5, dtype=jnp.float32) -> f
 def peak_flops_per_device() -> tuple[float, str]:
     """``(FLOP/s, how it was obtained)`` for one device of the default backend."""
     kind = jax.devices()[0].device_kind
+    generation = generation_of(kind)
+    if generation is not None:
+        return GENERATIONS[generation].peak_bf16, f"{kind} bf16 spec"
     for name, peak in PEAK_FLOPS.items():
         if kind.startswith(name):
             return peak, f"{kind} bf16 spec"

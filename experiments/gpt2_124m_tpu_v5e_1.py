@@ -1,0 +1,45 @@
+"""GPT-2 124M on LM1B on one TPU chip: Colab's v5e-1 (also right for its v6e-1).
+
+Command (in a Colab TPU runtime; Google Drive keeps the run across disconnects):
+
+    pip install -e ".[tpu]"                          # in a clone of this repository
+    from google.colab import drive; drive.mount("/content/drive")
+    transformer-jax train --experiment gpt2_124m_tpu_v5e_1 \\
+        --workdir /content/drive/MyDrive/runs/gpt2_124m_tpu_v5e_1 --no-progress
+    # after a disconnect, the same command plus --resume continues at the exact batch
+
+Check it first, from any machine (the TPU compiler runs on a CPU host):
+
+    transformer-jax compile --experiment gpt2_124m_tpu_v5e_1 --tpu v5e-1
+
+Recipe: the v3-8 recipe (``gpt2_124m_tpu_v3_8``: lm1b, 32k SentencePiece vocabulary, bf16
+compute, fp32 parameters and AdamW moments, scanned and rematerialised layers, dropout
+on the residual stream only) with 1024-token windows and a batch of 64 sequences (65,536
+tokens per step) taken as 2 micro-batches of 32, which one 16 GiB chip holds.
+Attention: the Pallas (Mosaic) flash kernel (v5e and v6e take it).
+
+Compiled for the chip on a CPU host (``transformer-jax compile``, libtpu 0.0.42, jax
+0.10.2): per device {V5E1_MEM}; v6e-1: {V6E1_MEM}.
+
+Runtime: not measured (no TPU here). Estimate: 8.55e8 training FLOP per token
+(``GPTConfig.flops_per_token(1024)``) x 65,536 tokens = 5.6e13 FLOP per step; at 40% of
+the v5e's 197 TFLOP/s bf16 that is {V5E1_STEP} per step, ~{V5E1_HOURS} h for 20k steps
+(1.3B tokens, ~1.5 epochs of lm1b); a v6e-1 (918 TFLOP/s) ~{V6E1_STEP} per step. Metric:
+not measured; ``eval_ppl`` is logged every 2000 steps.
+"""
+import dataclasses
+
+from transformer_jax.train.config import ExperimentConfig, load_experiment
+
+
+def get_config() -> ExperimentConfig:
+    base = load_experiment("gpt2_124m_tpu_v3_8")
+    return dataclasses.replace(
+        base,
+        name="gpt2_124m_tpu_v5e_1",
+        model_overrides={**base.model_overrides, "max_len": 1024},
+        seq_len=1024,
+        batch_size=64,
+        accum_steps=2,
+        mesh=None,
+    )

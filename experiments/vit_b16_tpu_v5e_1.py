@@ -1,0 +1,35 @@
+"""ViT-B/16 on ImageNet-2012 from scratch on one TPU chip: Colab's v5e-1 (also a v6e-1).
+
+Command (in a Colab TPU runtime; ImageNet must be prepared for TFDS first, as in
+``vit_b16_tpu_v3_8``):
+
+    pip install -e ".[tpu]"                          # in a clone of this repository
+    transformer-jax train --experiment vit_b16_tpu_v5e_1 --set data_dir=DATA \\
+        --workdir /content/drive/MyDrive/runs/vit_b16_tpu_v5e_1 --no-progress
+    # after a disconnect: the same command plus --resume
+
+Check it first, from any machine: ``transformer-jax compile --experiment vit_b16_tpu_v5e_1
+--tpu v5e-1``.
+
+Recipe: the v3-8 recipe (``vit_b16_tpu_v3_8``: batch 1024, AdamW, 90 epochs, label
+smoothing, crops and flips) with the batch taken as 8 micro-batches of 128 images
+(``accum_steps=8``): the same optimisation, on one chip. Attention: the Pallas (Mosaic)
+flash kernel (197 tokens, no attention dropout).
+
+Compiled for the chip on a CPU host (``transformer-jax compile``, libtpu 0.0.42, jax
+0.10.2): per device {VIT1_MEM}; v6e-1: {VIT6_MEM}.
+
+Runtime: not measured (no TPU here). Estimate: 1.055e11 training FLOP per image
+(``ViTConfig.flops_per_image()``) x 1024 = 1.08e14 FLOP per step; at 40% of the v5e's 197
+TFLOP/s that is {VIT1_STEP} per step, ~{VIT1_HOURS} h for 90 epochs (112.5k steps), many
+Colab sessions; a v6e-1 ~{VIT6_STEP} per step. The image pipeline decodes and augments in
+one Python thread, which may bound the step rate first. Metric: not measured.
+"""
+import dataclasses
+
+from transformer_jax.train.config import ExperimentConfig, load_experiment
+
+
+def get_config() -> ExperimentConfig:
+    base = load_experiment("vit_b16_tpu_v3_8")
+    return dataclasses.replace(base, name="vit_b16_tpu_v5e_1", accum_steps=8, mesh=None)

@@ -1,0 +1,303 @@
+"""Compiled, not just lowered: the real TPU compiler (libtpu) on this CPU host.
+
+``jax.experimental.topologies`` gives the devices of a TPU slice without the hardware; a
+step jitted with shardings on a mesh of them compiles for that slice (XLA:TPU, and Mosaic
+for the Pallas kernels), and ``memory_analysis()`` says what each device needs. Tiny
+models of every family compile their train, eval and decode steps for v3 (XLA's attention:
+Mosaic cannot compile Pallas kernels for v2/v3), v4, v5e, v5p and v6e; the flash kernel
+compiles at the shapes its lowering tests use for every generation that takes it; a
+multi-host slice compiles with a data x fsdp x tensor mesh and gathers no Q/K/V.
+
+``make test`` installs libtpu (the ``tpu`` extra). Without it these tests skip, except
+under CI, where a missing compiler is a failure.
+"""
+import importlib.util
+import json
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from transformer_jax import aot
+from transformer_jax.errors import UserError
+from transformer_jax.layers.flash_attention import flash_attention
+from transformer_jax.layers.masks import AttentionPattern
+from transformer_jax.tpu import GIB, TpuSlice
+from transformer_jax.train.config import apply_overrides, load_experiment
+
+if importlib.util.find_spec("libtpu") is None:
+    if os.environ.get("CI"):
+        raise RuntimeError("CI needs the TPU compiler: make test installs the 'tpu' extra "
+                           "(libtpu); it is missing from this environment")
+    pytest.skip("libtpu (the TPU compiler) is not installed: pip install -e '.[tpu]'",
+                allow_module_level=True)
+
+GENERATIONS = {"v3": "v3-8", "v4": "v4-8", "v5e": "v5e-4", "v5p": "v5p-8", "v6e": "v6e-4"}
+KERNEL_SLICES = {"v4": "v4-8", "v5e": "v5e-1", "v5p": "v5p-8", "v6e": "v6e-1"}
+MOSAIC = "tpu_custom_call"
+
+# the smallest models of each family: 2 layers, width 64-128, 4 heads of 32
+TINY = {
+    "gpt": ("stdlib_gpt", ["model.num_layers=2", "model.d_model=128", "model.num_heads=4",
+                           "model.dropout_rate=0.0", "seq_len=128", "batch_size=8"]),
+    "bert": ("bert_mlm_stdlib", ["model.num_layers=2", "model.d_model=128",
+                                 "model.num_heads=4", "model.mlp_dim=256", "seq_len=128",
+                                 "batch_size=8", "model.dropout_rate=0.0",
+                                 "model.attention_dropout_rate=0.0"]),
+    "t5": ("t5_stdlib_seq2seq", ["model.num_layers=2", "model.d_model=128",
+                                 "model.num_heads=4", "model.head_dim=32", "model.mlp_dim=256",
+                                 "batch_size=8", "model.dropout_rate=0.0"]),
+    "vit": ("vit_digits", ["model.num_layers=2", "model.d_model=128", "model.num_heads=4",
+                           "model.mlp_dim=256", "batch_size=8", "model.dropout_rate=0.0"]),
+    "llama+lora": ("stdlib_gpt", ["model=gpt", "model_preset=llama-tiny", "seq_len=128",
+                                  "batch_size=8", "lora.rank=4"]),
+}
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("tfds"))
+
+
+def tiny(family: str, data_dir: str, *more: str):
+    name, overrides = TINY[family]
+    return apply_overrides(load_experiment(name), [*overrides, f"data_dir={data_dir}", *more])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("generation", list(GENERATIONS))
+@pytest.mark.parametrize("family", list(TINY))
+def test_tiny_train_steps_compile_for_every_generation(family, generation, data_dir):
+    """bf16 train steps of every family compile for each generation: the Pallas kernel
+    (3 Mosaic calls per attention call: forward, dK/dV, dQ) from v4 on, XLA's attention on
+    v3; the compiler's memory figures add up."""
+    cfg = tiny(family, data_dir, "model.dtype=bfloat16")
+    report = aot.compile_experiment(cfg, GENERATIONS[generation], mesh="data=-1")
+    kernel = generation != "v3"
+    assert report.attention == f"{'pallas' if kernel else 'xla'} (tpu {generation})"
+    # per attention call: forward, dK/dV, dQ (and the forward again under remat)
+    assert (report.mosaic_kernels >= 3) if kernel else (report.mosaic_kernels == 0)
+    assert report.fits and 0 < report.per_device_bytes < GIB
+    assert report.per_device_bytes == (report.argument_bytes + report.temp_bytes
+                                       + report.output_bytes - report.alias_bytes)
+    assert report.parameter_bytes + report.optimizer_bytes + report.batch_bytes <= \
+        report.argument_bytes
+    # data parallel: the gradients are summed over the devices
+    assert report.collectives["all-reduce"]["count"] >= 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("generation", ["v3", "v5e"])
+def test_eval_and_decode_steps_compile(generation, data_dir):
+    """The eval step (GPT, and ViT's classifier) and generate's KV-cache loop compile; the
+    decode loop takes the reference for its one-row steps and the kernel for the prefill."""
+    tpu = GENERATIONS[generation]
+    gpt = tiny("gpt", data_dir, "model.dtype=bfloat16")
+    for what in ("eval", "decode"):
+        report = aot.compile_experiment(gpt, tpu, what=what)
+        assert report.fits and report.per_device_bytes > 0
+        assert report.optimizer_bytes == 0
+        assert (report.mosaic_kernels > 0) == (generation != "v3"), what
+    vit = aot.compile_experiment(tiny("vit", data_dir), tpu, what="eval")
+    assert vit.fits and vit.optimizer_bytes == 0
+    with pytest.raises(UserError, match="decode compiles the KV-cache loop of a language model"):
+        aot.compile_experiment(tiny("vit", data_dir), tpu, what="decode")
+
+
+def _kernel_program(generation: str, t: int, head_dim: int, *, kv_heads: int = 2,
+                    bias: bool = False, pattern=None):
+    devices = TpuSlice.parse(KERNEL_SLICES[generation]).jax_devices()[:1]
+    mesh = jax.make_mesh((1,), ("x",), devices=devices)
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    q = jax.ShapeDtypeStruct((1, t, 4, head_dim), jnp.bfloat16, sharding=sharding)
+    kv = jax.ShapeDtypeStruct((1, t, kv_heads, head_dim), jnp.bfloat16, sharding=sharding)
+    b = jax.ShapeDtypeStruct((1, 4, t, t), jnp.float32, sharding=sharding) if bias else None
+
+    def loss(q, k, v, b):
+        out = flash_attention(q, k, v, bias=b, causal=True, platform="tpu", pattern=pattern)
+        return jnp.sum(out.astype(jnp.float32))
+
+    with jax.set_mesh(mesh):
+        lowered = jax.jit(jax.grad(loss, (0, 1, 2))).trace(q, kv, kv, b).lower()
+        return lowered, lowered.compile()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("generation", list(KERNEL_SLICES))
+def test_flash_kernel_compiles_with_mosaic_for_every_generation_that_takes_it(generation):
+    """Forward + backward of the flash kernel, bf16, causal, compiled by Mosaic and XLA:TPU:
+    head dims 64 and 128 from 128 to 8,192 tokens, grouped-query attention (4 query heads
+    on 2 and 1 kv heads), an additive bias, a sliding window."""
+    cases = [dict(t=t, head_dim=h) for h in (64, 128) for t in (128, 2048, 8192)]
+    cases += [dict(t=512, head_dim=64, kv_heads=1), dict(t=512, head_dim=64, bias=True),
+              dict(t=1024, head_dim=64, pattern=AttentionPattern("window", 256))]
+    for case in cases:
+        lowered, compiled = _kernel_program(generation, **case)
+        # forward, dK/dV, dQ; and dS for the bias gradient
+        assert lowered.as_text().count(MOSAIC) == 3 + case.get("bias", False), case
+        mem = compiled.memory_analysis()
+        t, h = case["t"], case["head_dim"]
+        # the kernel never holds the (T, T) weights: far below one (4, T, T) fp32 matrix
+        assert mem.temp_size_in_bytes < 4 * t * t * 4 or t <= 512, (case, mem)
+        assert mem.argument_size_in_bytes >= 2 * t * h * (4 + 2 * case.get("kv_heads", 2))
+
+
+def test_pallas_on_v3_is_one_clear_error():
+    """Asking for the Pallas kernel where Mosaic cannot compile it is refused by name."""
+    from transformer_jax.layers import resolve_implementation
+    with pytest.raises(UserError, match="cannot run on a TPU v3.*v4 and later"):
+        resolve_implementation("pallas", "tpu", tpu_generation=3)
+    assert resolve_implementation("auto", "tpu", tpu_generation=3) == "xla"
+    assert resolve_implementation("auto", "tpu", tpu_generation=2, q_len=8192,
+                                  kv_len=8192) == "chunked"
+    assert resolve_implementation("auto", "tpu", tpu_generation=4) == "pallas"
+    assert resolve_implementation("auto", "tpu") == "pallas"    # unknown: as lowering assumes
+
+
+@pytest.mark.slow
+def test_multi_host_slice_shards_attention_without_gathering_qkv(data_dir):
+    """v4-32 (16 chips on 4 hosts) with data=2, fsdp=4, tensor=2: each device holds an
+    eighth of the parameters' big matrices and runs the kernel on its own rows and heads;
+    no all-gather in the compiled program is the size of a whole Q, K or V."""
+    cfg = tiny("gpt", data_dir, "model.dtype=bfloat16", "model.num_heads=8",
+               "model.d_model=256", "batch_size=32")
+    report, text = _compiled(cfg, "v4-32", "data=2,fsdp=4,tensor=2")
+    assert (report.devices, report.hosts) == (16, 4)
+    assert report.mesh == "data=2,fsdp=4,tensor=2"
+    assert report.mosaic_kernels >= 3         # forward, dK/dV, dQ of the (scanned) layers
+    # per device, Q/K/V of one layer: (B/(data*fsdp), T, N/tensor, H) bf16; all of it
+    full_qkv = 32 * 128 * 8 * 32 * 2
+    gathers = [int(b) for b in _all_gather_bytes(text)]
+    assert gathers, "fsdp gathers the parameters before use"
+    assert max(gathers) < full_qkv, (max(gathers), full_qkv)
+    # parameters: 2 layers of 12 D^2 weights, sharded 8 ways (fsdp x tensor) plus the
+    # replicated small vectors; far below the unsharded 2 x 12 x 256^2 x 4 bytes
+    assert report.parameter_bytes < 2 * 12 * 256 * 256 * 4 / 4
+
+
+def _compiled(cfg, tpu, mesh):
+    """The report and the compiled program's HLO text, from one compile."""
+    captured = {}
+    real = aot._compile
+
+    def keep(lowered, slice_):
+        compiled, oom = real(lowered, slice_)
+        captured["text"] = compiled.as_text()
+        return compiled, oom
+
+    aot._compile = keep
+    try:
+        report = aot.compile_experiment(cfg, tpu, mesh=mesh)
+    finally:
+        aot._compile = real
+    return report, captured["text"]
+
+
+def _all_gather_bytes(text: str):
+    for line in text.splitlines():
+        m = re.search(r"= (.*?) all-gather(?:-start)?\(", line)
+        if m:
+            yield aot._result_bytes(m.group(1), "-start(" in line)
+
+
+def test_collectives_are_counted_through_loops():
+    """A while loop's body counts its trip count times (XLA's known count, or the bound
+    of an ``i < N`` condition); tuples of a combined collective add up."""
+    text = """HloModule m
+
+%cond (p: (s32[], f32[8])) -> pred[] {
+  %c = s32[] constant(12)
+  %p = (s32[], f32[8]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  ROOT %lt = pred[] compare(%i, %c), direction=LT
+}
+
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %p = (s32[], f32[8]) parameter(0)
+  %x = f32[8]{0} get-tuple-element(%p), index=1
+  %ar = f32[8]{0} all-reduce(%x), to_apply=%add
+  %ag = (f32[8]{0}, f32[64]{0}) all-gather-start(%x), dimensions={0}
+  ROOT %t = (s32[], f32[8]) tuple(%i, %ar)
+}
+
+ENTRY %main (a: f32[8], b: bf16[4,4]) -> f32[8] {
+  %a = f32[8]{0} parameter(0)
+  %both = (f32[8]{0}, bf16[4,4]{1,0}) all-reduce(%a, %b), to_apply=%add
+  %w = (s32[], f32[8]) while(%init), condition=%cond, body=%body
+  ROOT %r = f32[8]{0} get-tuple-element(%w), index=1
+}
+"""
+    assert aot.collectives(text) == {
+        "all-gather": {"count": 12, "bytes": 12 * 64 * 4},
+        "all-reduce": {"count": 13, "bytes": 8 * 4 + 16 * 2 + 12 * 8 * 4}}
+
+
+def test_tpu_types_name_their_slices():
+    """Cloud accelerator types -> JAX topologies, devices and hosts."""
+    cases = {"v2-8": ("v2:2x2", 8, 1), "v3-32": ("v3:4x4", 32, 4), "v4-8": ("v4:2x2x1", 4, 1),
+             "v4-32": ("v4:2x2x4", 16, 4), "v5p-8": ("v5p:2x2x1", 4, 1),
+             "v5e-1": ("v5e:1x1", 1, 1), "v5litepod-8": ("v5e:2x4", 8, 1),
+             "v5e-16": ("v5e:4x4", 16, 4), "v6e-4": ("v6e:2x2", 4, 1),
+             "v6e-256": ("v6e:16x16", 256, 64)}
+    for name, (topology, devices, hosts) in cases.items():
+        s = TpuSlice.parse(name)
+        assert (s.topology, s.devices, s.hosts) == (topology, devices, hosts), name
+    assert TpuSlice.from_topology("v5e:2x4") == TpuSlice.parse("v5e-8")
+    for bad, match in (("tpu", "not a TPU type"), ("v9-8", "unknown TPU generation"),
+                       ("v4-12", "power of two"), ("v5e-2", "-1, -4, -8")):
+        with pytest.raises(UserError, match=match):
+            TpuSlice.parse(bad)
+    for name in ("v2-8", "v5e-1", "v4-32"):
+        devices = TpuSlice.parse(name).jax_devices()
+        assert len(devices) == TpuSlice.parse(name).devices
+        assert len({d.process_index for d in devices}) == TpuSlice.parse(name).hosts
+
+
+@pytest.mark.slow
+def test_the_cli_reports_fits_or_not_with_its_exit_status(data_dir, capsys):
+    """``transformer-jax compile``: exit 0 and a JSON last line when it fits; exit 2 and one
+    ``error:`` line naming the levers when the compiler runs out of HBM (a batch of 8,192
+    sequences on one v5e chip); bad TPU types and pallas on a v3 are one ``error:`` line."""
+    from transformer_jax import cli
+    base = ["compile", "--experiment", "stdlib_gpt", f"--set=data_dir={data_dir}",
+            "--set=model.num_layers=2", "--set=model.dropout_rate=0.0", "--json"]
+    assert cli.main(base + ["--tpu", "v5e-1"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    row = json.loads(out[-1])
+    assert row["fits"] is True and row["devices"] == 1 and row["hbm_bytes"] == 16 * GIB
+    assert 0 < row["per_device_bytes"] < GIB and row["attention"] == "pallas (tpu v5e)"
+    assert any(line.startswith("attention: pallas (tpu v5e)") for line in out)
+
+    assert cli.main(base + ["--tpu", "v5e-1", "--set=batch_size=8192"]) == 2
+    captured = capsys.readouterr()
+    row = json.loads(captured.out.strip().splitlines()[-1])
+    assert row["fits"] is False and row["per_device_bytes"] > 16 * GIB
+    errors = [ln for ln in captured.err.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1
+    for lever in ("--mesh fsdp=-1", "model.remat", "batch_size", "accum_steps"):
+        assert lever in errors[0]
+
+    assert cli.main(["compile", "--experiment", "stdlib_gpt", "--tpu", "v9-8"]) == 2
+    assert "unknown TPU generation" in capsys.readouterr().err
+    assert cli.main(base + ["--tpu", "v3-8", "--set=model.attention_impl=pallas"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "cannot run on a TPU v3" in err
+
+
+def test_libtpu_on_a_cpu_host_stays_quiet(tmp_path):
+    """With libtpu installed and no TPU: importing the package and using JAX prints
+    nothing, and a compile prints none of libtpu's metadata warnings."""
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES")}
+    code = ("import transformer_jax, jax, jax.numpy as jnp; print(jax.devices()); "
+            "from transformer_jax.tpu import TpuSlice; print(len(TpuSlice.parse('v5e-4')"
+            ".jax_devices())); print(jax.jit(lambda x: x + 1)(jnp.ones(2)))")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == "", done.stderr
+    assert done.stdout.splitlines()[:2] == ["[CpuDevice(id=0)]", "4"]

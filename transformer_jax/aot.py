@@ -1,0 +1,432 @@
+"""Ahead-of-time compilation of an experiment for a TPU slice, on any host.
+
+``transformer-jax compile --experiment NAME --tpu v5e-8`` builds the experiment's real
+train step (or its eval step, or the decode loop of ``generate``), shards it over a mesh
+of the slice's devices as a run would (``--mesh``, default the experiment's), and has the
+TPU compiler (libtpu, ``pip install 'transformer_jax[tpu]'``) compile it for that slice on
+this host: no TPU, no data (the batch is described by the task, :meth:`Task.batch_shapes`;
+a tokenizer trained from the data counts as its configured vocabulary size). What the
+compiler reports is what the hardware would need:
+
+  per device  arguments (parameters, optimizer state, batch), temporaries, outputs, and
+              the total against the generation's HBM (fits, headroom);
+  program     the collectives it runs per step (count and bytes), the attention path the
+              generation takes and the Mosaic kernels in it;
+  time        the compile time; the model FLOPs per step and a step time *estimated* at a
+              stated MFU (not measured).
+
+:func:`compile_experiment` returns a :class:`CompileReport`; :func:`collectives` reads the
+collectives from a compiled program's HLO text, loops counted by their trip counts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+import tempfile
+import time
+from typing import Any
+
+import jax
+
+from . import sharding as sh
+from .errors import UserError
+from .layers.attention import tpu_generation_of
+from .models.base import attention_plan
+from .tasks import make_task
+from .tpu import GIB, TpuSlice
+from .train import finetune
+from .train.config import ExperimentConfig
+from .train.loop import build, make_loss_scale, make_tx
+from .train.step import create_train_state, eval_step, make_train_step
+
+WHAT = ("train", "eval", "decode")
+DEFAULT_MFU = 0.4
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+@dataclasses.dataclass
+class CompileReport:
+    """What the TPU compiler said about one program on one slice (bytes per device)."""
+    experiment: str
+    what: str
+    tpu: str
+    topology: str
+    devices: int
+    hosts: int
+    mesh: str
+    attention: str
+    mosaic_kernels: int
+    parameter_bytes: int
+    optimizer_bytes: int
+    batch_bytes: int
+    argument_bytes: int
+    temp_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    per_device_bytes: int
+    hbm_bytes: int
+    compile_seconds: float
+    collectives: dict[str, dict[str, int]]
+    flops_per_step: float
+    mfu: float
+    estimated_step_seconds: float
+    notes: list[str] = dataclasses.field(default_factory=list)
+    out_of_memory: bool = False     # the compiler refused it for HBM
+
+    @property
+    def fits(self) -> bool:
+        return not self.out_of_memory and self.per_device_bytes <= self.hbm_bytes
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["fits"] = self.fits
+        return out
+
+    def describe(self) -> str:
+        """The report as a few readable lines (the CLI prints them)."""
+        g = lambda n: f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2**20:.1f} MiB"  # noqa: E731
+        head = self.hbm_bytes - self.per_device_bytes
+        lines = [
+            f"{self.experiment} ({self.what} step) on {self.tpu}: {self.devices} devices, "
+            f"{self.hosts} host(s), topology {self.topology}, mesh {self.mesh}",
+            f"attention: {self.attention} ({self.mosaic_kernels} Mosaic kernel call(s) "
+            "in the program)",
+            f"per device: arguments {g(self.argument_bytes)} (parameters "
+            f"{g(self.parameter_bytes)}, optimizer state {g(self.optimizer_bytes)}, batch "
+            f"{g(self.batch_bytes)}), temporaries {g(self.temp_bytes)}, outputs "
+            f"{g(self.output_bytes)} ({g(self.alias_bytes)} of them in donated buffers)",
+            f"total {g(self.per_device_bytes)} of {g(self.hbm_bytes)} HBM: "
+            + (f"fits, {g(head)} headroom ({head / self.hbm_bytes:.0%})" if self.fits
+               else f"does NOT fit, {g(max(0, -head))} over"),
+            "collectives per step: " + (", ".join(
+                f"{k} x{v['count']} ({v['bytes'] / 2**20:.1f} MiB)"
+                for k, v in self.collectives.items()) or "none"),
+            f"model FLOPs per step {self.flops_per_step:.3g}; estimated step time "
+            f"{self.estimated_step_seconds * 1e3:.1f} ms at {self.mfu:.0%} MFU (an estimate, "
+            "not a measurement)",
+            f"compiled in {self.compile_seconds:.1f} s",
+        ]
+        return "\n".join(lines + [f"note: {n}" for n in self.notes])
+
+    def not_fit_message(self) -> str:
+        return (f"{self.experiment} needs {self.per_device_bytes / GIB:.2f} GiB per device on "
+                f"{self.tpu} (mesh {self.mesh}), which has {self.hbm_bytes / GIB:.0f} GiB HBM "
+                "per device; shard the state (--mesh fsdp=-1), rematerialise the layers "
+                "(--set model.remat=true), or lower the batch (--set batch_size=N, or "
+                "--set accum_steps=N for the same batch in micro-batches)")
+
+
+# ----------------------------------------------------------------------------- the task
+
+def _planned_task(cfg: ExperimentConfig, workdir: str):
+    """``(task, model_overrides)`` without reading data: a SentencePiece vocabulary still to
+    be trained from the data counts as its configured size (the task is built on the byte
+    tokenizer, and the vocabulary it derives moves by the difference)."""
+    if cfg.tokenizer != "sentencepiece":
+        task = make_task(cfg, workdir)
+        return task, task.model_overrides()
+    from .data import get_tokenizer
+
+    task = make_task(dataclasses.replace(cfg, tokenizer="byte"), workdir)
+    overrides = dict(task.model_overrides())
+    if "vocab_size" in overrides:
+        overrides["vocab_size"] += cfg.sentencepiece_vocab_size - get_tokenizer("byte").vocab_size
+    return task, overrides
+
+
+# ----------------------------------------------------------------------------- collectives
+
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_CALLEE = re.compile(r"(?:body|calls|to_apply|branch_computations|true_computation|"
+                     r"false_computation)=\{?%?([\w.\-]+(?:,\s*%?[\w.\-]+)*)\}?")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_SHAPE = re.compile(r"\b(pred|s4|u4|s8|u8|s16|u16|s32|u32|s64|u64|f16|bf16|f32|f64|"
+                    r"f8e4m3fn|f8e5m2)\[([\d,]*)\]")
+_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4,
+          "u32": 4, "s64": 8, "u64": 8, "f16": 2, "bf16": 2, "f32": 4, "f64": 8,
+          "f8e4m3fn": 1, "f8e5m2": 1}
+
+
+def _result_bytes(result: str, start: bool) -> int:
+    """Bytes of an instruction's result type: every array of a tuple (a combined
+    collective), or the last one of an async ``-start`` (its tuple also holds the operand)."""
+    arrays = _SHAPE.findall(result)
+    total = 0
+    for dtype, dims in arrays[-1:] if start else arrays:
+        n = 1
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        total += int(n * _BYTES[dtype])
+    return total
+
+
+def _trip_count(line: str, comps: dict[str, list[str]]) -> int:
+    """How often a while loop runs: XLA's known trip count, else the bound of its
+    condition (``i < N`` with a constant N, as a scan over layers compiles), else 1."""
+    known = _TRIP.search(line)
+    if known:
+        return int(known.group(1))
+    cond = re.search(r"condition=%?([\w.\-]+)", line)
+    body = comps.get(cond.group(1), []) if cond else []
+    bounds = [int(m.group(1)) for ln in body for m in [re.search(r"s32\[\]\S* constant\((\d+)\)", ln)]
+              if m]
+    return bounds[0] if len(bounds) == 1 and any("direction=LT" in ln for ln in body) else 1
+
+
+def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
+    """``{kind: {"count", "bytes"}}`` of the collectives one run of the program executes
+    (per device): each instruction counted once per execution of its computation, a while
+    loop's body as often as its known trip count. Async pairs count at their ``-start``."""
+    comps: dict[str, list[str]] = {}
+    entry, name = None, None
+    for line in hlo_text.splitlines():
+        m = _COMPUTATION.match(line) if line[:1].strip() else None    # headers: unindented
+        if m and not line.startswith("HloModule"):
+            name = m.group(1)
+            comps[name] = []
+            if line.startswith("ENTRY"):
+                entry = name
+        elif name is not None and line.strip() and line.strip() != "}":
+            comps[name].append(line)
+    memo: dict[str, dict[str, list[int]]] = {}
+
+    def visit(comp: str, stack: tuple = ()) -> dict[str, list[int]]:
+        if comp in memo:
+            return memo[comp]
+        out: dict[str, list[int]] = {}
+        for line in comps.get(comp, ()):
+            lhs, _, rhs = line.partition("=")
+            op = re.search(r"\s([a-z][\w\-]*)\(", " " + rhs)
+            kind = op.group(1) if op else ""
+            base = kind[:-6] if kind.endswith("-start") else kind
+            if base in COLLECTIVES:
+                counts = out.setdefault(base, [0, 0])
+                counts[0] += 1
+                counts[1] += _result_bytes(rhs.split(kind + "(")[0], kind != base)
+            trips = _trip_count(line, comps) if kind == "while" else 1
+            for group in _CALLEE.findall(line):
+                for callee in re.split(r",\s*%?", group):
+                    if callee in comps and callee not in stack and callee != comp:
+                        for k, (c, b) in visit(callee, stack + (comp,)).items():
+                            counts = out.setdefault(k, [0, 0])
+                            counts[0] += c * trips
+                            counts[1] += b * trips
+        memo[comp] = out
+        return out
+
+    if entry is None:
+        return {}
+    return {k: {"count": c, "bytes": b} for k, (c, b) in sorted(visit(entry).items())}
+
+
+# ----------------------------------------------------------------------------- compiling
+
+def _per_device_bytes(abstract_tree, shardings) -> int:
+    """Bytes one device holds of a tree of abstract arrays under ``shardings`` (the most
+    loaded device: shards of indivisible dims are replicated)."""
+    total = 0
+    for a, s in zip(jax.tree_util.tree_leaves(abstract_tree), jax.tree_util.tree_leaves(shardings)):
+        shard = s.shard_shape(a.shape)
+        n = a.dtype.itemsize
+        for d in shard:
+            n *= d
+        total += n
+    return total
+
+
+def _mesh_for(cfg: ExperimentConfig, tpu: TpuSlice, mesh_spec: str | None):
+    devices = tpu.jax_devices()
+    spec = cfg.mesh if mesh_spec is None else mesh_spec
+    try:
+        return sh.make_mesh(spec, devices=devices)
+    except UserError as e:
+        raise UserError(f"--mesh for {tpu.name} ({len(devices)} devices): {e}") from None
+
+
+def _check_batch(cfg: ExperimentConfig, mesh) -> None:
+    split = mesh.shape["data"] * mesh.shape["fsdp"]
+    micro = cfg.batch_size // cfg.accum_steps
+    if micro % split:
+        raise UserError(f"batch_size={cfg.batch_size} (accum_steps={cfg.accum_steps}) does not "
+                        f"split over data x fsdp = {split} devices of mesh {sh.describe(mesh)}; "
+                        f"use a batch_size that is a multiple of {split * cfg.accum_steps}")
+
+
+def _state_and_step(cfg, task, model_cfg, model, mesh, what: str, decode_tokens: int):
+    """``(jitted function, abstract arguments, (parameter, optimizer, batch) bytes)``."""
+    rng = jax.random.PRNGKey(cfg.seed)
+    init_args = task.init_args()
+    tx, schedule = make_tx(cfg, model_cfg)
+    split = finetune.make_split(model_cfg, None, cfg.model)
+    create_state = lambda: create_train_state(  # noqa: E731
+        model, tx, rng, *init_args, loss_scale=make_loss_scale(cfg, model_cfg),
+        partition=None if split is None else split.split)
+    abstract, shardings, notes = sh.train_state_shardings(
+        create_state, lambda: model.init(rng, *init_args), mesh)
+    params_bytes = _per_device_bytes((abstract.params, abstract.frozen),
+                                     (shardings.params, shardings.frozen))
+    opt_bytes = _per_device_bytes(abstract.opt_state, shardings.opt_state)
+    batch_sh = sh.batch_sharding(mesh)
+    rep = sh.replicated(mesh)
+    batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_sh)
+             for k, v in task.batch_shapes().items()}
+    batch_bytes = _per_device_bytes(batch, {k: batch_sh for k in batch})
+    if what == "train":
+        step = make_train_step(loss_fn=task.loss_fn, label_smoothing=cfg.label_smoothing,
+                               accum_steps=cfg.accum_steps, schedule=schedule)
+        fn = jax.jit(step, in_shardings=(shardings, batch_sh), out_shardings=(shardings, rep),
+                     donate_argnums=(0,))
+        return fn, (sh.with_shardings(abstract, shardings), batch), \
+            (params_bytes, opt_bytes, batch_bytes), notes
+    param_sh = _whole_param_shardings(abstract, shardings, split)
+    params = sh.with_shardings(_whole_params(abstract, split), param_sh)
+    if what == "eval":
+        fn = jax.jit(lambda p, b: eval_step(p, b, model.apply, task.loss_fn),
+                     in_shardings=(param_sh, batch_sh), out_shardings=rep)
+        return fn, (params, batch), (params_bytes, 0, batch_bytes), notes
+    return _decode_step(cfg, task, model, params, param_sh, mesh, decode_tokens) + (
+        (params_bytes, 0, 0), notes)
+
+
+def _whole_params(abstract, split):
+    if split is None or abstract.frozen is None:
+        return abstract.params
+    return jax.eval_shape(split.join, abstract.params, abstract.frozen)
+
+
+def _whole_param_shardings(abstract, shardings, split):
+    if split is None or abstract.frozen is None:
+        return shardings.params
+    whole = jax.eval_shape(split.join, abstract.params, abstract.frozen)
+    flat = {}
+    for tree, shs in ((abstract.params, shardings.params), (abstract.frozen, shardings.frozen)):
+        for (path, _), s in zip(jax.tree_util.tree_flatten_with_path(tree)[0],
+                                jax.tree_util.tree_leaves(shs)):
+            flat[path] = s
+    rep = jax.tree_util.tree_leaves(shardings.params)[0]
+    return jax.tree_util.tree_map_with_path(lambda p, _: flat.get(p, rep), whole)
+
+
+def _decode_step(cfg, task, model, params, param_sh, mesh, new_tokens: int):
+    """The decode loop of ``generate`` (prefill + ``new_tokens`` sampled tokens) for a
+    batch of ``batch_size`` prompts of half the model's length."""
+    from .decode import _generate
+
+    if cfg.task != "lm":
+        raise UserError(f"--what decode compiles the KV-cache loop of a language model; "
+                        f"{cfg.name!r} is a {cfg.task!r} experiment (use --what train or eval)")
+    max_len = model.config.max_len
+    prompt_len = max(1, min(cfg.seq_len, max_len) - new_tokens)
+    if prompt_len + new_tokens > max_len:
+        raise UserError(f"--decode-tokens {new_tokens} does not fit the model's max_len "
+                        f"{max_len}")
+    batch_sh = sh.batch_sharding(mesh)
+    rep = sh.replicated(mesh)
+    prompt = jax.ShapeDtypeStruct((cfg.batch_size, prompt_len), "int32", sharding=batch_sh)
+
+    def decode(p, ids, rng):
+        mask = jax.numpy.ones_like(ids)
+        return _generate(model, p, ids, mask, rng, 1.0, 1.0, max_new_tokens=new_tokens,
+                         greedy=False, top_k=40, use_top_p=False, eos_id=None, pad_id=0)
+
+    key = jax.ShapeDtypeStruct((2,), "uint32", sharding=rep)
+    fn = jax.jit(decode, in_shardings=(param_sh, batch_sh, rep), out_shardings=batch_sh)
+    return fn, (params, prompt, key)
+
+
+def compile_experiment(cfg: ExperimentConfig, tpu: TpuSlice | str, *, mesh: str | None = None,
+                       what: str = "train", mfu: float = DEFAULT_MFU,
+                       decode_tokens: int = 64) -> CompileReport:
+    """Compile ``cfg``'s ``what`` step ("train", "eval" or "decode") for the slice ``tpu``
+    on this host; see the module docstring. A program that does not fit is still reported
+    (``report.fits`` False); a compile failure other than memory is a UserError."""
+    tpu = TpuSlice.parse(tpu) if isinstance(tpu, str) else tpu
+    if what not in WHAT:
+        raise UserError(f"--what {what!r}: choose one of {WHAT}")
+    if cfg.init_from is not None:
+        raise UserError("compile builds an experiment's model from its config; an --init-from "
+                        "run takes its model from the checkpoint: compile an experiment with "
+                        "the same model preset instead")
+    if cfg.parallelism != "jit":
+        raise UserError("compile builds the jit placement (one sharded program); drop "
+                        "--parallelism pmap (pmap programs are per device, with the same memory "
+                        "as data=-1)")
+    device_mesh = _mesh_for(cfg, tpu, mesh)
+    _check_batch(cfg, device_mesh)
+    with tempfile.TemporaryDirectory(prefix="transformer_jax_compile_") as workdir:
+        task, overrides = _planned_task(cfg, workdir)
+        model_cfg, model = build(cfg, overrides)
+        generation = tpu_generation_of(device_mesh.devices.flat[0].device_kind)
+        plan = attention_plan(model_cfg, cfg.seq_len, "tpu", generation)
+        fn, args, (p_bytes, o_bytes, b_bytes), notes = _state_and_step(
+            cfg, task, model_cfg, model, device_mesh, what, decode_tokens)
+        start = time.perf_counter()
+        with sh.use_mesh(device_mesh):
+            lowered = fn.trace(*args).lower()
+            compiled, oom = _compile(lowered, tpu)
+        seconds = time.perf_counter() - start
+        flops = task.flops_per_step(model_cfg) if what == "train" else (
+            task.flops_per_step(model_cfg) / 3)          # forward only: 2N of 6N
+    if what == "decode":
+        flops = 2.0 * model_cfg.flops_per_token(cfg.seq_len) / 6.0 * cfg.batch_size * decode_tokens
+    mem = compiled.memory_analysis()
+    arg, temp, out, alias = (int(mem.argument_size_in_bytes), int(mem.temp_size_in_bytes),
+                             int(mem.output_size_in_bytes), int(mem.alias_size_in_bytes))
+    if isinstance(compiled, _OverMemory):      # the message's need, with our arguments
+        arg = p_bytes + o_bytes + b_bytes
+        temp = max(0, temp - arg)
+    if oom:
+        notes = [f"the compiler: {oom[:300]}", *notes]
+    key = "eval" if what != "train" else "train"
+    attention = f"{plan[key]} (tpu {tpu.generation.name})"
+    return CompileReport(
+        experiment=cfg.name, what=what, tpu=tpu.name, topology=tpu.topology, devices=tpu.devices,
+        hosts=tpu.hosts, mesh=sh.describe(device_mesh), attention=attention,
+        mosaic_kernels=lowered.as_text().count("tpu_custom_call"), parameter_bytes=p_bytes,
+        optimizer_bytes=o_bytes, batch_bytes=b_bytes, argument_bytes=arg, temp_bytes=temp,
+        output_bytes=out, alias_bytes=alias, per_device_bytes=arg + temp + out - alias,
+        hbm_bytes=tpu.hbm_bytes, compile_seconds=seconds,
+        collectives=collectives(compiled.as_text()), flops_per_step=flops, mfu=mfu,
+        estimated_step_seconds=flops / (tpu.devices * tpu.peak_bf16 * mfu), notes=notes[:4],
+        out_of_memory=bool(oom))
+
+
+def _compile(lowered, tpu: TpuSlice) -> tuple[Any, str]:
+    """``(compiled, out-of-memory message or "")``. When the program does not fit, XLA:TPU
+    compiles it again without failing on HBM (``xla_tpu_no_crash_on_oom``) so that the
+    report has the memory it needs; failing that, the need its message states. Any other
+    failure is a UserError."""
+    try:
+        return lowered.compile(), ""
+    except Exception as e:  # noqa: BLE001 - XLA raises XlaRuntimeError/ValueError variants
+        text = str(e)
+        first = next((ln.strip() for ln in text.splitlines() if ln.strip()), type(e).__name__)
+        if "RESOURCE_EXHAUSTED" not in text and "Ran out of memory" not in text:
+            raise UserError(f"the TPU compiler failed for {tpu.name}: {first[:400]}") from None
+    try:
+        return lowered.compile({"xla_tpu_no_crash_on_oom": True}), first
+    except Exception:  # noqa: BLE001 - this program's OOM is not one XLA can step over
+        return _OverMemory(text), first
+
+
+class _OverMemory:
+    """Stands in for a compiled program when XLA only says how much it needs."""
+
+    def __init__(self, error: str):
+        unit = {"T": 1024 * GIB, "G": GIB, "M": 2**20, "K": 2**10, "": 1}
+        need = re.search(r"required[^(]*\(([\d.]+)([TGMK]?)i?B?\)", error)
+        self.need = int(float(need.group(1)) * unit[need.group(2)]) if need else 0
+
+    def memory_analysis(self):
+        return _Memory(0, self.need, 0, 0)
+
+    def as_text(self) -> str:
+        return ""
+
+
+@dataclasses.dataclass
+class _Memory:
+    argument_size_in_bytes: int
+    temp_size_in_bytes: int
+    output_size_in_bytes: int
+    alias_size_in_bytes: int
