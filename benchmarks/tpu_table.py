@@ -52,11 +52,13 @@ def render(rows: list[dict]) -> str:
     for r in rows:
         coll = ", ".join(f"{k} x{v['count']} ({v['bytes'] / 2**20:.0f} MiB)"
                          for k, v in r["collectives"].items()) or "none"
+        if r["out_of_memory"] and not r["collectives"]:
+            coll = "(no program: out of HBM)"
         name = r["experiment"] + (f" ({r['label']})" if r["label"] else "")
         table.append([f"`{name}`", r["tpu"], r["mesh"],
                       f"{gib(r['per_device_bytes'])} / {r['hbm_bytes'] / 2**30:.0f}",
                       "yes" if r["fits"] else "**no**", r["attention"].split(" (")[0], coll,
-                      f"{r['estimated_step_seconds'] * 1e3:.0f} ms"])
+                      f"{r['estimated_step_seconds'] * 1e3:.0f} ms" if r["fits"] else "-"])
     return common.md_table(["experiment", "TPU", "mesh", "GiB per device / HBM", "fits",
                             "attention", "collectives per step", "step (est., 40% MFU)"], table)
 

@@ -29,15 +29,15 @@ recipe; the kernel has no attention dropout, so the recipe keeps dropout on the 
 stream only (as nanoGPT and llm.c do). The run prints its attention path when it starts.
 
 Compiled for the slices on a CPU host (``transformer-jax compile``, libtpu 0.0.42, jax
-0.10.2): per device {V3_8_MEM}; v2-8: {V2_8_MEM}. GPT-2 large on a v2-8 (``--set
-model_preset=gpt2-large``): {LARGE_DATA} with ``--mesh data=-1`` (does not fit the 8 GiB
-cores), {LARGE_FSDP} with ``--mesh fsdp=-1``.
+0.10.2): per device 4.95 GiB of 16 (parameters 0.41, AdamW moments 0.82, temporaries 3.72); v2-8: 4.95 GiB of 8. GPT-2 large on a v2-8 (``--set
+model_preset=gpt2-large``): 16.30 GiB of 8 with ``--mesh data=-1`` (does not fit the 8 GiB
+cores), 7.35 GiB of 8 with ``--mesh fsdp=-1``.
 
-Runtime: not measured (this machine has no TPU). Estimate from the model FLOPs: 7.99e8
+Runtime: not measured (this machine has no TPU). Estimate from the model FLOPs: 7.14e8
 training FLOP per token (``GPTConfig.flops_per_token(512)``) x 131,072 tokens per step =
-1.05e14 FLOP per step; at 40% of the v3-8's 8 x 61.5 TFLOP/s bf16 peak that is 0.53 s per
-step, ~3 h for 20k steps (2.6B tokens, ~3 epochs of lm1b); a v2-8 (8 x 22.5 TFLOP/s) takes
-~8 h. Metric: not measured; ``eval_ppl`` (per SentencePiece token on lm1b's test split)
+9.36e13 FLOP per step; at 40% of the v3-8's 8 x 61.5 TFLOP/s bf16 peak that is 0.48 s per
+step, ~2.6 h for 20k steps (2.6B tokens, ~3 epochs of lm1b); a v2-8 (8 x 22.5 TFLOP/s) takes
+~7.2 h. Metric: not measured; ``eval_ppl`` (per SentencePiece token on lm1b's test split)
 is logged every 2000 steps.
 """
 from transformer_jax.train.config import ExperimentConfig

@@ -26,7 +26,7 @@ mesh or slice.
 
 Check it first, from any machine: ``transformer-jax compile --experiment vit_b16_tpu_v4_32 --tpu
 v4-32`` compiles the step for the 16 chips on 4 hosts (libtpu 0.0.42, jax 0.10.2): per
-device {VIT_V4_32_MEM}.
+device 7.15 GiB of 32 (parameters 0.32, AdamW moments 0.64, temporaries 6.03).
 
 Runtime: not measured (this machine has no TPU). Estimate: 1.055e11 training FLOP per
 image x 4096 = 4.3e14 FLOP per step; at 40% of 16 x 275 TFLOP/s that is 0.25 s per step,

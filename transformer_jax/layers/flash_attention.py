@@ -231,8 +231,13 @@ def _fwd_kernel(*refs, st: _Static, has_bias: bool, has_mask: bool):
 
 
 def _row_stats(block: Array) -> tuple[Array, Array, Array]:
-    """The (rows, 1) columns m, l, delta of a (rows, 4) block of row statistics."""
-    return block[:, 0:1], block[:, 1:2], block[:, 2:3]
+    """The (rows, 1) columns m, l, delta of a (rows, 4) block of row statistics.
+
+    Picked out by a masked sum over the 4 columns, not by slicing the value: the Triton
+    lowering has no value ``slice``, and every backend lowers iota, where and sum."""
+    col = lax.broadcasted_iota(jnp.int32, block.shape, 1)
+    return tuple(jnp.sum(jnp.where(col == c, block, 0.0), axis=1, keepdims=True)
+                 for c in range(3))
 
 
 def _dkdv_kernel(*refs, st: _Static, has_bias: bool, has_mask: bool):
