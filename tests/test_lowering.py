@@ -6,13 +6,16 @@ and cuDNN attention as its own. For GPT, BERT, T5 and ViT the whole train step (
 backward, AdamW) is lowered with the families' default ``attention_impl="auto"``, in bf16
 and fp32, and the text must hold the expected attention kernel in every attention call and
 none of the CPU tuning (no conditional, no optimization barrier). Mosaic asks for a TPU
-generation, which a test registers for this host; cuDNN asks the CUDA plugin for its
+generation, which a test takes from a TPU topology's device (libtpu installed) or
+registers for this host; cuDNN asks the CUDA plugin for its
 version, which a test answers (this host has no plugin). Nothing here runs on a device.
 """
+import importlib.util
 import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -31,11 +34,28 @@ TRITON = "__gpu$xla.gpu.triton"
 
 @pytest.fixture
 def tpu_generation(monkeypatch):
-    """Mosaic asks the device for its TPU generation; register a v5e for this host."""
+    """Mosaic asks for the TPU generation it lowers for: a v5e. With the TPU compiler
+    (libtpu) installed, a v5e device of JAX's topology, through the abstract mesh that
+    Mosaic (and ``attention.tpu_generation``) read; without it, a v5e registered for this
+    host's device kind."""
+    if importlib.util.find_spec("libtpu") is not None:
+        from transformer_jax.tpu import TpuSlice
+        devices = TpuSlice.parse("v5e-4").jax_devices()
+        with jax.sharding.use_abstract_mesh(_abstract_mesh(devices, (4,), ("data",))):
+            yield devices                 # the 4 devices of a v5e-4, for a test's own mesh
+        return
     from jax._src.pallas.mosaic import tpu_info
     kind = tpu_info.get_device_kind()
     monkeypatch.setitem(tpu_info.registry, kind,
                         lambda: tpu_info.get_tpu_info_for_chip(tpu_info.ChipVersion.TPU_V5E, 1))
+    yield None
+
+
+def _abstract_mesh(devices, shape, names):
+    """The abstract mesh of ``devices`` (a TPU topology's) laid out as ``shape``; Auto axes."""
+    from jax.sharding import AxisType, Mesh
+    return Mesh(np.array(devices).reshape(shape), names,
+                axis_types=(AxisType.Auto,) * len(names)).abstract_mesh
 
 
 @pytest.fixture
@@ -261,12 +281,15 @@ def test_pattern_kernels_lower_for_tpu_and_gpu(pattern, tpu_generation):
 def test_kernel_operands_are_each_devices_share_under_a_mesh(tpu_generation):
     """Under a data x tensor mesh the Mosaic kernel sees this device's rows and heads: its
     query operand is (B / data, N / tensor, T, H) in the kernel's (B, N, T, H) layout, so
-    nothing of Q, K or V is gathered to feed it. (The mesh is abstract: no devices needed.)"""
+    nothing of Q, K or V is gathered to feed it. (The mesh is abstract: a v5e-4's devices
+    from JAX's TPU topology, or none.)"""
     import flax.linen as nn
     from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec as P
 
     from transformer_jax.sharding import LOGICAL_AXIS_RULES
-    mesh = AbstractMesh((2, 1, 2), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3)
+    names = ("data", "fsdp", "tensor")
+    mesh = (AbstractMesh((2, 1, 2), names, axis_types=(AxisType.Auto,) * 3)
+            if tpu_generation is None else _abstract_mesh(tpu_generation, (2, 1, 2), names))
     q = jax.ShapeDtypeStruct((8, 256, 4, 64), jnp.bfloat16,
                              sharding=NamedSharding(mesh, P(("data", "fsdp"), None, "tensor")))
     loss = lambda q, k, v: jnp.sum(attention.dot_product_attention(  # noqa: E731

@@ -168,8 +168,8 @@ def _trip_count(line: str, comps: dict[str, list[str]]) -> int:
         return int(known.group(1))
     cond = re.search(r"condition=%?([\w.\-]+)", line)
     body = comps.get(cond.group(1), []) if cond else []
-    bounds = [int(m.group(1)) for ln in body for m in [re.search(r"s32\[\]\S* constant\((\d+)\)", ln)]
-              if m]
+    constant = re.compile(r"s32\[\]\S* constant\((\d+)\)")
+    bounds = [int(m.group(1)) for ln in body for m in [constant.search(ln)] if m]
     return bounds[0] if len(bounds) == 1 and any("direction=LT" in ln for ln in body) else 1
 
 

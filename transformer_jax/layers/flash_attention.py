@@ -345,8 +345,8 @@ def _tpu_vmem_limit() -> int | None:
     """Scoped VMEM for the kernels on the TPU being compiled for: 3/4 of the chip's VMEM
     where it has 64 MiB or more (v5e, v6e: 128 MiB; v5p: 64 MiB), the compiler's default
     elsewhere (v4: 16 MiB). The dK/dV kernel holds a head's whole-length row statistics
-    (m, l, delta side by side: (T, 4) fp32, a 128-lane tile per row) and Q, dO. None where JAX cannot tell the TPU (lowering on a host
-    without one) or the chip has little VMEM."""
+    (m, l, delta side by side: (T, 4) fp32, a 128-lane tile per row) and Q, dO. None where
+    JAX cannot tell the TPU (lowering on a host without one) or the chip has little VMEM."""
     try:
         from jax._src.pallas.mosaic import tpu_info
         capacity = tpu_info.get_tpu_info().vmem_capacity_bytes
