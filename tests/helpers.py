@@ -56,6 +56,14 @@ def cli(*args, preexec_fn=None, env=None):
     return done.returncode, done.stdout, lines
 
 
+def snapshot(workdir) -> dict[str, bytes]:
+    """Every file under ``workdir`` (relative path -> bytes; ``b"<dir>"`` for a directory):
+    what a refused run must leave as it was."""
+    root = Path(workdir)
+    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else b"<dir>"
+            for p in sorted(root.rglob("*"))}
+
+
 def numeric_fields(cls) -> dict[str, bool]:
     """name -> whether it is an int field, for every field of the dataclass ``cls`` annotated
     int or float (also ``int | None``)."""

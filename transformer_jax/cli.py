@@ -12,7 +12,10 @@
                           [--set k=v ...] [--mfu F] [--json]
   transformer-jax experiments
 
-This module only parses flags; the work happens in ``transformer_jax.train.loop``.
+This module only parses flags; the work happens in ``transformer_jax.train.loop``. A
+``train --resume`` (or ``--resume-from``) starts from the settings of the run in ``--workdir``
+(its ``config.json``, :func:`~transformer_jax.train.loop.resume_settings`), not from the
+experiment's: ``--set`` and ``--steps`` apply on top of them.
 User mistakes (:class:`~transformer_jax.errors.UserError`: a bad flag, config or workdir,
 an empty dataset) and file errors the user fixes (a full, read-only or forbidden disk) are
 printed as one ``error:`` line with exit status 2, a non-finite loss with exit status 3;
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 
 
@@ -34,7 +38,9 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--experiment", default=None, help="experiment name in experiments/ or a path to one")
     t.add_argument("--workdir", default=None, help="run directory (default: runs/<experiment name>)")
     t.add_argument("--steps", type=int, default=None, help="total training steps (overrides the config)")
-    t.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --workdir")
+    t.add_argument("--resume", action="store_true",
+                   help="continue from the latest checkpoint in --workdir, with the run's settings "
+                        "(its config.json; --set and --steps change them)")
     t.add_argument("--resume-from", type=int, default=None, metavar="STEP",
                    help="continue from checkpoint STEP (any kept one); later ones move to STEP.superseded")
     t.add_argument("--init-from", default=None, metavar="DIR",
@@ -124,12 +130,15 @@ def _add_compile_parser(sub) -> None:
 def _train(args) -> int:
     from .train import distributed
     from .train.config import apply_overrides, load_experiment
-    from .train.loop import train
+    from .train.loop import resume_settings, train
 
     # before anything touches the devices
     distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     main = distributed.is_main()
     cfg = load_experiment(args.experiment)
+    workdir = args.workdir or os.path.join("runs", cfg.name)
+    if args.resume or args.resume_from is not None:   # the run's own settings, --set on top
+        cfg = resume_settings(cfg, workdir, experiment=args.experiment)
     overrides = list(args.overrides)
     if args.steps is not None:
         overrides.append(f"steps={args.steps}")
@@ -140,7 +149,6 @@ def _train(args) -> int:
     cfg = apply_overrides(cfg, overrides)
     if args.init_from is not None:
         cfg = cfg.replace(init_from=args.init_from)
-    workdir = args.workdir or os.path.join("runs", cfg.name)
     if main:
         dataset = cfg.dataset if isinstance(cfg.dataset, str) else f"{len(cfg.dataset)} documents"
         model = (f"{cfg.model}/{cfg.model_preset}" if cfg.init_from is None
@@ -157,8 +165,8 @@ def _train(args) -> int:
         print(json.dumps(summary, indent=2))
     if summary.get("interrupted"):
         print(f"stopped by {summary['interrupted']} at step {summary['final_step']}; checkpoint saved. "
-              f"Continue with: transformer-jax train --workdir {workdir} --resume"
-              + (f" --experiment {args.experiment}" if args.experiment else ""), file=sys.stderr)
+              f"Continue with: transformer-jax train --workdir {shlex.quote(workdir)} --resume "
+              "(it takes the run's settings from its config.json)", file=sys.stderr)
         return 143 if summary["interrupted"] == "SIGTERM" else 130
     return 0
 
@@ -176,7 +184,9 @@ def _generate(args) -> int:
     _, model, params, task = load_run(args.workdir)
     print(task.generate_text(model, params, args.prompt, max_new_tokens=args.max_new_tokens,
                              temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                             seed=args.seed))
+                             seed=args.seed,
+                             say=lambda message: print(f"warning: {message}", file=sys.stderr,
+                                                       flush=True)))
     return 0
 
 
@@ -196,10 +206,9 @@ def _sweep(args) -> int:
     workdir = args.workdir or os.path.join("runs", experiment_path(args.experiment).stem)
     try:
         out = run_sweep(args.experiment, workdir, quick=args.quick, parallel=args.parallel,
-                        overrides=args.overrides, progress=not args.no_progress)
+                        overrides=args.overrides, progress=True, bars=not args.no_progress)
     except SweepInterrupted as e:
-        print(f"{e}: transformer-jax sweep --experiment {args.experiment} --workdir {workdir}"
-              + (" --quick" if args.quick else ""), file=sys.stderr)
+        print(f"{e}: {_sweep_command(args, workdir)}", file=sys.stderr)
         return 143 if e.signal == "SIGTERM" else 130
     out.pop("rows")
     if isinstance(out["analysis"], dict):   # its numbers; the lists (members, ...) are in its files
@@ -207,6 +216,17 @@ def _sweep(args) -> int:
                            if not isinstance(v, (list, dict)) or k.endswith("_ci")}
     print(json.dumps(out, indent=2))
     return 0
+
+
+def _sweep_command(args, workdir: str) -> str:
+    """The ``transformer-jax sweep`` command that continues this one: every flag it had."""
+    words = ["transformer-jax", "sweep", "--experiment", args.experiment, "--workdir", workdir]
+    words += ["--quick"] if args.quick else []
+    words += ["--parallel", str(args.parallel)] if args.parallel != 1 else []
+    for item in args.overrides:
+        words += ["--set", item]
+    words += ["--no-progress"] if args.no_progress else []
+    return shlex.join(words)
 
 
 def _compile(args) -> int:

@@ -98,6 +98,16 @@ def check_prompt_ids(module, prompt_ids, pad_id: int | None = None) -> None:
         check_special_id("pad_id", pad_id, config, "it left-pads the shorter prompts")
 
 
+def decodes_past_max_len(config) -> bool:
+    """Whether a model decodes on past its ``max_len``: a sliding window (``attention_window``:
+    a ring of W cache slots) over rotary positions (no position table to run out of), without
+    a prefix (which the cache's creation sizes against ``max_len``)."""
+    return (getattr(config, "attention_window", None) is not None
+            and getattr(config, "position", None) == "rope"
+            and getattr(config, "attention", "softmax") == "softmax"
+            and not getattr(config, "prefix_tokens", 0))
+
+
 def init_cache(module, batch_size: int, max_len: int) -> Any:
     """A zero KV cache for ``batch_size`` sequences of up to ``max_len`` tokens (no params built)."""
     shapes = jax.eval_shape(
@@ -159,7 +169,9 @@ def generate(module, params, prompt_ids: Array | Sequence[Sequence[int]], *, max
         left-padded internally and the result is a list of lists). An id outside
         ``module.config.vocab_size`` is a UserError before anything runs
         (:func:`check_prompt_ids`).
-      max_new_tokens: how many tokens to add; T0 + max_new_tokens must fit ``max_len``.
+      max_new_tokens: how many tokens to add; T0 + max_new_tokens must fit ``max_len``,
+        unless the model decodes past it (:func:`decodes_past_max_len`: a sliding window
+        over RoPE positions), where only the prompt must.
       temperature: 0 = greedy; otherwise sample from softmax(logits / temperature).
       top_k, top_p: restrict sampling to the k most likely tokens / the nucleus of mass p.
       rng: a PRNG key; required when sampling.
@@ -207,7 +219,8 @@ def generate(module, params, prompt_ids: Array | Sequence[Sequence[int]], *, max
         if prompt_mask.shape != prompt.shape:
             raise UserError(f"prompt_mask shape {prompt_mask.shape} != prompt shape {prompt.shape}")
     max_len = module.config.max_len
-    if prompt.shape[1] + max_new_tokens > max_len:
+    if prompt.shape[1] > max_len or (prompt.shape[1] + max_new_tokens > max_len
+                                     and not decodes_past_max_len(module.config)):
         raise UserError(f"prompt length {prompt.shape[1]} + max_new_tokens {max_new_tokens} exceeds "
                         f"the model's max_len={max_len}")
 

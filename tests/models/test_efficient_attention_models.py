@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from transformer_jax.decode import generate
+from transformer_jax.errors import UserError
 from transformer_jax.models import Bert, BertConfig, GPT, GPTConfig, ViT, ViTConfig
 from transformer_jax.models.gpt import init_params
 
@@ -77,6 +78,22 @@ def test_gpt_greedy_decoding_matches_recomputation(options):
     prompt = jax.random.randint(jax.random.PRNGKey(3), (2, 10), 0, cfg.vocab_size)
     got = generate(model, params, prompt, max_new_tokens=14)
     np.testing.assert_array_equal(got, _greedy_without_cache(model, params, prompt, 14))
+
+
+def test_a_window_over_rope_decodes_past_max_len():
+    """max_len 16, a window of 6, RoPE: a 10-token prompt and 20 new tokens (30 > 16) are the
+    tokens that the same weights pick recomputing the whole sequence (max_len raised to 64:
+    RoPE has no table, so the parameters are the same)."""
+    cfg = GPTConfig.preset("llama-tiny", attention_window=6, max_len=16)
+    model = GPT(cfg)
+    params = init_params(model, jax.random.PRNGKey(0))
+    prompt = jax.random.randint(jax.random.PRNGKey(3), (2, 10), 0, cfg.vocab_size)
+    got = generate(model, params, prompt, max_new_tokens=20)
+    assert got.shape == (2, 30)
+    np.testing.assert_array_equal(got, _greedy_without_cache(GPT(cfg.replace(max_len=64)), params,
+                                                             prompt, 20))
+    with pytest.raises(UserError, match="exceeds the model's max_len=16"):   # no window: refused
+        generate(GPT(cfg.replace(attention_window=None)), params, prompt, max_new_tokens=20)
 
 
 def test_linear_bert_ignores_padding():

@@ -231,6 +231,14 @@ def test_generate_text_decodes_the_prompt_as_one_source(tmp_path):
     assert calls[-1][2] == 2
     task.generate_text(Relative(), {}, "ab")
     assert calls[-1][2] == T
+    said = []                             # what the CLI prints as warning: lines
+    task.generate_text(Sinusoidal(), {}, "abcdefghij", max_new_tokens=6, say=said.append)
+    assert said == ["the prompt is 10 tokens; this run's sources hold 7 and an eos: its last 3 "
+                    "tokens cut",
+                    "--max-new-tokens 6 exceeds the model's max_len=4: 2 tokens cut, at most 4 "
+                    "generated"]
+    task.generate_text(Sinusoidal(), {}, "ab", max_new_tokens=4, say=said.append)
+    assert len(said) == 2
 
 
 def test_cut_at_eos():

@@ -25,6 +25,10 @@ def run(capsys, *args):
      "error: loss_scale='static' is unknown; choose 'auto' (dynamic for model.dtype=float16), "
      "'dynamic' or 'none'"),
     (["train", "--set", "mesh=data=2,data=4"], "error: mesh 'data=2,data=4': axis 'data' is given twice"),
+    (["train", "--set", "model.vocab_size=100"],
+     "error: model.vocab_size=100 is smaller than the 259 ids of the run's tokenizer, "
+     "tokenizer='byte' (256 bytes and 3 special ids); drop the override (the task sets "
+     "vocab_size from the tokenizer) or set it to at least 259"),
 ])
 def test_a_bad_set_is_one_error_line_and_exit_2(capsys, tmp_path, args, message):
     code, err = run(capsys, *args, "--workdir", str(tmp_path))
@@ -86,3 +90,28 @@ def test_a_bug_prints_its_traceback_from_the_command_line(tmp_path):
     assert "Traceback (most recent call last)" in proc.stderr
     assert proc.stderr.rstrip().splitlines()[-1] == "RuntimeError: an internal bug"
     assert "error:" not in proc.stderr
+
+
+EXPERIMENT_HEAD = "from transformer_jax.train.config import ExperimentConfig\n"
+
+
+@pytest.mark.parametrize("body, line, detail", [
+    ("\ndef get_config(:\n    return ExperimentConfig()\n", 3,
+     "SyntaxError: invalid syntax ('def get_config(:')"),
+    ("import no_such_module_here\n\ndef get_config():\n    return ExperimentConfig()\n", 2,
+     "importing it raised ModuleNotFoundError: No module named 'no_such_module_here'"),
+    ("\ndef get_config():\n    return ExperimentConfig(stepz=3)\n", 4,
+     "get_config() raised TypeError: ExperimentConfig.__init__() got an unexpected keyword "
+     "argument 'stepz'"),
+])
+@pytest.mark.parametrize("command", ["train", "sweep"])
+def test_an_experiment_file_that_does_not_load_is_one_line_naming_file_and_line(
+        capsys, tmp_path, command, body, line, detail):
+    path = tmp_path / "broken.py"
+    path.write_text(EXPERIMENT_HEAD + body)
+    code, err = run(capsys, command, "--experiment", str(path), "--workdir", str(tmp_path / "w"))
+    assert code == 2
+    assert err.splitlines() == [f"error: experiment file {path}, line {line}: {detail}; fix the "
+                                "file, or give another --experiment (`transformer-jax experiments` "
+                                "lists them)"]
+    assert not (tmp_path / "w").exists()

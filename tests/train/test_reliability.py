@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import TINY_RUN, cli
+from tests.helpers import TINY_RUN, cli, snapshot
 
 pytestmark = pytest.mark.slow
 
@@ -36,12 +36,6 @@ def losses(workdir) -> dict[int, float]:
 
 def listing(workdir) -> list[str]:
     return sorted(p.name for p in (Path(workdir) / "checkpoints").iterdir())
-
-
-def snapshot(workdir) -> dict[str, bytes]:
-    root = Path(workdir)
-    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else b"<dir>"
-            for p in sorted(root.rglob("*"))}
 
 
 @pytest.fixture(scope="module")
@@ -210,3 +204,59 @@ def test_a_checkpoint_cut_short_by_a_full_disk_keeps_the_previous_one(run, base,
     code, out, lines = train(run, "--resume", f"--set=data_dir={data_dir}", steps=15)
     assert code == 0 and lines == [] and summary(out)["start_step"] == 10
     assert listing(run) == ["10", "15"]
+
+
+def test_a_resume_takes_the_runs_settings_and_set_changes_them(run, data_dir):
+    """``--resume`` alone (no experiment, no --set) continues with the run's config.json:
+    TINY_RUN's model, learning rate 3e-3 (constant) and warm-up 2, not the experiment's
+    defaults (a 4-layer model, warmup_cosine at 2e-3 after 50 steps, which would refuse the
+    checkpoint); ``--set learning_rate=...`` then changes the rate, and config.json says so."""
+    before = json.loads((run / "config.json").read_text())
+    code, out, lines = cli("train", "--workdir", str(run), "--resume", "--steps", "12", "--no-progress")
+    assert code == 0 and lines == [] and summary(out)["start_step"] == 10
+    assert json.loads((run / "config.json").read_text()) == {
+        **before, "experiment": {**before["experiment"], "steps": 12}}
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["lr"] for r in rows if r["step"] in (11, 12) and "lr" in r] == [
+        pytest.approx(3e-3, rel=1e-6)] * 2
+    code, _, lines = cli("train", "--workdir", str(run), "--resume", "--steps", "13",
+                         "--set", "learning_rate=1e-3", "--no-progress")
+    assert code == 0 and lines == []
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["lr"] for r in rows if r["step"] == 13 and "lr" in r] == [pytest.approx(1e-3, rel=1e-6)]
+    assert json.loads((run / "config.json").read_text())["experiment"]["learning_rate"] == 1e-3
+    # another experiment's name is not this run's settings
+    code, _, lines = cli("train", "--workdir", str(run), "--resume", "--steps", "14",
+                         "--experiment", "bert_mlm_stdlib", "--no-progress")
+    assert code == 2 and lines == [
+        f"error: --experiment bert_mlm_stdlib is 'bert_mlm_stdlib', but {run} holds a run of "
+        f"'stdlib_gpt'; drop --experiment (--resume takes the run's settings from "
+        f"{run / 'config.json'}; --set changes them), or choose another --workdir"]
+
+
+def test_generate_past_max_len_says_how_many_tokens_it_cut(base):
+    """The model's max_len is 64 and its positions are a learned table: a 4-byte prompt
+    leaves room for 60 new tokens, and a warning says 40 of the 100 asked for are cut."""
+    code, out, lines = cli("generate", "--workdir", str(base[0]), "--prompt", "def ",
+                           "--max-new-tokens", "100")
+    assert code == 0 and out.startswith("def ")
+    assert lines == ["warning: the prompt (4 tokens) and --max-new-tokens 100 exceed the model's "
+                     "max_len=64: at most 60 new tokens, 40 cut (its learned position table ends "
+                     "there); a shorter prompt leaves more room"]
+    code, out, lines = cli("generate", "--workdir", str(base[0]), "--prompt", "def ",
+                           "--max-new-tokens", "60")
+    assert code == 0 and lines == []
+
+
+def test_generate_with_a_sliding_window_decodes_past_max_len(tmp_path, data_dir):
+    """A window of 8 over RoPE positions (max_len 32): 100 new tokens, greedy, no warning
+    (tests/models/test_efficient_attention_models.py checks the tokens past max_len)."""
+    code, _, lines = train(tmp_path / "window", f"--set=data_dir={data_dir}", "--set=model.max_len=32",
+                           "--set=model.position=rope", "--set=model.attention_window=8",
+                           "--set=eval_every=1", "--set=save_every=1", "--set=sample_tokens=0",
+                           steps=1)
+    assert code == 0 and lines == []
+    code, out, lines = cli("generate", "--workdir", str(tmp_path / "window"), "--prompt", "def ",
+                           "--max-new-tokens", "100", "--temperature", "0")
+    assert code == 0 and lines == []
+    assert len(out.encode()) - 1 == 4 + 100      # bytes: the prompt, 100 tokens, print's newline

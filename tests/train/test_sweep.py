@@ -1,6 +1,7 @@
 """``transformer-jax sweep``: the grid of an experiment file, one run per member,
 ``results.jsonl``, and a sweep stopped by SIGTERM and started again giving the same rows."""
 import json
+import shlex
 import signal
 import subprocess
 import sys
@@ -10,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from transformer_jax.cli import _parser
 from transformer_jax.errors import UserError
 from transformer_jax.train.sweep import Member, members_of, run_sweep
 
@@ -61,24 +63,28 @@ def test_sigterm_then_restart_gives_the_rows_of_an_uninterrupted_sweep(tmp_path,
 
     # one after another in one process, stopped by SIGTERM while "b" trains
     work = tmp_path / "interrupted"
-    proc = subprocess.Popen(_sweep_cmd(experiment, work), cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    cmd = _sweep_cmd(experiment, work, "--set", "eval_batches=2")   # the file's value: same rows
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     t0 = time.time()
     while _latest_checkpoint(work / "b") < 20:
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         assert time.time() - t0 < 300, "member b made no checkpoint"
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
+    out, err = proc.communicate(timeout=120)
     assert proc.returncode == 143, err[-3000:]
-    assert "stopped by SIGTERM with 1/2 members done" in err and "sweep --experiment" in err
+    assert "sweep tiny_sweep: 1/2 members done (a: eval loss " in out     # despite --no-progress
+    hint = "stopped by SIGTERM with 1/2 members done; run the same command again to continue: "
+    restart = [line[len(hint):] for line in err.splitlines() if line.startswith(hint)]
+    parse = _parser().parse_args                                    # every flag, --set kept
+    assert len(restart) == 1 and parse(shlex.split(restart[0])[1:]) == parse(cmd[3:])
     stopped = _latest_checkpoint(work / "b")
     assert 20 <= stopped < 300                       # in the middle of "b"
     assert [r["member"] for r in map(json.loads, (work / "results.jsonl").read_text().splitlines())] == ["a"]
 
     # started again (here through the API): "a" is skipped, "b" resumes from its checkpoint
     seen = []
-    out = run_sweep(str(experiment), work, progress=False,
+    out = run_sweep(str(experiment), work, progress=False, overrides=["eval_batches=2"],
                     on_member=lambda name, rows: seen.append((name, len(rows))))
     assert seen == [("b", 2)]
     got = (work / "results.jsonl").read_text()
@@ -100,6 +106,27 @@ def test_sigterm_then_restart_gives_the_rows_of_an_uninterrupted_sweep(tmp_path,
     with pytest.raises(UserError, match=r"a was trained with other settings than the sweep gives "
                                         r"it now \(seed: 0 then, 1 now\)"):
         run_sweep(str(experiment), work, progress=False, overrides=["seed=1"])
+
+
+def test_an_interrupted_sweep_prints_the_whole_command_that_continues_it(tmp_path, capsys,
+                                                                        monkeypatch):
+    """The restart hint repeats every flag (``--set`` included, shell-quoted): parsed again,
+    it is the command that was run."""
+    from transformer_jax import cli
+    from transformer_jax.train import sweep
+
+    def stopped(*args, **kwargs):
+        raise sweep.SweepInterrupted(signal.SIGTERM, 1, 3)
+
+    monkeypatch.setattr(sweep, "run_sweep", stopped)
+    argv = ["sweep", "--experiment", "scaling_laws", "--workdir", str(tmp_path / "my runs"),
+            "--quick", "--parallel", "2", "--set", "steps=20", "--set", "model.lora={'rank': 4}",
+            "--no-progress"]
+    assert cli.main(argv) == 143
+    err = capsys.readouterr().err.splitlines()
+    head = "stopped by SIGTERM with 1/3 members done; run the same command again to continue: "
+    assert len(err) == 1 and err[0].startswith(head)
+    assert shlex.split(err[0][len(head):]) == ["transformer-jax", *argv]
 
 
 def test_flops_and_parameter_counts_follow_the_readme_formula(tmp_path, data_dir):

@@ -8,10 +8,10 @@
 
 Each task module registers itself; importing this package registers them all.
 """
-from .base import TASKS, Task, make_task, register_task
+from .base import TASKS, Task, make_task, register_task, tasks_for
 from . import lm  # noqa: F401  (registers "lm")
 from . import image_classification  # noqa: F401,E402  (registers "image_classification")
 from . import classify, mlm  # noqa: F401,E402  (registers "classify", "mlm")
 from . import seq2seq  # noqa: F401,E402  (registers "seq2seq")
 
-__all__ = ["TASKS", "Task", "make_task", "register_task"]
+__all__ = ["TASKS", "Task", "make_task", "register_task", "tasks_for"]

@@ -65,6 +65,8 @@ class CheckedBatches:
 class Task(abc.ABC):
     """Base class; subclasses set ``name``, ``OPTIONS`` and implement the data methods."""
     name: ClassVar[str] = ""
+    #: the model families (``ExperimentConfig.model``) that train this task
+    MODELS: ClassVar[tuple[str, ...]] = ()
     OPTIONS: ClassVar[dict[str, Any]] = {}   # option name -> default
     #: batch keys that hold ids -> the model config field that sizes their table
     #: ("vocab_size", "type_vocab_size", "num_classes"). ``train_iterator`` and
@@ -212,6 +214,11 @@ TASKS: dict[str, type[Task]] = {}
 def register_task(cls: type[Task]) -> type[Task]:
     TASKS[cls.name] = cls
     return cls
+
+
+def tasks_for(family: str) -> list[str]:
+    """The tasks a model family trains (each task's ``MODELS``)."""
+    return sorted(name for name, cls in TASKS.items() if family in cls.MODELS)
 
 
 def make_task(cfg, workdir: str | Path, *, spec: dict | None = None) -> Task:

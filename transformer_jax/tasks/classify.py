@@ -175,6 +175,7 @@ def _read_pretrained_config(path: str | Path) -> dict:
 class ClassifyTask(Task):
     """BERT sequence classification (see the module docstring for data and options)."""
     name = "classify"
+    MODELS = ("bert",)
     OPTIONS = {"pretrained": None, "context_lines": 2, "text_key": "sentence",
                "text_b_key": None, "label_key": "label", "num_classes": None}
     loss_fn = staticmethod(classify_loss)

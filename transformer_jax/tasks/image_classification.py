@@ -53,6 +53,7 @@ def image_classification_loss(apply_fn, params, batch, rngs, deterministic: bool
 class ImageClassificationTask(Task):
     """ViT image classification; options in the module docstring."""
     name = "image_classification"
+    MODELS = ("vit",)
     OPTIONS = {"image_size": None, "augment": False, "flip": None, "test_fraction": 0.2,
                "split_seed": 0, "num_samples": 8, "pretrained": None}
     loss_fn = staticmethod(image_classification_loss)

@@ -14,10 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import data as data_lib
-from ..decode import generate
+from ..decode import decodes_past_max_len, generate
 from ..errors import UserError
 from ..losses import lm_loss
-from .base import Task, register_task
+from .base import Task, register_task, tasks_for
 
 
 #: what the packing pads with while pad and eos are one id (never a token id: the weights
@@ -66,6 +66,7 @@ class LMTask(Task):
     split only (nested subsets, for data-scaling studies; None: all of it). The tokenizer,
     the dataset and the lengths are config fields."""
     name = "lm"
+    MODELS = ("gpt",)
     OPTIONS = {"train_tokens": None}
     loss_fn = staticmethod(lm_loss)
     ID_FIELDS = {"inputs": "vocab_size", "targets": "vocab_size"}
@@ -74,6 +75,11 @@ class LMTask(Task):
 
     def __init__(self, cfg, workdir, *, spec=None):
         super().__init__(cfg, workdir, spec=spec)
+        if cfg.model not in self.MODELS:
+            raise UserError(f"task 'lm' trains a decoder-only model (model=gpt: GPT-2, Llama, "
+                            f"Mistral), got model={cfg.model!r}; set model=gpt, or the task a "
+                            f"{cfg.model} model trains (--set task="
+                            + " or task=".join(tasks_for(cfg.model)) + ")")
         self.tokenizer, self.tokenizer_spec = self._tokenizer(spec)
         self.eos_id, self.pad_id = lm_special_ids(self.tokenizer)
         limit = self.options["train_tokens"]
@@ -124,14 +130,28 @@ class LMTask(Task):
                                   max_new_tokens=self.cfg.sample_tokens, seed=step)
 
     def generate_text(self, model, params, prompt, *, max_new_tokens=128, temperature=0.8,
-                      top_k=40, top_p=None, seed=0) -> str:
+                      top_k=40, top_p=None, seed=0, say=None) -> str:
+        """``prompt`` and up to ``max_new_tokens`` sampled tokens (fewer after an eos). A model
+        that decodes past its ``max_len`` (a sliding window over RoPE positions) generates
+        them all; any other stops at ``max_len``, and ``say`` gets one line with the number
+        of tokens cut."""
         tok = self.tokenizer
         ids = tok.encode(prompt) or [self.eos_id]
         self.check_prompt_ids([ids], model.config)       # before anything is compiled
-        room = model.config.max_len - len(ids)
+        max_len = model.config.max_len
+        room = max_len - len(ids)
         if room < 1:
-            raise UserError(f"the prompt is {len(ids)} tokens; the model's max_len is {model.config.max_len}")
-        out = generate(model, params, [ids], max_new_tokens=min(max_new_tokens, room),
+            raise UserError(f"the prompt is {len(ids)} tokens; the model's max_len is {max_len}; "
+                            "give a shorter prompt")
+        if max_new_tokens > room and not decodes_past_max_len(model.config):
+            if say is not None:
+                why = ("its learned position table ends there" if model.config.position == "learned"
+                       else "only a sliding window over RoPE positions decodes past max_len")
+                say(f"the prompt ({len(ids)} tokens) and --max-new-tokens {max_new_tokens} exceed "
+                    f"the model's max_len={max_len}: at most {room} new tokens, "
+                    f"{max_new_tokens - room} cut ({why}); a shorter prompt leaves more room")
+            max_new_tokens = room
+        out = generate(model, params, [ids], max_new_tokens=max_new_tokens,
                        temperature=temperature, top_k=top_k or None, top_p=top_p,
                        rng=jax.random.PRNGKey(seed), eos_id=self.eos_id)
         return tok.decode(out[0])

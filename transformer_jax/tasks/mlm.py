@@ -343,6 +343,7 @@ class MLMTask(Task):
     """BERT masked-LM pretraining. Options: ``mask_prob`` (0.15), ``mask_token_prob`` (0.8),
     ``random_token_prob`` (0.1); tokenizer, dataset and lengths are config fields."""
     name = "mlm"
+    MODELS = ("bert",)
     OPTIONS = {"mask_prob": 0.15, "mask_token_prob": 0.8, "random_token_prob": 0.1}
     loss_fn = staticmethod(mlm_loss)
     ID_FIELDS = {"input_ids": "vocab_size", "targets": "vocab_size"}

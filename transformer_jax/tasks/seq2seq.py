@@ -270,6 +270,7 @@ def corpus_bleu(hypotheses: Sequence[str], references: Sequence[str], *, tokeniz
 class Seq2SeqTask(Task):
     """Encoder-decoder training on text pairs (module docstring)."""
     name = "seq2seq"
+    MODELS = ("t5", "transformer")
     OPTIONS = {"transform": "snake_to_camel", "max_target_len": None, "source_key": "de",
                "target_key": "en", "beam_size": 1, "length_penalty": 1.0, "decode_batches": 4,
                "bleu_tokenize": None}
@@ -429,15 +430,26 @@ class Seq2SeqTask(Task):
                 lines.append(f"{tok.decode(src)!r} -> {pred!r}  ({mark})")
         return "\n".join(lines)
 
-    def generate_text(self, model, params, prompt, *, max_new_tokens=None, **ignored) -> str:
-        """Decode ``prompt`` as a source sentence (greedy or ``beam_size`` beams)."""
+    def generate_text(self, model, params, prompt, *, max_new_tokens=None, say=None,
+                      **ignored) -> str:
+        """Decode ``prompt`` as a source sentence (greedy or ``beam_size`` beams). A source
+        longer than the run's ``src_len`` and more new tokens than the model's ``max_len``
+        are cut; ``say`` gets a line for each cut."""
         tok = self.tokenizer
-        ids = list(tok.encode(prompt))[: self.src_len - 1] + [self.eos_id]
+        ids = list(tok.encode(prompt))
+        if len(ids) > self.src_len - 1 and say is not None:
+            say(f"the prompt is {len(ids)} tokens; this run's sources hold {self.src_len - 1} "
+                f"and an eos: its last {len(ids) - self.src_len + 1} tokens cut")
+        ids = ids[: self.src_len - 1] + [self.eos_id]
         self.check_prompt_ids([ids], model.config)       # before anything is compiled
         inputs = np.full((1, self.src_len), self.pad_id, np.int32)
         inputs[0, : len(ids)] = ids
         mask = (np.arange(self.src_len) < len(ids)).astype(np.int32)[None]
         n = self.tgt_len if max_new_tokens is None else max(1, int(max_new_tokens))
-        n = min(n, getattr(model.config, "max_len", n))      # sinusoidal models: table size
+        limit = getattr(model.config, "max_len", n)      # sinusoidal models: table size
+        if n > limit and say is not None:
+            say(f"--max-new-tokens {n} exceeds the model's max_len={limit}: {n - limit} "
+                f"tokens cut, at most {limit} generated")
+        n = min(n, limit)
         out = self._decode(model, params, inputs, mask, n)
         return tok.decode(cut_at_eos(out[0], self.eos_id))

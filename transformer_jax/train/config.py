@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import importlib.util
 import os
+import traceback
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -361,12 +362,47 @@ def experiment_path(name_or_path: str) -> Path:
     return path.resolve()
 
 
+def _experiment_error(path: Path, what: str, error: Exception) -> UserError:
+    """A UserError naming the experiment file and the line of it where ``error`` arose
+    (a syntax error: its own file and line; otherwise the innermost line of ``path`` in
+    the traceback)."""
+    if isinstance(error, SyntaxError):
+        where = f"{error.filename or path}, line {error.lineno}"
+        text = (error.text or "").strip()
+        detail = f"{type(error).__name__}: {error.msg}" + (f" ({text!r})" if text else "")
+    else:
+        lines = [frame.lineno for frame in traceback.extract_tb(error.__traceback__)
+                 if Path(frame.filename) == path]
+        where = f"{path}" + (f", line {lines[-1]}" if lines else "")
+        detail = f"{what} raised {type(error).__name__}: {error}"
+    return UserError(f"experiment file {where}: {detail}; fix the file, or give another "
+                     "--experiment (`transformer-jax experiments` lists them)")
+
+
+def experiment_call(module, name: str, *args):
+    """``module.name(*args)`` (``get_config``, ``get_sweep``): an exception other than a
+    UserError in the experiment's own code becomes a UserError naming its file and line."""
+    try:
+        return getattr(module, name)(*args)
+    except UserError:
+        raise
+    except Exception as e:   # noqa: BLE001 - the user's file: named, not a traceback
+        raise _experiment_error(Path(module.__file__), f"{name}()", e) from None
+
+
 def experiment_module(name_or_path: str):
-    """The experiment file, imported (it must define ``get_config()``)."""
+    """The experiment file, imported (it must define ``get_config()``). A syntax error, a
+    failed import or any other exception while the file runs is a UserError naming the
+    file and the line."""
     path = experiment_path(name_or_path)
     spec = importlib.util.spec_from_file_location(f"_experiment_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except UserError:
+        raise
+    except Exception as e:   # noqa: BLE001 - SyntaxError, ImportError, NameError, ...
+        raise _experiment_error(path, "importing it", e) from None
     if not hasattr(module, "get_config"):
         raise UserError(f"experiment file {path} defines no get_config(); add one that "
                         "returns an ExperimentConfig")
@@ -378,8 +414,21 @@ def load_experiment(name_or_path: str | None) -> ExperimentConfig:
     if name_or_path is None:
         return ExperimentConfig()
     module = experiment_module(name_or_path)
-    cfg = module.get_config()
+    cfg = experiment_call(module, "get_config")
     if not isinstance(cfg, ExperimentConfig):
         raise UserError(f"{module.__file__}: get_config() must return an ExperimentConfig, got "
                         f"{type(cfg).__name__}")
     return cfg
+
+
+def experiments_for(tasks) -> list[str]:
+    """The experiments (:func:`available_experiments`) whose task is one of ``tasks``; an
+    experiment file that does not load is left out."""
+    names = []
+    for name in available_experiments():
+        try:
+            if load_experiment(name).task in tasks:
+                names.append(name)
+        except UserError:
+            continue
+    return names

@@ -16,12 +16,16 @@ or a transformer_jax workdir (its latest checkpoint). The run then:
   head that differs (another number of classes, a classifier on an MLM checkpoint) is
   initialised fresh, and the run says which leaves;
 * records where it started: ``config.json``'s ``init_from`` holds the path, the kind and a
-  SHA-256 digest of the loaded weights.
+  SHA-256 digest of the loaded weights;
+* refuses, before anything is written, a source whose family cannot train the experiment's
+  task (:func:`check_task`: a BERT checkpoint under a GPT language-model experiment).
 
 With ``model.lora`` (``--set lora.rank=8``) or ``model.prefix_tokens`` only the adapters and
 the freshly initialised head train (:class:`ParamSplit`): they alone get gradients and
 optimizer state, and the rest is ``TrainState.frozen`` (stored quantized with
-``lora.quantize``: int8 or NF4, QLoRA).
+``lora.quantize``: int8 or NF4, QLoRA). LoRA ``targets`` that match no Dense layer are
+refused (:func:`check_adapters`), and the run prints how many parameters each kind of
+adapter trains (:func:`describe_trainable`).
 """
 from __future__ import annotations
 
@@ -81,6 +85,7 @@ class Source:
     model_config: dict
     params: dict
     tokenizer: str | None           # the tokenizer spec that goes with the weights
+    task: str | None = None         # a workdir's task ("mlm"); an HF directory's architecture
 
     def digest(self) -> str:
         """SHA-256 over every parameter's path, shape, dtype and bytes (sorted by path)."""
@@ -130,7 +135,11 @@ def load_source(path: str | os.PathLike) -> Source:
     except ValueError as e:
         raise UserError(f"{config_path}: not valid JSON ({e})") from None
     if isinstance(config, dict) and "model_type" in config:
-        return _hf_source(path)
+        source = _hf_source(path)
+        architectures = config.get("architectures")
+        if isinstance(architectures, list) and architectures and isinstance(architectures[0], str):
+            source.task = architectures[0]
+        return source
     if isinstance(config, dict) and "family" in config and "model" in config:
         return _workdir_source(path)
     raise UserError(f"{config_path} is neither a Hugging Face config (no \"model_type\") nor a "
@@ -170,10 +179,34 @@ def _workdir_source(path: str) -> Source:
     tokenizer = (run_config.get("task_spec") or {}).get("tokenizer")
     return Source(path=path, kind="workdir", family=family, model_config=model_config,
                   params=jax.tree_util.tree_map(np.asarray, _unflat(params)),
-                  tokenizer=tokenizer if isinstance(tokenizer, str) else None)
+                  tokenizer=tokenizer if isinstance(tokenizer, str) else None,
+                  task=run_config.get("task"))
 
 
 # ----------------------------------------------------------------------------- the config
+
+def check_task(cfg, source: Source) -> None:
+    """Refuse a source whose family cannot train the experiment's task (a BERT checkpoint
+    under the default GPT language-model experiment), naming the experiments that fit it."""
+    from ..tasks import TASKS, tasks_for
+    from .config import experiments_for
+
+    task = TASKS.get(cfg.task)
+    if task is None or source.family in task.MODELS:
+        return
+    fits = tasks_for(source.family)
+    what = (f"task {source.task!r}" if source.kind == "workdir" and source.task
+            else source.task or "no task recorded")
+    experiments = experiments_for(fits)
+    choose = (f"choose an experiment for it (--experiment {' or '.join(experiments)})"
+              if experiments else "choose an experiment for it")
+    raise UserError(f"--init-from {source.path} is a {source.family} checkpoint ({what}), but "
+                    f"experiment {cfg.name!r} trains task {cfg.task!r}, which needs a "
+                    f"{' or '.join(task.MODELS)} model; a {source.family} model trains "
+                    + " or ".join(repr(t) for t in fits)
+                    + f": {choose}, or --set task="
+                    + (source.task if source.task in fits else fits[0]))
+
 
 def resolve(cfg, source: Source, *, say=None):
     """``cfg`` (an ExperimentConfig) with the model and tokenizer of ``source``: see the
@@ -207,7 +240,7 @@ def resolve(cfg, source: Source, *, say=None):
             "so the run tokenizes bytes; if the weights were trained with another tokenizer, "
             "give it as --set tokenizer=hf:DIR (a directory with its tokenizer.json)")
     return cfg.replace(model=family, model_preset=preset, model_overrides=base,
-                       tokenizer=tokenizer)
+                       tokenizer=tokenizer, init_from=source.path)
 
 
 # ----------------------------------------------------------------------------- the weights
@@ -328,11 +361,78 @@ def make_split(model_config: Any, head: Any, family: str) -> ParamSplit | None:
     return ParamSplit(head=paths, lora=getattr(model_config, "lora", None))
 
 
-def resumed_config(cfg, saved: dict):
+def resumed_config(cfg, saved: dict, *, say=None):
     """``cfg`` with the model, tokenizer and start its run resolved when it began (``saved``:
     the workdir's config.json): a resumed init-from run needs no --init-from (nor the
-    ``lora.*`` settings) again, and does not re-read its source unless nothing was saved."""
+    ``lora.*`` settings) again, and does not re-read its source unless nothing was saved.
+
+    ``cfg``'s model settings apply on top as they did at the start (:func:`resolve`): those
+    training may change (:data:`CHANGEABLE`, the task's head fields) are kept, so that the
+    resumed run refuses a changed adapter (``lora.rank``) by name when it compares the
+    model with its checkpoint's; ``say`` names the others that differ (they do not apply)."""
     experiment = saved["experiment"]
-    return cfg.replace(model=experiment["model"], model_preset=experiment["model_preset"],
-                       model_overrides=experiment["model_overrides"],
-                       tokenizer=experiment["tokenizer"], init_from=experiment["init_from"])
+    family = experiment["model"]
+    base = dict(experiment["model_overrides"])
+    ignored = []
+    for key, value in cfg.model_overrides.items():
+        if key in CHANGEABLE or key in HEAD_FIELDS.get(family, ()):
+            base[key] = value
+        elif key in base and base[key] != value:
+            ignored.append(f"{key}={value!r} (the run's: {base[key]!r})")
+    if ignored and say is not None:
+        say(f"--resume of a run started from {experiment['init_from']}: the model is the "
+            f"run's ({family}); the model settings {', '.join(ignored)} do not apply")
+    return cfg.replace(model=family, model_preset=experiment["model_preset"],
+                       model_overrides=base, tokenizer=experiment["tokenizer"],
+                       init_from=experiment["init_from"])
+
+
+# ----------------------------------------------------------------------------- what trains
+
+def dense_paths(shapes: dict) -> list[str]:
+    """The paths of a parameter tree's Dense layers (``h_0/self_attn/query``): what
+    ``lora.targets`` is searched in."""
+    return sorted({"/".join(p[:-1]) for p in _flat(shapes) if p[-1] in ("kernel", "lora_a")})
+
+
+def check_adapters(model_config: Any, shapes: dict) -> None:
+    """Refuse LoRA whose ``targets`` matches no Dense layer (it would train nothing),
+    listing a few of the model's Dense paths. ``shapes``: the model's parameter tree."""
+    lora = getattr(model_config, "lora", None)
+    if lora is None or any(p[-1] in lora_lib.ADAPTER_NAMES for p in _flat(shapes)):
+        return
+    paths = dense_paths(shapes)
+    shown = ", ".join(paths[:8]) + (f" and {len(paths) - 8} more" if len(paths) > 8 else "")
+    raise UserError(f"lora.targets={lora.targets!r} matches none of the model's {len(paths)} "
+                    f"Dense layers ({shown}), so LoRA would train nothing; give a regex that is "
+                    "found in some of these paths, e.g. --set lora.targets='attn/(query|value)'")
+
+
+def describe_trainable(split: ParamSplit, shapes: dict) -> str:
+    """One line: how many parameters each kind of adapter trains (LoRA, prefix, a task
+    head) and how many are frozen. ``shapes``: the whole parameter tree."""
+    counts = {"LoRA": 0, "prefix": 0, "head": 0, "frozen": 0}
+    lora_layers = set()
+    for path, leaf in _flat(shapes).items():
+        size = int(np.prod(leaf.shape))
+        if not split.trains(path):
+            counts["frozen"] += size
+        elif path[-1] in lora_lib.ADAPTER_NAMES:
+            counts["LoRA"] += size
+            lora_layers.add("/".join(path[:-1]))
+        elif path[-1] in ("prefix_key", "prefix_value"):
+            counts["prefix"] += size
+        else:
+            counts["head"] += size
+    total = sum(counts.values())
+    trained = total - counts["frozen"]
+    parts = []
+    if counts["LoRA"]:
+        parts.append(f"LoRA {counts['LoRA']:,} (rank {split.lora.rank} on {len(lora_layers)} "
+                     f"Dense layers matching {split.lora.targets!r})")
+    if counts["prefix"]:
+        parts.append(f"prefix {counts['prefix']:,}")
+    if counts["head"]:
+        parts.append(f"task head {counts['head']:,}")
+    return (f"trainable parameters: {trained:,} of {total:,} ({trained / total:.2%}): "
+            + ", ".join(parts) + f"; frozen: {counts['frozen']:,}")

@@ -48,6 +48,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 import signal
 import sys
 import time
@@ -118,8 +119,7 @@ def build(cfg: ExperimentConfig, task_overrides: dict[str, Any]):
     overrides = dict(cfg.model_overrides)
     vocab = task_overrides.get("vocab_size")
     if vocab is not None and overrides.get("vocab_size", vocab) < vocab:
-        raise UserError(f"model.vocab_size={overrides['vocab_size']} is smaller than the "
-                        f"tokenizer's vocabulary ({vocab}); drop the override (the task sets it)")
+        raise UserError(_vocab_message(cfg, overrides["vocab_size"], vocab))
     for key, value in task_overrides.items():
         overrides.setdefault(key, value)
     model_cfg, model = build_model(cfg.model, cfg.model_preset, overrides)
@@ -128,6 +128,22 @@ def build(cfg: ExperimentConfig, task_overrides: dict[str, Any]):
         raise UserError(f"seq_len={cfg.seq_len} exceeds the model's max_len={max_len}; "
                         f"lower seq_len or set model.max_len>={cfg.seq_len}")
     return model_cfg, model
+
+
+def _vocab_message(cfg: ExperimentConfig, size: int, vocab: int) -> str:
+    """Why the model's vocab_size is too small for the run's tokenizer, and what to set."""
+    tokenizer = f"tokenizer={cfg.tokenizer!r}"
+    if cfg.tokenizer in ("byte", "bytes", "byt5"):
+        tokenizer += (" (the default: the checkpoint brings no tokenizer files)"
+                      if cfg.init_from is not None else " (256 bytes and 3 special ids)")
+    if cfg.init_from is not None:   # the model, vocab_size included, is the checkpoint's
+        return (f"the checkpoint {cfg.init_from} has vocab_size={size}, smaller than the "
+                f"{vocab} ids of the run's tokenizer, {tokenizer}; give the tokenizer its "
+                "weights were trained with as --set tokenizer=hf:DIR (a directory with its "
+                f"tokenizer.json), or use a checkpoint with vocab_size >= {vocab}")
+    return (f"model.vocab_size={size} is smaller than the {vocab} ids of the run's tokenizer, "
+            f"{tokenizer}; drop the override (the task sets vocab_size from the tokenizer) or "
+            f"set it to at least {vocab}")
 
 
 def make_tx(cfg: ExperimentConfig, model_cfg):
@@ -190,11 +206,23 @@ def evaluate(params, apply_fn, task: Task, eval_fn=None, model=None, *,
     return out
 
 
+def _differences(then: dict, now: dict, prefix: str = "") -> dict[str, tuple]:
+    """``{field: (then, now)}`` for the fields of two config dicts that differ; fields of a
+    nested dict on both sides (``lora``) are named ``lora.rank``."""
+    diff = {}
+    for key in list(now) + [k for k in then if k not in now]:
+        a, b = then.get(key), now.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            diff.update(_differences(a, b, f"{prefix}{key}."))
+        elif a != b:
+            diff[f"{prefix}{key}"] = (a, b)
+    return diff
+
+
 def _check_resume_compatible(saved: dict, run_config: dict) -> None:
     problems = []
     if saved.get("model") != run_config["model"]:
-        diff = {k: (saved.get("model", {}).get(k), v) for k, v in run_config["model"].items()
-                if saved.get("model", {}).get(k) != v}
+        diff = _differences(saved.get("model") or {}, run_config["model"])
         problems.append(f"model config differs (field: (checkpoint, now)) {diff}")
     for key in _RESUME_FIXED:
         a, b = saved.get("experiment", {}).get(key), run_config["experiment"].get(key)
@@ -207,7 +235,9 @@ def _check_resume_compatible(saved: dict, run_config: dict) -> None:
     if problems:
         raise UserError("the checkpoint in this workdir does not match the config: "
                         + "; ".join(problems)
-                        + ". Resume with the original config, or start in a new --workdir.")
+                        + ". Resume without the setting that changes it (the CLI's --resume "
+                        "takes the run's settings from its config.json), or start in a new "
+                        "--workdir.")
 
 
 # ----------------------------------------------------------------------------- files
@@ -327,8 +357,16 @@ def setup(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
                           "transformer_jax:data")
     rng = jax.random.PRNGKey(cfg.seed)
     init_args = task.init_args()
-    abstract = lambda: jax.eval_shape(  # noqa: E731
-        lambda: nn.meta.unbox(model.init(rng, *init_args)["params"]))
+    shapes: dict = {}
+
+    def abstract():   # the parameters' shapes, traced once
+        if "params" not in shapes:
+            shapes["params"] = jax.eval_shape(
+                lambda: nn.meta.unbox(model.init(rng, *init_args)["params"]))
+        return shapes["params"]
+
+    if getattr(model_cfg, "lora", None) is not None:
+        finetune.check_adapters(model_cfg, abstract())   # targets that match no Dense
     pretrained, split = _fine_tuning_start(cfg, source, saved, model_cfg, abstract, run_config)
     create_state = lambda: create_train_state(  # noqa: E731
         model, tx, rng, *init_args, loss_scale=loss_scale,
@@ -364,6 +402,8 @@ def setup(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
         state = placement.from_checkpoint(state)
         if resume_from is not None:
             _set_aside_newer(workdir, resume_from)
+    if is_main() and split is not None:
+        print(finetune.describe_trainable(split, abstract()), flush=True)
     if is_main():
         _write_config(workdir, run_config)
     ckpt = CheckpointManager(workdir / "checkpoints", save_every=cfg.save_every, keep=cfg.keep)
@@ -386,12 +426,32 @@ def _fine_tuning_config(cfg: ExperimentConfig, workdir: Path, resume: bool):
     tokenizer of the pretrained weights (``source``), or, resuming such a run, those its
     config.json recorded (``saved``; nothing is re-read)."""
     source, saved = None, _saved_run_config(workdir) if resume else None
+    if saved is not None:
+        _check_same_start(cfg, saved, workdir)
     if saved is not None and saved.get("init_from"):
-        cfg = finetune.resumed_config(cfg, saved)
+        cfg = finetune.resumed_config(cfg, saved, say=_warn)
     elif cfg.init_from is not None:
         source = finetune.load_source(cfg.init_from)
+        finetune.check_task(cfg, source)
         cfg = finetune.resolve(cfg, source, say=_warn)
     return cfg, source, saved
+
+
+def _check_same_start(cfg: ExperimentConfig, saved: dict, workdir: Path) -> None:
+    """A resume with ``init_from`` continues the run that started from it: refuse another
+    source, or one given for a run that started from scratch."""
+    if cfg.init_from is None:
+        return
+    record = saved.get("init_from") or {}
+    given = saved.get("experiment", {}).get("init_from")
+    started = record.get("path") or given
+    if cfg.init_from in (started, given) or (
+            started is not None and os.path.abspath(cfg.init_from) == started):
+        return
+    began = f"started from {started}" if started else "did not start from pretrained weights"
+    raise UserError(f"--init-from {cfg.init_from}: the run in {workdir} {began} "
+                    f"({workdir / 'config.json'}); --resume continues from its own checkpoint: "
+                    "drop --init-from, or start a new run in another --workdir")
 
 
 def _fine_tuning_start(cfg: ExperimentConfig, source, saved, model_cfg, abstract, run_config):
@@ -408,6 +468,28 @@ def _fine_tuning_start(cfg: ExperimentConfig, source, saved, model_cfg, abstract
         run_config["init_from"] = saved["init_from"]
         head = saved["init_from"]["fresh"]
     return pretrained, finetune.make_split(model_cfg, head, cfg.model)
+
+
+def resume_settings(cfg: ExperimentConfig, workdir: str | Path, *,
+                    experiment: str | None = None) -> ExperimentConfig:
+    """The settings ``transformer-jax train --resume`` starts from: every field of the run's
+    ``config.json`` (learning rate, schedule, warm-up, batch, model, tokenizer, init-from,
+    ...), on which ``--set`` and ``--steps`` then apply; ``cfg`` (the experiment's) when the
+    workdir holds no run config. ``experiment``: the ``--experiment`` given, which must be
+    the run's own (by its config name). With several processes, process 0 reads the file."""
+    workdir = storage.path(workdir)
+    saved = _saved_run_config(workdir) if is_main() else None
+    if jax.process_count() > 1:
+        saved = broadcast_json(saved)
+    if not isinstance(saved, dict) or not isinstance(saved.get("experiment"), dict):
+        return cfg
+    settings = ExperimentConfig.from_dict(saved["experiment"])
+    if experiment is not None and cfg.name != settings.name:
+        raise UserError(f"--experiment {experiment} is {cfg.name!r}, but {workdir} holds a run of "
+                        f"{settings.name!r}; drop --experiment (--resume takes the run's settings "
+                        f"from {workdir / 'config.json'}; --set changes them), or choose another "
+                        "--workdir")
+    return settings
 
 
 def _saved_run_config(workdir) -> dict | None:

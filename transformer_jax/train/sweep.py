@@ -53,7 +53,7 @@ from typing import Any
 
 from .. import storage
 from ..errors import UserError
-from .config import ExperimentConfig, apply_overrides, experiment_module
+from .config import ExperimentConfig, apply_overrides, experiment_call, experiment_module
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +93,7 @@ def members_of(module, quick: bool) -> list[Member]:
     """The members an experiment module's ``SWEEP`` or ``get_sweep(quick)`` defines."""
     where = getattr(module, "__file__", "the experiment")
     if hasattr(module, "get_sweep"):
-        entries = module.get_sweep(quick)
+        entries = experiment_call(module, "get_sweep", quick)
     elif hasattr(module, "SWEEP"):
         entries = module.SWEEP
     else:
@@ -222,10 +222,11 @@ def _keep_log(log_path: Path, workdir: Path) -> None:
 class _Sweep:
     """The state of one ``run_sweep`` call: the grid, the finished rows, timings, progress."""
 
-    def __init__(self, name, experiment, workdir, members, configs, common, on_member, progress):
+    def __init__(self, name, experiment, workdir, members, configs, common, on_member, progress,
+                 bars):
         self.name, self.experiment, self.workdir = name, experiment, workdir
         self.members, self.configs, self.common = members, configs, common
-        self.on_member, self.progress = on_member, progress
+        self.on_member, self.progress, self.bars = on_member, progress, bars
         self.rows: dict[str, dict] = {}
         self.seconds: dict[str, float] = {}
         self.t0 = time.perf_counter()
@@ -334,7 +335,7 @@ def _clock(seconds: float) -> str:
 def _sequential(sweep: _Sweep, todo: list[Member]) -> None:
     for member in todo:
         t = time.perf_counter()
-        _run_here(sweep.configs[member.name], sweep.workdir / member.name, sweep.progress)
+        _run_here(sweep.configs[member.name], sweep.workdir / member.name, sweep.bars)
         sweep.finish(member, time.perf_counter() - t)
 
 
@@ -422,10 +423,12 @@ def _signals(sweep: _Sweep, parallel: int):
 
 def run_sweep(experiment: str, workdir: str | Path, *, quick: bool = False, parallel: int = 1,
               overrides: list[str] | tuple[str, ...] = (), progress: bool = True,
-              on_member: Callable[[str, list[dict]], None] | None = None,
+              bars: bool | None = None, on_member: Callable[[str, list[dict]], None] | None = None,
               analyze: bool = True, only: list[str] | tuple[str, ...] | None = None) -> dict[str, Any]:
     """Run (or continue) an experiment's grid in ``workdir``; see the module docstring.
 
+    ``progress``: the sweep's lines (its start, and "N/M members done" with the ETA after
+    each member); ``bars``: each member's training progress bar (default: ``progress``).
     ``on_member(name, rows)`` is called after each member with the rows so far (a notebook
     draws from them); ``only``: run just these members of the grid (by name). Returns ``{"workdir", "members", "rows", "analysis", "seconds"}``;
     raises :class:`SweepInterrupted` when a signal stopped it.
@@ -433,7 +436,10 @@ def run_sweep(experiment: str, workdir: str | Path, *, quick: bool = False, para
     if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
         raise UserError(f"--parallel {parallel!r} must be an int >= 1 (processes at once)")
     module = experiment_module(experiment)
-    base = module.get_config()
+    base = experiment_call(module, "get_config")
+    if not isinstance(base, ExperimentConfig):
+        raise UserError(f"{module.__file__}: get_config() must return an ExperimentConfig, got "
+                        f"{type(base).__name__}")
     members = members_of(module, quick)
     if only is not None:
         unknown = sorted(set(only) - {m.name for m in members})
@@ -446,7 +452,7 @@ def run_sweep(experiment: str, workdir: str | Path, *, quick: bool = False, para
     storage.check_workdir(workdir)
     storage.makedirs(workdir)
     sweep = _Sweep(base.name, Path(module.__file__), workdir, members, configs, list(overrides),
-                   on_member, progress)
+                   on_member, progress, progress if bars is None else bars)
     todo = [m for m in members if m.name not in sweep.rows]
     if progress:
         print(f"sweep {base.name}: {len(members)} members, {len(members) - len(todo)} done before "
