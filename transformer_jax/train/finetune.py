@@ -18,7 +18,8 @@ or a transformer_jax workdir (its latest checkpoint). The run then:
 * records where it started: ``config.json``'s ``init_from`` holds the path, the kind and a
   SHA-256 digest of the loaded weights;
 * refuses, before anything is written, a source whose family cannot train the experiment's
-  task (:func:`check_task`: a BERT checkpoint under a GPT language-model experiment).
+  task (``train/loop.py``'s ``check_task``: a BERT checkpoint under a GPT language-model
+  experiment).
 
 With ``model.lora`` (``--set lora.rank=8``) or ``model.prefix_tokens`` only the adapters and
 the freshly initialised head train (:class:`ParamSplit`): they alone get gradients and
@@ -184,29 +185,6 @@ def _workdir_source(path: str) -> Source:
 
 
 # ----------------------------------------------------------------------------- the config
-
-def check_task(cfg, source: Source) -> None:
-    """Refuse a source whose family cannot train the experiment's task (a BERT checkpoint
-    under the default GPT language-model experiment), naming the experiments that fit it."""
-    from ..tasks import TASKS, tasks_for
-    from .config import experiments_for
-
-    task = TASKS.get(cfg.task)
-    if task is None or source.family in task.MODELS:
-        return
-    fits = tasks_for(source.family)
-    what = (f"task {source.task!r}" if source.kind == "workdir" and source.task
-            else source.task or "no task recorded")
-    experiments = experiments_for(fits)
-    choose = (f"choose an experiment for it (--experiment {' or '.join(experiments)})"
-              if experiments else "choose an experiment for it")
-    raise UserError(f"--init-from {source.path} is a {source.family} checkpoint ({what}), but "
-                    f"experiment {cfg.name!r} trains task {cfg.task!r}, which needs a "
-                    f"{' or '.join(task.MODELS)} model; a {source.family} model trains "
-                    + " or ".join(repr(t) for t in fits)
-                    + f": {choose}, or --set task="
-                    + (source.task if source.task in fits else fits[0]))
-
 
 def resolve(cfg, source: Source, *, say=None):
     """``cfg`` (an ExperimentConfig) with the model and tokenizer of ``source``: see the

@@ -66,10 +66,10 @@ from ..errors import UserError
 from ..models import build_model, model_from_config
 from ..layers.attention import tpu_generation
 from ..models.base import attention_plan, describe_attention_plan
-from ..tasks import Task, make_task
+from ..tasks import TASKS, Task, make_task, tasks_for
 from . import finetune
 from .checkpoint import CheckpointManager, load_params
-from .config import ExperimentConfig
+from .config import ExperimentConfig, experiments_for
 from .distributed import (Placement, any_process, broadcast_json, gather_data_state, is_main,
                           local_data_state, main_first, make_placement)
 from .health import LossWatch, last_good_step
@@ -357,14 +357,7 @@ def setup(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
                           "transformer_jax:data")
     rng = jax.random.PRNGKey(cfg.seed)
     init_args = task.init_args()
-    shapes: dict = {}
-
-    def abstract():   # the parameters' shapes, traced once
-        if "params" not in shapes:
-            shapes["params"] = jax.eval_shape(
-                lambda: nn.meta.unbox(model.init(rng, *init_args)["params"]))
-        return shapes["params"]
-
+    abstract = _abstract_params(model, rng, init_args)
     if getattr(model_cfg, "lora", None) is not None:
         finetune.check_adapters(model_cfg, abstract())   # targets that match no Dense
     pretrained, split = _fine_tuning_start(cfg, source, saved, model_cfg, abstract, run_config)
@@ -421,6 +414,18 @@ def setup(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
                watch=LossWatch(cfg.loss_spike_factor, cfg.loss_spike_window, warn=_warn))
 
 
+def _abstract_params(model, rng, init_args) -> Callable[[], Any]:
+    """A function giving the model's parameter shapes, traced on the first call only."""
+    shapes: dict = {}
+
+    def abstract():
+        if "params" not in shapes:
+            shapes["params"] = jax.eval_shape(
+                lambda: nn.meta.unbox(model.init(rng, *init_args)["params"]))
+        return shapes["params"]
+    return abstract
+
+
 def _fine_tuning_config(cfg: ExperimentConfig, workdir: Path, resume: bool):
     """``(cfg, source, saved run config)``: with ``init_from``, ``cfg`` takes the model and
     tokenizer of the pretrained weights (``source``), or, resuming such a run, those its
@@ -432,9 +437,29 @@ def _fine_tuning_config(cfg: ExperimentConfig, workdir: Path, resume: bool):
         cfg = finetune.resumed_config(cfg, saved, say=_warn)
     elif cfg.init_from is not None:
         source = finetune.load_source(cfg.init_from)
-        finetune.check_task(cfg, source)
+        check_task(cfg, source)
         cfg = finetune.resolve(cfg, source, say=_warn)
     return cfg, source, saved
+
+
+def check_task(cfg: ExperimentConfig, source: finetune.Source) -> None:
+    """Refuse a source whose family cannot train the experiment's task (a BERT checkpoint
+    under the default GPT language-model experiment), naming the experiments that fit it."""
+    task = TASKS.get(cfg.task)
+    if task is None or source.family in task.MODELS:
+        return
+    fits = tasks_for(source.family)
+    what = (f"task {source.task!r}" if source.kind == "workdir" and source.task
+            else source.task or "no task recorded")
+    experiments = experiments_for(fits)
+    choose = (f"choose an experiment for it (--experiment {' or '.join(experiments)})"
+              if experiments else "choose an experiment for it")
+    raise UserError(f"--init-from {source.path} is a {source.family} checkpoint ({what}), but "
+                    f"experiment {cfg.name!r} trains task {cfg.task!r}, which needs a "
+                    f"{' or '.join(task.MODELS)} model; a {source.family} model trains "
+                    + " or ".join(repr(t) for t in fits)
+                    + f": {choose}, or --set task="
+                    + (source.task if source.task in fits else fits[0]))
 
 
 def _check_same_start(cfg: ExperimentConfig, saved: dict, workdir: Path) -> None:
