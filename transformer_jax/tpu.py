@@ -34,7 +34,8 @@ GIB = 1024 ** 3
 class Generation:
     """One TPU generation: ``name`` as in accelerator types, JAX's topology prefix, HBM and
     bf16 peak FLOP/s per JAX device, devices per chip, whether the type's number counts
-    cores (2 per chip) and whether its topologies are 3-D."""
+    cores (2 per chip) and whether its topologies are 3-D. (Which generations take the
+    Pallas kernel is ``layers.attention.PALLAS_MIN_TPU_GENERATION``.)"""
     name: str
     topology_prefix: str
     hbm_bytes: int
@@ -42,17 +43,16 @@ class Generation:
     devices_per_chip: int
     counts_cores: bool
     three_d: bool
-    pallas: bool            # Mosaic compiles Pallas TPU kernels for it (v4 and later)
     single_host_chips: int  # the most chips one host holds
 
 
 GENERATIONS = {g.name: g for g in (
-    Generation("v2", "v2", 8 * GIB, 22.5e12, 2, True, False, False, 4),
-    Generation("v3", "v3", 16 * GIB, 61.5e12, 2, True, False, False, 4),
-    Generation("v4", "v4", 32 * GIB, 275e12, 1, True, True, True, 4),
-    Generation("v5p", "v5p", 95 * GIB, 459e12, 1, True, True, True, 4),
-    Generation("v5e", "v5e", 16 * GIB, 197e12, 1, False, False, True, 8),
-    Generation("v6e", "v6e", 32 * GIB, 918e12, 1, False, False, True, 8),
+    Generation("v2", "v2", 8 * GIB, 22.5e12, 2, True, False, 4),
+    Generation("v3", "v3", 16 * GIB, 61.5e12, 2, True, False, 4),
+    Generation("v4", "v4", 32 * GIB, 275e12, 1, True, True, 4),
+    Generation("v5p", "v5p", 95 * GIB, 459e12, 1, True, True, 4),
+    Generation("v5e", "v5e", 16 * GIB, 197e12, 1, False, False, 8),
+    Generation("v6e", "v6e", 32 * GIB, 918e12, 1, False, False, 8),
 )}
 ALIASES = {"v5litepod": "v5e", "v5lite": "v5e", "v6lite": "v6e"}
 
