@@ -406,3 +406,17 @@ def test_quant_bytes_smoke_nf4_block_kernels_are_over_3_5x_smaller_than_bf16(tmp
     ratios = result["ratios"]
     assert ratios["bf16_over_nf4"] >= 3.5 and ratios["bf16_over_nf4dq"] > ratios["bf16_over_nf4"]
     assert "| nf4 | " in out.with_suffix(".md").read_text()
+
+
+def test_compare_torch_drift_table_row_from_a_short_run(tmp_path):
+    """``benchmarks/compare_torch_drift.py`` for one experiment and 6 steps, with the float64
+    reference: the row carries the comparison's figures (the JAX-PyTorch differences at
+    float32 rounding this early, both sides' against float64) and the table shows them."""
+    drift = _benchmarks("compare_torch_drift")
+    result = drift.run([6], ["vit_digits"], tmp_path, [6])
+    (row,) = result["rows"]
+    assert row["experiment"] == "vit_digits" and row["steps"] == 6 and row["within"]
+    assert 0 < row["max_loss_diff"] < 1e-5 and row["max_lr_diff"] < 1e-6
+    assert 0 < row["max_loss_jax_vs_f64"] < 1e-5 and 0 < row["max_loss_torch_vs_f64"] < 1e-5
+    assert f"| `vit_digits` | 6 | {row['max_loss_diff']:.1e} |" in result["markdown"]
+    assert (tmp_path / "vit_digits_6" / "compare.png").exists()

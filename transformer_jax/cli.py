@@ -10,6 +10,8 @@
   transformer-jax sweep --experiment NAME|FILE --workdir DIR [--quick] [--parallel N] [--set k=v ...]
   transformer-jax compile --experiment NAME --tpu TYPE|--topology NAME [--mesh M] [--what train|eval|decode]
                           [--set k=v ...] [--mfu F] [--json]
+  transformer-jax compare-torch [--experiment NAME|FILE] [--workdir DIR] [--steps N] [--set k=v ...]
+                                [--init-from DIR] [--tolerance T] [--grad-tolerance G] [--float64-reference]
   transformer-jax experiments
 
 This module only parses flags; the work happens in ``transformer_jax.train.loop``. A
@@ -100,6 +102,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--no-progress", action="store_true", help="no progress bars")
 
     _add_compile_parser(sub)
+    _add_compare_parser(sub)
     sub.add_parser("experiments", help="list the experiments that --experiment accepts")
     return p
 
@@ -125,6 +128,46 @@ def _add_compile_parser(sub) -> None:
                    help="model FLOPs utilisation the step-time estimate assumes (default 0.4)")
     c.add_argument("--json", action="store_true",
                    help="also print the report as one JSON object, the last line of stdout")
+
+
+def _add_compare_parser(sub) -> None:
+    from .train.compare_torch import DEFAULT_GRAD_TOLERANCE, DEFAULT_TOLERANCE
+
+    c = sub.add_parser("compare-torch", help="train an experiment here and in PyTorch from the "
+                                             "same weights on the same batches; compare the "
+                                             "loss curves step by step")
+    c.add_argument("--experiment", default=None, help="experiment name in experiments/ or a path")
+    c.add_argument("--workdir", default=None, help="where compare.jsonl and compare.png go "
+                                                   "(default: runs/compare_torch/<experiment name>)")
+    c.add_argument("--steps", type=int, default=30, help="training steps on each side (default 30)")
+    c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field (repeatable)")
+    c.add_argument("--init-from", default=None, metavar="DIR",
+                   help="start from a Hugging Face directory or a transformer_jax workdir")
+    c.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
+                   help="largest relative loss difference that passes (default "
+                        f"{DEFAULT_TOLERANCE:g}, from the measured drift: docs/compare_torch.md)")
+    c.add_argument("--grad-tolerance", type=float, default=DEFAULT_GRAD_TOLERANCE,
+                   help="largest relative gradient-norm difference that passes (default "
+                        f"{DEFAULT_GRAD_TOLERANCE:g}; it drifts faster than the loss)")
+    c.add_argument("--float64-reference", action="store_true",
+                   help="also train PyTorch in float64, and report how far each float32 run "
+                        "strays from it (the yardstick for their drift)")
+
+
+def _compare_torch(args) -> int:
+    from .train.compare_torch import compare, describe
+    from .train.config import apply_overrides, load_experiment
+
+    cfg = apply_overrides(load_experiment(args.experiment), list(args.overrides))
+    if args.init_from is not None:
+        cfg = cfg.replace(init_from=args.init_from)
+    workdir = args.workdir or os.path.join("runs", "compare_torch", cfg.name)
+    summary = compare(cfg, workdir, steps=args.steps, tolerance=args.tolerance,
+                      grad_tolerance=args.grad_tolerance, float64_reference=args.float64_reference)
+    print(describe(summary))
+    print("wrote " + " and ".join(summary["files"]))
+    return 0 if summary["within"] else 1
 
 
 def _train(args) -> int:
@@ -269,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     from .train.checkpoint import CheckpointWriteError
 
     handlers = {"train": _train, "eval": _eval, "generate": _generate, "export": _export,
-                "sweep": _sweep, "compile": _compile, "experiments": _experiments}
+                "sweep": _sweep, "compile": _compile, "compare-torch": _compare_torch,
+                "experiments": _experiments}
     _quiet_background_errors()
     try:
         return handlers[args.command](args)

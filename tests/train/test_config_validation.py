@@ -106,7 +106,7 @@ def test_field_messages(changes, message):
     (dict(model="gpt3"), "ExperimentConfig.model='gpt3' is unknown; choose one of ['bert', 'gpt', "
                          "'t5', 'transformer', 'vit']"),
     (dict(schedule="cosine"), "ExperimentConfig.schedule='cosine' is unknown; choose one of "
-                              "['constant', 'noam', 'warmup_cosine', 'warmup_rsqrt']"),
+                              "['constant', 'noam', 'warmup_cosine', 'warmup_rsqrt', 'warmup_times_cosine']"),
     (dict(parallelism="pjit"), "ExperimentConfig.parallelism must be 'jit' or 'pmap', got 'pjit'"),
     (dict(loss_scale=1), "loss_scale=1 is unknown; choose 'auto' (dynamic for "
                          "model.dtype=float16), 'dynamic' or 'none'"),
@@ -284,7 +284,7 @@ def test_unknown_model_fields_are_refused_when_set():
                                 "learning_rate=0.002 (the cosine decays from learning_rate to "
                                 "end_learning_rate)"),
     (["schedule=cosine"], "error: ExperimentConfig.schedule='cosine' is unknown; choose one of "
-                          "['constant', 'noam', 'warmup_cosine', 'warmup_rsqrt']"),
+                          "['constant', 'noam', 'warmup_cosine', 'warmup_rsqrt', 'warmup_times_cosine']"),
     (["model=gpt3"], "error: ExperimentConfig.model='gpt3' is unknown; choose one of ['bert', "
                      "'gpt', 't5', 'transformer', 'vit']"),
     # refused before the task would train a SentencePiece model into the workdir

@@ -86,6 +86,92 @@ def test_warmup_cosine_without_warmup_starts_at_peak():
     )
 
 
+def _lambda_lr_rates(base_lr, lr_lambda, updates):
+    """The rate of each update under ``torch.optim.lr_scheduler.LambdaLR``, stepped as the
+    seeds do: ``opt.step(); sched.step()``."""
+    param = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.AdamW([param], lr=base_lr, betas=(0.9, 0.98), weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda=lr_lambda)
+    rates = []
+    for _ in range(updates):
+        rates.append(opt.param_groups[0]["lr"])
+        param.grad = torch.ones(1)
+        opt.step()
+        sched.step()
+    return np.array(rates)
+
+
+def _relative(got, want):
+    scale = np.maximum(np.abs(got), np.abs(want))
+    return np.where(scale > 0, np.abs(got - want) / np.where(scale > 0, scale, 1.0), 0.0)
+
+
+def test_noam_equals_the_seeds_lambda_lr():
+    """The seed's noam_lr under LambdaLR(AdamW(lr=1.0)): every update's rate over 9,000 updates,
+    and the four values the seed prints for d_model 64."""
+    def noam_lr(step, d_model=512, warmup=4000):
+        step = max(step, 1)
+        return (d_model ** -0.5) * min(step ** -0.5, step * warmup ** -1.5)
+
+    want = _lambda_lr_rates(1.0, lambda s: noam_lr(s, d_model=64), 9000)
+    got = _values(optim.noam(64, 4000), range(9000))
+    assert _relative(got, want).max() < 1e-6
+    assert [round(float(optim.noam(64, 4000)(s)), 5) for s in [1, 100, 4000, 8000]] == \
+        [0.0, 5e-05, 0.00198, 0.0014]
+
+
+@pytest.mark.parametrize("warmup,total", [(5, 30), (100, 1000), (0, 40)])
+def test_warmup_times_cosine_equals_the_seeds_lambda_lr(warmup, total):
+    """The seeds' linear warm-up times a cosine over the whole run, under LambdaLR: equal at
+    every update, including the last ones where the rate nears 0; held at 0 after the run."""
+    def lr_lambda(step):
+        ramp = min(step / warmup, 1.0) if warmup else 1.0
+        return ramp * (0.5 * (1 + math.cos(math.pi * step / total)))
+
+    peak = 3e-3
+    want = _lambda_lr_rates(peak, lr_lambda, total)
+    sched = optim.make_schedule("warmup_times_cosine", peak_lr=peak, warmup_steps=warmup,
+                                total_steps=total)
+    got = _values(sched, range(total))
+    assert _relative(got, want).max() < 1e-6
+    assert got[-1] > 0 and float(sched(total)) == 0.0 and float(sched(total + 7)) == 0.0
+    # not warmup_cosine: its cosine starts after the warm-up (a higher rate mid-run)
+    if warmup:
+        other = _values(optim.warmup_cosine(peak, warmup, total), range(total))
+        assert other[total // 2] > got[total // 2] * 1.05
+
+
+def test_warmup_cosine_keeps_relative_precision_at_the_end():
+    """A 30-step run's last rates are ~1e-3 of the peak; float32 1 + cos(x) near x = pi would
+    be off by ~1e-5 relative there. The schedule is within 1e-6 of float64 at every step."""
+    peak, warmup, total = 2e-3, 5, 30
+    got = _values(optim.warmup_cosine(peak, warmup, total), range(total))
+    want = [peak * s / warmup if s < warmup else
+            peak * 0.5 * (1 + math.cos(math.pi * (s - warmup) / (total - warmup)))
+            for s in range(total)]
+    assert _relative(got, np.array(want)).max() < 1e-6
+
+
+@pytest.mark.parametrize("name,kwargs", [
+    ("noam", dict(d_model=128, warmup_steps=5, scale=2.0)),
+    ("warmup_cosine", dict(peak_lr=2e-3, warmup_steps=5, total_steps=30, end_lr=1e-5)),
+    ("warmup_times_cosine", dict(peak_lr=2e-3, warmup_steps=5, total_steps=30)),
+    ("warmup_rsqrt", dict(peak_lr=1e-3, warmup_steps=5)),
+    ("constant", dict(lr=1e-3, warmup_steps=5)),
+    ("constant", dict(lr=1e-3)),
+])
+def test_every_schedule_has_a_lambda_lr_twin(name, kwargs):
+    """``interop.torch_train.lr_lambda``: LambdaLR gives each update the rate of the schedule."""
+    from transformer_jax.interop.torch_train import lr_lambda
+
+    base_lr, factor = lr_lambda(name, **kwargs)
+    want = _lambda_lr_rates(base_lr, factor, 40)
+    got = _values(optim.make_schedule(name, **kwargs), range(40))
+    assert _relative(got, want).max() < 1e-6
+    assert set(optim.SCHEDULES) == {"noam", "warmup_cosine", "warmup_times_cosine",
+                                    "warmup_rsqrt", "constant"}
+
+
 def test_warmup_rsqrt_closed_form():
     peak, warm = 3e-4, 100
     sched = optim.warmup_rsqrt(peak, warm)
@@ -117,7 +203,7 @@ def test_make_schedule_factory():
         optim.make_schedule("linear_cosine_whatever", lr=1.0)
     msg = str(err.value)
     assert "linear_cosine_whatever" in msg
-    for name in ("noam", "warmup_cosine", "warmup_rsqrt", "constant"):
+    for name in ("noam", "warmup_cosine", "warmup_times_cosine", "warmup_rsqrt", "constant"):
         assert name in msg
     with pytest.raises(ValueError, match="noam"):
         optim.make_schedule("noam", d_model=64)  # missing warmup_steps

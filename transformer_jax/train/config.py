@@ -63,7 +63,8 @@ class ExperimentConfig(PresetConfig):
     # optimisation
     steps: int = 600
     accum_steps: int = 1
-    schedule: str = "warmup_cosine"    # warmup_cosine | warmup_rsqrt | noam | constant
+    # warmup_cosine | warmup_times_cosine | warmup_rsqrt | noam | constant (train/optim.py)
+    schedule: str = "warmup_cosine"
     learning_rate: float = 2e-3        # peak (noam: the scale factor)
     warmup_steps: int = 50
     end_learning_rate: float = 0.0
@@ -224,6 +225,9 @@ class ExperimentConfig(PresetConfig):
         if self.schedule == "warmup_cosine":
             return dict(peak_lr=self.learning_rate, warmup_steps=self.warmup_steps,
                         total_steps=self.steps, end_lr=self.end_learning_rate)
+        if self.schedule == "warmup_times_cosine":
+            return dict(peak_lr=self.learning_rate, warmup_steps=self.warmup_steps,
+                        total_steps=self.steps)
         if self.schedule == "warmup_rsqrt":
             return dict(peak_lr=self.learning_rate, warmup_steps=self.warmup_steps)
         if self.schedule == "noam":
