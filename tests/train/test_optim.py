@@ -388,3 +388,15 @@ def test_mu_dtype_is_used():
     tx = optim.make_optimizer(schedule=1e-3, mu_dtype=jnp.bfloat16)
     state = tx.init({"kernel": jnp.ones((2, 2))})
     assert _first_moment(state)["kernel"].dtype == jnp.bfloat16
+
+
+def test_warmup_times_cosine_takes_no_end_rate():
+    """Its cosine ends at 0: an end_learning_rate would be ignored, so the config refuses it."""
+    from transformer_jax.errors import UserError
+    from transformer_jax.train.config import ExperimentConfig
+
+    cfg = ExperimentConfig(schedule="warmup_times_cosine", steps=30, warmup_steps=5)
+    assert cfg.schedule_kwargs(d_model=64) == dict(peak_lr=2e-3, warmup_steps=5, total_steps=30)
+    with pytest.raises(UserError, match=r"end_learning_rate=0.0001 must be 0 for "
+                                        r"schedule='warmup_times_cosine'"):
+        ExperimentConfig(schedule="warmup_times_cosine", end_learning_rate=1e-4)

@@ -306,7 +306,10 @@ def train_step(model, optimizer, scheduler, recipe: TorchRecipe,
         loss_sum, _ = cross_entropy_sum(logits, targets, weights, recipe.label_smoothing)
         (loss_sum / total).backward()
         loss += float(loss_sum.detach())
-    params = [p for p in model.parameters() if p.grad is not None]
+    params = list(model.parameters())
+    for p in params:            # as in JAX, a parameter the loss does not reach gets zeros
+        if p.grad is None:      # (and its weight decay), not a skipped update
+            p.grad = torch.zeros_like(p)
     if recipe.clip_norm is None:
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad)
                                                      for p in params]))

@@ -93,9 +93,10 @@ FORWARDS: dict[str, Callable] = {"lm": _lm, "mlm": _mlm, "classify": _classify,
 
 # ----------------------------------------------------------------------------- the settings
 
-def _model_settings(cfg) -> dict[str, Any]:
-    """The model settings the run starts from, before this command changes them: the checkpoint's with ``init_from``, else the family's defaults and preset; then the
-    experiment's ``model.*`` overrides."""
+def _model_settings(cfg) -> tuple[str, dict[str, Any]]:
+    """The model's family and the settings the run starts from, before this command changes
+    them: the checkpoint's with ``init_from``, else the family's defaults and preset; then
+    the experiment's ``model.*`` overrides."""
     if cfg.init_from is not None:
         from .finetune import load_source
         from .loop import check_task
@@ -107,7 +108,7 @@ def _model_settings(cfg) -> dict[str, Any]:
         family = cfg.model
         start = FAMILIES[family][0].PRESETS.get(cfg.model_preset, {})
     defaults = {f.name: f.default for f in dataclasses.fields(FAMILIES[family][0])}
-    return {**defaults, **start, **cfg.model_overrides}
+    return family, {**defaults, **start, **cfg.model_overrides}
 
 
 def comparable(cfg) -> tuple[Any, list[str]]:
@@ -115,9 +116,13 @@ def comparable(cfg) -> tuple[Any, list[str]]:
     UserError naming a setting that has no PyTorch twin here."""
     from .config import apply_overrides
 
+    _require_torch()
     if cfg.task not in FORWARDS:
         raise UserError(f"task={cfg.task!r} has no PyTorch twin in compare-torch; it compares "
                         f"the tasks {sorted(FORWARDS)}")
+    if cfg.parallelism != "jit":
+        raise UserError(f"parallelism={cfg.parallelism!r}: compare-torch runs the jit train "
+                        "step (the same numbers); drop --set parallelism")
     if cfg.loss_scale == "dynamic":
         raise UserError("loss_scale='dynamic': compare-torch runs float32 without loss scaling "
                         "(torch's GradScaler is not twinned); drop the setting")
@@ -126,7 +131,7 @@ def comparable(cfg) -> tuple[Any, list[str]]:
             raise UserError(f"model.{key}={cfg.model_overrides[key]!r}: compare-torch compares "
                             "full training; adapter runs (LoRA, prefix tuning) are not compared "
                             "with PEFT yet; drop the setting")
-    settings = _model_settings(cfg)
+    family, settings = _model_settings(cfg)
     changes, notes = {}, []
     for name, value in sorted(settings.items()):
         if "dropout" in name:                    # set on every run: a checkpoint brings its own
@@ -135,7 +140,29 @@ def comparable(cfg) -> tuple[Any, list[str]]:
         elif name in ("dtype", "param_dtype"):
             changes[f"model.{name}"] = "float32"
             notes += [f"model.{name}={value} -> float32"] if value != "float32" else []
-    return apply_overrides(cfg, changes), notes
+    # with init_from the model is the checkpoint's: its family's fields are the ones to set
+    return apply_overrides(cfg.replace(model=family), changes), notes
+
+
+def _require_torch() -> None:
+    """PyTorch and transformers are the ``torch`` extra; without them, say so before anything runs."""
+    import importlib.util
+
+    missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise UserError(f"compare-torch trains the PyTorch side with {' and '.join(missing)}, "
+                        "which is not installed; pip install -e \".[torch]\"")
+
+
+def _check_steps(cfg, steps: int) -> None:
+    """The schedule must fit the compared steps (they are the run's steps, so the cosine
+    ends with them)."""
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise UserError(f"--steps {steps!r} must be a positive integer")
+    if cfg.schedule == "warmup_cosine" and cfg.warmup_steps >= steps:
+        raise UserError(f"--steps {steps} is not above the experiment's warmup_steps="
+                        f"{cfg.warmup_steps} (warmup_cosine decays over the compared steps); "
+                        f"add --set warmup_steps={max(1, steps // 6)}, or compare more steps")
 
 
 def _check_model(model_config) -> None:
@@ -146,7 +173,8 @@ def _check_model(model_config) -> None:
            or (f.name in ("dtype", "param_dtype") and getattr(model_config, f.name) != "float32")]
     if bad:
         raise UserError(f"the run's model has {', '.join(bad)}, which compare-torch cannot "
-                        "twin (it compares float32 runs without dropout or adapters)")
+                        "twin (it compares float32 runs without dropout or adapters) and the "
+                        "--init-from checkpoint fixes; compare a run that starts without them")
 
 
 # ----------------------------------------------------------------------------- the two runs
@@ -232,9 +260,18 @@ def run_torch(cfg, module, params, task: str, batches, *, recipe_hook=None, floa
 # ----------------------------------------------------------------------------- the comparison
 
 def relative(a: float, b: float) -> float:
-    """``|a - b| / max(|a|, |b|)`` (0 when both are 0)."""
+    """``|a - b| / max(|a|, |b|)`` (0 when both are 0; inf when either is not finite)."""
+    if not (np.isfinite(a) and np.isfinite(b)):
+        return float("inf")
     scale = max(abs(a), abs(b))
     return 0.0 if scale == 0 else abs(a - b) / scale
+
+
+def _past(row: dict, tolerance: float, grad_tolerance: float) -> list[str]:
+    """What in ``row`` is past its tolerance (a non-finite value always is)."""
+    limits = {"loss": tolerance, "grad_norm": grad_tolerance, "lr": LR_TOLERANCE}
+    return [key for key, limit in limits.items()
+            if not relative(row[f"{key}_jax"], row[f"{key}_torch"]) <= limit]
 
 
 def summarize(rows: list[dict], tolerance: float = DEFAULT_TOLERANCE,
@@ -245,10 +282,7 @@ def summarize(rows: list[dict], tolerance: float = DEFAULT_TOLERANCE,
         i = int(np.argmax(diffs))
         return diffs[i], rows[i]["step"]
 
-    first = next((r["step"] for r in rows
-                  if relative(r["loss_jax"], r["loss_torch"]) > tolerance
-                  or relative(r["grad_norm_jax"], r["grad_norm_torch"]) > grad_tolerance
-                  or relative(r["lr_jax"], r["lr_torch"]) > LR_TOLERANCE), None)
+    first = next((r for r in rows if _past(r, tolerance, grad_tolerance)), None)
     timed = rows[1:] or rows                  # the first JAX step compiles
     ms_jax = statistics.median(r["ms_jax"] for r in timed)
     ms_torch = statistics.median(r["ms_torch"] for r in timed)
@@ -256,7 +290,9 @@ def summarize(rows: list[dict], tolerance: float = DEFAULT_TOLERANCE,
     return {"steps": len(rows), "tolerance": tolerance, "grad_tolerance": grad_tolerance,
             "max_loss_diff": loss,
             "max_loss_diff_step": loss_step, "max_grad_norm_diff": grad,
-            "max_grad_norm_diff_step": grad_step, "max_lr_diff": lr, "first_step_past": first,
+            "max_grad_norm_diff_step": grad_step, "max_lr_diff": lr,
+            "first_step_past": None if first is None else first["step"],
+            "past": [] if first is None else _past(first, tolerance, grad_tolerance),
             "within": first is None, "ms_jax": ms_jax, "ms_torch": ms_torch,
             "speed_ratio": ms_torch / ms_jax,
             "bit_identical": all(r["loss_jax"] == r["loss_torch"] for r in rows)}
@@ -270,9 +306,10 @@ def describe(summary: dict) -> str:
              f"tolerance: loss {s['tolerance']:g}, grad norm {s['grad_tolerance']:g}, learning "
              f"rate {LR_TOLERANCE:g}: "
              + ("within it at every step" if s["within"]
-                else f"first passed at step {s['first_step_past']}"),
-             f"speed (median ms/step, the first step left out): JAX {s['ms_jax']:.1f}, PyTorch "
-             f"{s['ms_torch']:.1f}: JAX {s['speed_ratio']:.2f}x PyTorch's speed"]
+                else f"first passed at step {s['first_step_past']} ({', '.join(s['past'])})"),
+             f"speed (median ms/step{', the first step left out' if s['steps'] > 1 else ''}): "
+             f"JAX {s['ms_jax']:.1f} on {s.get('jax_device', 'cpu')}, PyTorch "
+             f"{s['ms_torch']:.1f} on the CPU: JAX {s['speed_ratio']:.2f}x PyTorch's speed"]
     if "max_loss_jax_vs_f64" in s:
         lines.insert(1, f"against PyTorch in float64: JAX float32 is off by up to loss "
                         f"{s['max_loss_jax_vs_f64']:.2e}, grad norm {s['max_grad_norm_jax_vs_f64']:.2e}; "
@@ -313,6 +350,11 @@ def plot(rows: list[dict], tolerances: tuple[float, float], path, title: str) ->
     storage.write_bytes(path, buffer.getvalue())
 
 
+def _finite(row: dict) -> dict:
+    """The row as standard JSON: a NaN or infinite value (a diverged side) becomes null."""
+    return {k: v if not isinstance(v, float) or np.isfinite(v) else None for k, v in row.items()}
+
+
 def _reference(rows: list[dict], reference: list[dict]) -> dict[str, float]:
     """Both float32 runs against PyTorch in float64 (``reference``): ``loss_f64`` and
     ``grad_norm_f64`` added to each row; the largest relative differences of each side."""
@@ -332,20 +374,25 @@ def compare(cfg, workdir, *, steps: int, tolerance: float = DEFAULT_TOLERANCE,
     """Train ``cfg`` for ``steps`` updates here and in PyTorch; write ``compare.jsonl`` and
     ``compare.png`` into ``workdir``; return :func:`summarize`'s summary (with ``files``).
 
-    ``float64_reference``: train PyTorch once more in float64 (the exact run, to float32's
-    eyes), and report how far each float32 run strays from it (``loss_f64``,
+    ``float64_reference``: train PyTorch once more in float64 (all but the position tables,
+    which stay float32 values: the sinusoidal table, HF's RoPE angles), and report how far
+    each float32 run strays from it (``loss_f64``,
     ``grad_norm_f64`` in the rows; the ``max_*_vs_f64`` figures): the yardstick for the
     drift between the two. ``recipe_hook(recipe, torch_model) -> recipe`` changes the
     PyTorch side (tests use it to plant a difference the comparison must catch)."""
-    if not isinstance(steps, int) or steps < 1:
-        raise UserError(f"--steps {steps!r} must be a positive integer")
+    _check_steps(cfg, steps)
     for flag, value in (("--tolerance", tolerance), ("--grad-tolerance", grad_tolerance)):
         if not value > 0:
             raise UserError(f"{flag} {value!r} must be > 0 (a relative difference)")
-    cfg, notes = comparable(cfg.replace(steps=steps))
+    workdir = storage.path(workdir)
+    if storage.is_dir(workdir / "checkpoints") and any((workdir / "checkpoints").iterdir()):
+        raise UserError(f"--workdir {workdir} holds a training run's checkpoints; compare-torch "
+                        "starts a fresh run: choose an empty or new --workdir")
+    notes = [f"steps={cfg.steps} -> {steps}"] if cfg.steps != steps else []
+    cfg, changed = comparable(cfg.replace(steps=steps))
+    notes += changed
     say("compare-torch: float32, highest matmul precision, no dropout (dropout masks are random "
         "draws the two frameworks cannot share)" + (f"; changed: {', '.join(notes)}" if notes else ""))
-    workdir = storage.path(workdir)
     params, module, task, batches, jax_rows = run_jax(cfg, workdir, steps)
     say(f"JAX: {steps} steps done; PyTorch: training the same weights on the same batches")
     torch_rows = run_torch(cfg, module, params, task, batches, recipe_hook=recipe_hook)
@@ -358,9 +405,10 @@ def compare(cfg, workdir, *, steps: int, tolerance: float = DEFAULT_TOLERANCE,
         say("PyTorch again, in float64: the reference both float32 runs are measured against")
         extra = _reference(rows, run_torch(cfg, module, params, task, batches,
                                            recipe_hook=recipe_hook, float64=True))
-    storage.write_text(workdir / "compare.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+    storage.write_text(workdir / "compare.jsonl", "".join(json.dumps(_finite(r)) + "\n" for r in rows))
     plot(rows, (tolerance, grad_tolerance), workdir / "compare.png",
          f"{cfg.name}: {cfg.model}, {task}")
-    summary = {**summarize(rows, tolerance, grad_tolerance), **extra}
+    summary = {**summarize(rows, tolerance, grad_tolerance), **extra,
+               "jax_device": jax.devices()[0].platform}
     summary["files"] = [str(workdir / "compare.jsonl"), str(workdir / "compare.png")]
     return summary

@@ -188,6 +188,10 @@ class ExperimentConfig(PresetConfig):
             self._require_relation(self.warmup_steps >= 1, ("warmup_steps", "schedule"),
                                    f"must be >= 1 for schedule={self.schedule!r} (its decay is "
                                    "relative to the end of the warm-up)")
+        if self.schedule == "warmup_times_cosine":
+            self._require_relation(self.end_learning_rate == 0, ("end_learning_rate", "schedule"),
+                                   "must be 0 for schedule='warmup_times_cosine' (its cosine ends "
+                                   "at 0); use schedule='warmup_cosine' for another end rate")
         if self.schedule == "warmup_cosine":
             self._require_relation(self.end_learning_rate <= self.learning_rate,
                                    ("end_learning_rate", "learning_rate"),

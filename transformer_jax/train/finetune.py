@@ -50,6 +50,7 @@ from .step import combine, split_tree
 #: how the same weights train or run, not which weights there are; a ViT's image_size
 #: resizes its position table)
 CHANGEABLE = frozenset({"dropout_rate", "attention_dropout_rate", "classifier_dropout_rate",
+                        "mlp_dropout_rate",
                         "dtype", "param_dtype", "remat", "remat_policy", "scan_layers",
                         "attention_impl", "cpu_tuning", "lora", "prefix_tokens", "image_size"})
 
