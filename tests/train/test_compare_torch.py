@@ -139,7 +139,7 @@ PLANTS = {"eps": _eps, "decay_mask": _decay_everything, "label_smoothing": _no_s
 def test_a_planted_difference_is_caught_within_a_few_steps(plant, data_dir, tmp_path):
     """Another AdamW eps (1e-5 for 1e-9), weight decay (0.1) on the biases and norms too, or
     no label smoothing on the PyTorch side of the 2017 Transformer: past the tolerance within
-    4 steps (measured: steps 3, 2 and 1; the clean run stays below 1e-5). The same run
+    4 steps (measured: steps 3, 2 and 1; the clean run stays below 1e-6 in the loss). The same run
     without the plant is within it, so the detector, not the configuration, catches it."""
     cfg = small_config("transformer_stdlib_seq2seq", data_dir, "weight_decay=0.1")
     summary = compare(cfg, tmp_path / "planted", steps=4, recipe_hook=PLANTS[plant])
