@@ -181,8 +181,11 @@ def transformer_twin(module: Any, params: Mapping[str, Any]):
     """The 2017 Transformer (``models.transformer``) written with ``torch.nn`` modules: a
     shared ``nn.Embedding`` times sqrt(D) plus the sinusoidal table, ``nn.TransformerEncoder``
     and ``nn.TransformerDecoder`` (batch first, final LayerNorms where the config has them),
-    and the read-out ``x @ E^T`` (or an untied ``lm_head``). ``forward(src (B, S), tgt (B, T),
-    src_mask (B, S) 1 = token) -> logits (B, T, V)``."""
+    and the read-out ``x @ E^T`` (or an untied ``lm_head``). Called as HF's encoder-decoders
+    are: ``forward(input_ids (B, S), attention_mask (B, S) 1 = token, decoder_input_ids (B, T))
+    -> .logits (B, T, V)``."""
+    import types
+
     import torch
     from torch import nn
 
@@ -219,16 +222,15 @@ def transformer_twin(module: Any, params: Mapping[str, Any]):
         def _embed(self, ids):
             return self.embed(ids) * math.sqrt(config.d_model) + self.pe[: ids.shape[1]]
 
-        def forward(self, src, tgt, src_mask):
-            padding = src_mask == 0
-            causal = nn.Transformer.generate_square_subsequent_mask(tgt.shape[1],
+        def forward(self, input_ids, attention_mask, decoder_input_ids):
+            padding = attention_mask == 0
+            causal = nn.Transformer.generate_square_subsequent_mask(decoder_input_ids.shape[1],
                                                                     dtype=self.pe.dtype)
-            memory = self.encoder(self._embed(src), src_key_padding_mask=padding)
-            x = self.decoder(self._embed(tgt), memory, tgt_mask=causal, tgt_is_causal=True,
-                             memory_key_padding_mask=padding)
-            if config.tie_embeddings:
-                return x @ self.embed.weight.T
-            return self.lm_head(x)
+            memory = self.encoder(self._embed(input_ids), src_key_padding_mask=padding)
+            x = self.decoder(self._embed(decoder_input_ids), memory, tgt_mask=causal,
+                             tgt_is_causal=True, memory_key_padding_mask=padding)
+            logits = x @ self.embed.weight.T if config.tie_embeddings else self.lm_head(x)
+            return types.SimpleNamespace(logits=logits)
 
     model = Seq2Seq()
     state = {k: torch.from_numpy(np.array(v, np.float32))        # a writable copy

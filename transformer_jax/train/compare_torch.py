@@ -28,6 +28,7 @@ gradient norm than in the loss).
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import io
 import json
@@ -72,8 +73,6 @@ def _classify(model, b):
 
 
 def _seq2seq(model, b):
-    if not hasattr(model, "config"):                 # the torch.nn Transformer twin
-        return model(b["inputs"].long(), b["targets"].long(), b["input_mask"]), b["labels"], b["weights"]
     out = model(input_ids=b["inputs"].long(), attention_mask=b["input_mask"].long(),
                 decoder_input_ids=b["targets"].long())
     return out.logits, b["labels"], b["weights"]
@@ -132,14 +131,11 @@ def comparable(cfg) -> tuple[Any, list[str]]:
                             "full training; adapter runs (LoRA, prefix tuning) are not compared "
                             "with PEFT yet; drop the setting")
     family, settings = _model_settings(cfg)
-    changes, notes = {}, []
-    for name, value in sorted(settings.items()):
-        if "dropout" in name:                    # set on every run: a checkpoint brings its own
-            changes[f"model.{name}"] = 0.0
-            notes += [f"model.{name}={value} -> 0"] if value not in (0, 0.0, None) else []
-        elif name in ("dtype", "param_dtype"):
-            changes[f"model.{name}"] = "float32"
-            notes += [f"model.{name}={value} -> float32"] if value != "float32" else []
+    # every dropout and dtype field is set (a checkpoint brings its own); the notes name those
+    # that change
+    changes = {f"model.{name}": TWIN_VALUES[_kind(name)] for name in settings if _kind(name)}
+    notes = [f"model.{name}={value} -> {changes[f'model.{name}']}"
+             for name, value in sorted(_untwinned(settings).items())]
     # with init_from the model is the checkpoint's: its family's fields are the ones to set
     return apply_overrides(cfg.replace(model=family), changes), notes
 
@@ -165,12 +161,27 @@ def _check_steps(cfg, steps: int) -> None:
                         f"add --set warmup_steps={max(1, steps // 6)}, or compare more steps")
 
 
+#: the value a model field must have for a PyTorch twin, by kind (``_kind``); adapters
+#: (``lora``, ``prefix_tokens``) have no twin here and must be absent
+TWIN_VALUES = {"dropout": 0.0, "dtype": "float32"}
+
+
+def _kind(name: str) -> str | None:
+    return "dropout" if "dropout" in name else "dtype" if name in ("dtype", "param_dtype") else None
+
+
+def _untwinned(settings: dict[str, Any]) -> dict[str, Any]:
+    """The model settings a PyTorch twin does not share: a dropout rate, a dtype other than
+    float32, adapters."""
+    return {name: value for name, value in settings.items()
+            if (_kind(name) and (value or 0) != TWIN_VALUES[_kind(name)])
+            or (name in ("lora", "prefix_tokens") and value)}
+
+
 def _check_model(model_config) -> None:
     """What ``--init-from`` brings must be comparable too (a checkpoint's own dropout or adapters)."""
-    bad = [f"{f.name}={getattr(model_config, f.name)!r}" for f in dataclasses.fields(model_config)
-           if ("dropout" in f.name and getattr(model_config, f.name))
-           or (f.name in ("lora", "prefix_tokens") and getattr(model_config, f.name))
-           or (f.name in ("dtype", "param_dtype") and getattr(model_config, f.name) != "float32")]
+    settings = {f.name: getattr(model_config, f.name) for f in dataclasses.fields(model_config)}
+    bad = [f"{name}={value!r}" for name, value in _untwinned(settings).items()]
     if bad:
         raise UserError(f"the run's model has {', '.join(bad)}, which compare-torch cannot "
                         "twin (it compares float32 runs without dropout or adapters) and the "
@@ -180,8 +191,10 @@ def _check_model(model_config) -> None:
 # ----------------------------------------------------------------------------- the two runs
 
 def run_jax(cfg, workdir, steps: int):
-    """The library's run for ``steps`` updates: ``(initial params, module, numpy batches,
-    rows)``; rows hold ``loss``, ``grad_norm``, ``lr`` and ``ms`` per step."""
+    """The library's run for ``steps`` updates: ``(module, the PyTorch twin holding its initial
+    weights and its decay mask (:func:`torch_twin`), numpy batches, rows)``; rows hold
+    ``loss``, ``grad_norm``, ``lr`` and ``ms`` per step. The twin is built before the run
+    trains, so that a model PyTorch cannot express is refused first."""
     from .loop import fetch, setup
     from .step import full_params
 
@@ -191,7 +204,7 @@ def run_jax(cfg, workdir, steps: int):
             _check_model(run.model.config)
             state = run.state
             params = jax.tree_util.tree_map(np.asarray, fetch(full_params(state)))
-            torch_twin(run.model, params)        # a model PyTorch cannot express: refused now
+            twin = torch_twin(run.model, params)
             batches = [next(run.batches.iterator) for _ in range(steps)]
             rows = []
             for batch in batches:
@@ -204,7 +217,7 @@ def run_jax(cfg, workdir, steps: int):
         finally:
             run.ckpt.close()
             run.writer.close()
-    return params, run.model, run.task.name, batches, rows
+    return run.model, twin, run.task.name, batches, rows
 
 
 def torch_recipe(cfg, model_config, decayed: frozenset):
@@ -223,8 +236,10 @@ def torch_twin(module, params):
     from ..interop import torch_train
     from .optim import decay_mask
 
+    from ..models.transformer import Transformer
+
     mask = torch_train.mask_like(params, decay_mask(params))
-    if type(module).__name__ == "Transformer":
+    if isinstance(module, Transformer):
         return (torch_train.transformer_twin(module, params),
                 torch_train.transformer_state_dict(module, mask))
     from ..interop.hf import to_hf_numpy
@@ -234,18 +249,13 @@ def torch_twin(module, params):
         to_hf_numpy(module, mask)
 
 
-def run_torch(cfg, module, params, task: str, batches, *, recipe_hook=None, float64=False):
-    """The PyTorch twin's rows (``loss``, ``grad_norm``, ``lr``, ``ms``) on ``batches``;
-    ``float64``: the twin (weights, optimizer state, loss) in float64."""
-    import torch
-
+def run_torch(cfg, model_config, twin, task: str, batches, *, recipe_hook=None):
+    """The rows (``loss``, ``grad_norm``, ``lr``, ``ms``) of the PyTorch ``twin``
+    (:func:`torch_twin`'s pair: it trains in place, in its dtype) on ``batches``."""
     from ..interop.torch_train import decayed_names, train_step
 
-    torch.manual_seed(cfg.seed)
-    model, mask = torch_twin(module, params)
-    if float64:
-        model = model.double()
-    recipe = torch_recipe(cfg, module.config, decayed_names(model, mask))
+    model, mask = twin
+    recipe = torch_recipe(cfg, model_config, decayed_names(model, mask))
     if recipe_hook is not None:              # tests plant a difference here
         recipe = recipe_hook(recipe, model)
     optimizer, scheduler = recipe.optimizer(model)
@@ -393,18 +403,19 @@ def compare(cfg, workdir, *, steps: int, tolerance: float = DEFAULT_TOLERANCE,
     notes += changed
     say("compare-torch: float32, highest matmul precision, no dropout (dropout masks are random "
         "draws the two frameworks cannot share)" + (f"; changed: {', '.join(notes)}" if notes else ""))
-    params, module, task, batches, jax_rows = run_jax(cfg, workdir, steps)
+    module, (model, mask), task, batches, jax_rows = run_jax(cfg, workdir, steps)
+    reference = copy.deepcopy(model).double() if float64_reference else None   # untrained
     say(f"JAX: {steps} steps done; PyTorch: training the same weights on the same batches")
-    torch_rows = run_torch(cfg, module, params, task, batches, recipe_hook=recipe_hook)
-    rows = [{"step": i + 1, **{f"{k}_jax": a[k] for k in ("loss", "grad_norm", "lr", "ms")},
-             **{f"{k}_torch": b[k] for k in ("loss", "grad_norm", "lr", "ms")}}
-            for i, (a, b) in enumerate(zip(jax_rows, torch_rows))]
-    rows = [{k: r[k] for k in COLUMNS} for r in rows]
+    torch_rows = run_torch(cfg, module.config, (model, mask), task, batches,
+                           recipe_hook=recipe_hook)
+    rows = [{"step": i + 1, **{f"{key}_{side}": r[key] for key in ("loss", "grad_norm", "lr", "ms")
+                               for side, r in (("jax", a), ("torch", b))}}
+            for i, (a, b) in enumerate(zip(jax_rows, torch_rows))]      # in COLUMNS' order
     extra = {}
-    if float64_reference:
+    if reference is not None:
         say("PyTorch again, in float64: the reference both float32 runs are measured against")
-        extra = _reference(rows, run_torch(cfg, module, params, task, batches,
-                                           recipe_hook=recipe_hook, float64=True))
+        extra = _reference(rows, run_torch(cfg, module.config, (reference, mask), task, batches,
+                                           recipe_hook=recipe_hook))
     storage.write_text(workdir / "compare.jsonl", "".join(json.dumps(_finite(r)) + "\n" for r in rows))
     plot(rows, (tolerance, grad_tolerance), workdir / "compare.png",
          f"{cfg.name}: {cfg.model}, {task}")
