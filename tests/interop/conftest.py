@@ -37,6 +37,15 @@ BERT_TINY = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attenti
                  intermediate_size=37, max_position_embeddings=40, type_vocab_size=3, num_labels=3)
 VIT_TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
                 image_size=16, patch_size=4, num_channels=3, num_labels=5)
+#: a CLIPModel with towers of different widths, MLP widths that are not 4 D, and an
+#: end-of-text id inside the vocabulary (pad 0, eos 98: the tokenizer's last id)
+CLIP_TINY = dict(
+    text_config=dict(vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+                     num_attention_heads=4, max_position_embeddings=16, pad_token_id=0,
+                     bos_token_id=None, eos_token_id=98),
+    vision_config=dict(hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, image_size=16, patch_size=4, num_channels=3),
+    projection_dim=24)
 T5_TINY = dict(vocab_size=50, d_model=32, d_kv=8, d_ff=48, num_layers=1, num_decoder_layers=2,
                num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=20,
                dropout_rate=0.0, decoder_start_token_id=0)
@@ -71,6 +80,15 @@ def vit_model(seed: int = 0, cls=None, **overrides):
     cls = cls or transformers.ViTForImageClassification
     config = transformers.ViTConfig(**{**VIT_TINY, **overrides})
     return perturbed(lambda: cls(config), seed)
+
+
+def clip_model(seed: int = 0, text: dict | None = None, vision: dict | None = None, **overrides):
+    """A random ``CLIPModel`` (``CLIP_TINY``, each tower's settings updated by ``text`` /
+    ``vision``, the top level by ``overrides``)."""
+    config = transformers.CLIPConfig(**{
+        **CLIP_TINY, "text_config": {**CLIP_TINY["text_config"], **(text or {})},
+        "vision_config": {**CLIP_TINY["vision_config"], **(vision or {})}, **overrides})
+    return perturbed(lambda: transformers.CLIPModel(config), seed)
 
 
 def untie_lm_head(model):

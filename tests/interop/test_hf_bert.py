@@ -312,7 +312,7 @@ def test_unsupported_heads_raise(cls_name):
 
 @pytest.mark.parametrize("option, value", [("is_decoder", True), ("add_cross_attention", True),
                                            ("position_embedding_type", "relative_key"),
-                                           ("hidden_act", "quick_gelu")])
+                                           ("hidden_act", "mish")])
 def test_unsupported_config_option_raises(models, option, value):
     hf = models["pretraining"][0]
     with pytest.raises(ValueError, match=option):

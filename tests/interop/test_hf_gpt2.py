@@ -279,7 +279,7 @@ def test_untied_head_in_tied_config_raises(hf_model):
     ("reorder_and_upcast_attn", True),
     ("add_cross_attention", True),
     ("scale_attn_weights", False),
-    ("activation_function", "quick_gelu"),
+    ("activation_function", "mish"),
 ])
 def test_unsupported_config_option_raises(hf_model, option, value):
     config = {**hf_model.config.to_dict(), option: value}

@@ -270,7 +270,7 @@ def test_unknown_missing_and_misshapen_keys_raise(relu_hf):
 
 
 @pytest.mark.parametrize("option,value,match", [
-    ("feed_forward_proj", "gated-quick_gelu", "feed_forward_proj"),
+    ("feed_forward_proj", "gated-mish", "feed_forward_proj"),
     ("feed_forward_proj", "relu-gated", "feed_forward_proj"),
     ("eos_token_id", [1, 2], "eos_token_id"),
 ])

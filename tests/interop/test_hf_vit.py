@@ -268,7 +268,7 @@ def test_unknown_missing_and_misshapen_keys_raise(hf_model):
         from_hf_state_dict(hf_model.config, sd)
 
 
-@pytest.mark.parametrize("option, value", [("qkv_bias", False), ("hidden_act", "quick_gelu"),
+@pytest.mark.parametrize("option, value", [("qkv_bias", False), ("hidden_act", "mish"),
                                            ("image_size", [16, 32]), ("model_type", "deit")])
 def test_unsupported_config_option_raises(hf_model, option, value):
     config = {**hf_model.config.to_dict(), option: value}

@@ -1,6 +1,6 @@
 """LoRA adapters <-> Hugging Face PEFT (``interop.peft``), checked against ``peft`` itself.
 
-For each family (GPT-2, BERT, T5, ViT, and Llama where its converter exists), one tiny
+For each family (GPT-2, BERT, T5, ViT, CLIP, and Llama where its converter exists), one tiny
 random HF base model and one PEFT adapter with non-zero random A and B (``get_peft_model``
 then ``save_pretrained``), fp32 on both sides:
 
@@ -36,8 +36,8 @@ from transformer_jax.interop._common import flatten_params
 from transformer_jax.interop.peft import KEY_PREFIX, lora_sites, read_adapter
 from transformer_jax.layers import lora as lora_lib
 
-from .conftest import (GPT2_TINY, T5_TINY, VIT_TINY, bert_model, gpt2_model, perturbed, t5_model,
-                       torch, transformers, vit_model)
+from .conftest import (GPT2_TINY, T5_TINY, VIT_TINY, bert_model, clip_model, gpt2_model, perturbed,
+                       t5_model, torch, transformers, vit_model)
 
 peft = pytest.importorskip("peft")
 from peft.utils import get_peft_model_state_dict  # noqa: E402
@@ -59,6 +59,7 @@ class Family:
     inputs: Callable[[], tuple]         # numpy inputs
     hf_forward: Callable[..., Any]      # (hf model, *inputs) -> logits tensor
     our_inputs: Callable[..., tuple]    # numpy inputs -> our apply's positional args
+    our_output: Callable[[Any], Any] = lambda out: out     # our apply's output -> the logits
 
 
 def _ids(seed, shape, vocab):
@@ -94,6 +95,14 @@ FAMILIES = {
                  .astype(np.float32),),
         lambda m, px: m(torch.from_numpy(px)).logits,
         lambda px: (np.ascontiguousarray(px.transpose(0, 2, 3, 1)),)),
+    # both towers' q_proj, v_proj and fc2, and one projection (a bias-free nn.Linear)
+    "clip": Family(
+        "clip", clip_model, ["q_proj", "v_proj", "fc2", "text_projection"],
+        lambda: (np.concatenate([_ids(6, (2, 8), 98), np.full((2, 1), 98)], axis=1),
+                 np.random.default_rng(7).normal(size=(2, 3, 16, 16)).astype(np.float32)),
+        lambda m, ids, px: m(input_ids=_long(ids), pixel_values=torch.from_numpy(px)).logits_per_image,
+        lambda ids, px: (ids, np.ascontiguousarray(px.transpose(0, 2, 3, 1))),
+        lambda out: out["logits_per_image"]),
 }
 if HAVE_LLAMA:
     FAMILIES["llama"] = Family(
@@ -149,12 +158,13 @@ def split_adapters(params):
     return adapters, frozen
 
 
-def our_forward(module):
-    """Jitted ``(adapters, frozen, w, *inputs) -> (grads, logits)``: the logits and the
-    gradient of ``sum(logits * w)`` w.r.t. the adapters only (one compile per module)."""
+def our_forward(module, output=lambda out: out):
+    """Jitted ``(adapters, frozen, w, *inputs) -> (grads, logits)``: the logits (``output``
+    of what apply returns) and the gradient of ``sum(logits * w)`` w.r.t. the adapters only
+    (one compile per module)."""
     def loss(adapters, frozen, w, *args):
         params = traverse_util.unflatten_dict({**frozen, **adapters})
-        logits = module.apply({"params": params}, *args)
+        logits = output(module.apply({"params": params}, *args))
         return jnp.sum(logits * w), logits
     return jax.jit(jax.grad(loss, has_aux=True))
 
@@ -204,11 +214,12 @@ def test_parity(name, workdir):
     sites = lora_sites(module.config)
     adapted = {p[:-1] for p in flatten_params(params) if p[-1] == "lora_a"}
     assert adapted == {path for site in sites for path in site.paths
-                       if any(site.module.endswith("." + t) for t in spec.targets)}
+                       if any(site.module == t or site.module.endswith("." + t)
+                              for t in spec.targets)}
     assert all(lora.matches("/".join(p)) for p in adapted)
     adapters, frozen = split_adapters(params)
     args = tuple(jnp.asarray(x) for x in spec.our_inputs(*inputs))
-    forward = our_forward(module)
+    forward = our_forward(module, spec.our_output)
     grads, logits = forward(adapters, frozen, jnp.asarray(w), *args)
     err_logits = max_abs(logits, hf_logits)
     worst, checked = 0.0, 0

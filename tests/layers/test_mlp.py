@@ -8,7 +8,8 @@ from transformer_jax.layers import FeedForward
 
 
 @pytest.mark.parametrize("act,golden", [("relu", 1.0), ("gelu", 0.8413447460685429),
-                                        ("gelu_tanh", 0.8411919906082768), ("silu", 0.7310585786300049)])
+                                        ("gelu_tanh", 0.8411919906082768), ("silu", 0.7310585786300049),
+                                        ("quick_gelu", 0.8457957659328212)])
 def test_feedforward_activations(act, golden):
     ff = FeedForward(mlp_dim=1, activation=act, use_bias=False)
     x = jnp.ones((1, 1, 1))

@@ -6,8 +6,9 @@ transformer_jax.interop`` costs nothing and imports neither torch nor transforme
   * ``from_torch``, ``to_torch_state_dict`` (:mod:`transformer_jax.interop.torch`): the
     tutorial modules and ``torch.nn``'s Transformer modules, both ways;
   * ``from_hf``, ``to_hf``, ``to_hf_numpy``, ``hf_config`` (:mod:`transformer_jax.interop.hf`):
-    Hugging Face GPT-2, BERT, T5 and ViT, dispatching on the HF ``model_type`` (one file per
-    family, ``hf_gpt2`` ... ``hf_vit``, over the shared ``registry`` and ``_common``);
+    Hugging Face GPT-2, Llama, Mistral, BERT, T5, ViT and CLIP, dispatching on the HF
+    ``model_type`` (one file per family, ``hf_gpt2`` ... ``hf_clip``, over the shared
+    ``registry`` and ``_common``);
   * ``to_peft``, ``load_peft`` (:mod:`transformer_jax.interop.peft`): LoRA adapters as
     Hugging Face PEFT adapter directories, both ways (``from_hf(..., adapter=dir)`` too).
 """

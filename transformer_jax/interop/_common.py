@@ -144,7 +144,7 @@ class TensorMap:
             raise ValueError(f"TensorMap {self.key!r}: give targets or a constant")
         if self.targets:
             n = len(self.targets)
-            if self.shape[self.split_axis] % n:
+            if n > 1 and self.shape[self.split_axis] % n:
                 raise ValueError(f"TensorMap {self.key!r}: shape {self.shape} does not split into "
                                  f"{n} along axis {self.split_axis}")
             size = int(np.prod(self._chunk_shape()))
@@ -154,9 +154,16 @@ class TensorMap:
                                      f"become {'/'.join(path)} of shape {shape}")
 
     def _chunk_shape(self) -> Shape:
+        if len(self.targets) == 1:          # also a scalar (0-d) tensor: nothing to split
+            return tuple(self.shape)
         shape = list(self.shape)
         shape[self.split_axis] //= len(self.targets)
         return tuple(shape)
+
+    def _chunks(self, array: np.ndarray) -> list[np.ndarray]:
+        if len(self.targets) == 1:
+            return [array]
+        return np.split(array, len(self.targets), axis=self.split_axis)
 
     def _axes(self) -> tuple[int, ...] | None:
         """The permutation applied to each chunk on the way to Flax (None: none)."""
@@ -179,8 +186,7 @@ class TensorMap:
             return ()
         axes = self._axes()
         out = []
-        for chunk, (_, shape) in zip(np.split(array, len(self.targets), axis=self.split_axis),
-                                     self.targets):
+        for chunk, (_, shape) in zip(self._chunks(array), self.targets):
             if axes is not None:
                 chunk = np.transpose(chunk, axes)
             out.append(np.ascontiguousarray(chunk).reshape(shape))
@@ -199,6 +205,8 @@ class TensorMap:
             else:
                 permuted = a.reshape(tuple(chunk[i] for i in axes))
                 parts.append(np.transpose(permuted, np.argsort(axes)))
+        if len(parts) == 1:                 # a copy, as concatenate makes
+            return np.array(parts[0], order="C")
         return np.ascontiguousarray(np.concatenate(parts, axis=self.split_axis))
 
 

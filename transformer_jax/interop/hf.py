@@ -29,6 +29,7 @@ config mapping:
                                            BertForSequenceClassification
     t5           T5           hf_t5.py     T5ForConditionalGeneration
     vit          ViT          hf_vit.py    ViTForImageClassification, ViTModel
+    clip         CLIP         hf_clip.py   CLIPModel
 
 Each converts both parameter layouts: unrolled layers, or one scanned stack (``scan_layers``).
 Every key and shape is asserted; a mismatch raises ``ConversionError`` (a
@@ -43,12 +44,12 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 
 from ..errors import UserError
-from . import hf_bert, hf_gpt2, hf_llama, hf_mistral, hf_t5, hf_vit
+from . import hf_bert, hf_clip, hf_gpt2, hf_llama, hf_mistral, hf_t5, hf_vit
 from .registry import (family_for_config, family_for_model_type, register_hf_family,
                        supported_model_types, torch_tensors)
 
 for _family in (hf_gpt2.FAMILY, hf_llama.FAMILY, hf_mistral.FAMILY, hf_bert.FAMILY, hf_t5.FAMILY,
-                hf_vit.FAMILY):
+                hf_vit.FAMILY, hf_clip.FAMILY):
     register_hf_family(_family)
 
 
@@ -231,7 +232,8 @@ def from_hf(model_or_local_dir: Any, *, adapter: str | os.PathLike | None = None
         ``scan_layers=True`` (the layers then come as one stacked (L, ...) subtree),
         ``remat=True``, ``dtype="bfloat16"``, ``param_dtype`` (the dtype the params are cast
         to) or ``dropout_rate``; ViT also takes ``image_size`` (the position table is
-        resized), ``drop_pooler`` and ``pos_interpolation``. Fields that change the
+        resized), ``drop_pooler`` and ``pos_interpolation``; CLIP ``image_size`` and
+        ``pos_interpolation``. Fields that change the
         architecture are rejected by the shape checks. ``lora`` (a ``LoraConfig`` or its
         dict) adds fresh LoRA adapters (B zero: the model is unchanged) to train.
       adapter: the directory of a PEFT LoRA adapter for this model (``adapter_config.json``

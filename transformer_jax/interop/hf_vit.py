@@ -115,11 +115,22 @@ def vit_config_from_hf(config: Mapping[str, Any], **overrides: Any) -> ViTConfig
     return ViTConfig.from_dict(values)
 
 
+def _refuse_clip_options(config: ViTConfig) -> None:
+    """HF's ViT has a patch bias and no LayerNorm before the blocks (CLIP's vision tower,
+    ``interop.hf_clip``, has the other two)."""
+    bad = [f"{name}={getattr(config, name)!r}" for name, plain in
+           (("patch_bias", True), ("embedding_norm", False)) if getattr(config, name) != plain]
+    if bad:
+        raise UserError(f"ViTConfig option(s) not expressible as an HF ViT: {', '.join(bad)} "
+                        "(CLIP's vision tower; convert the CLIP model it belongs to)")
+
+
 def vit_hf_config(config: ViTConfig, **extra: Any):
     """``ViTConfig`` -> ``transformers.ViTConfig`` (lazy import)."""
     from transformers import ViTConfig as HFViTConfig
 
     refuse_attention_options(config, "ViT")
+    _refuse_clip_options(config)
     values = {hf: getattr(config, ours) for hf, ours in VIT_CONFIG_FIELDS}
     values["intermediate_size"] = config.mlp_features
     values.update(image_size=config.image_size, patch_size=config.patch_size,
@@ -243,6 +254,7 @@ def vit_to_state_dict(module: ViT, params: Any, *, layout: str = "current") -> d
     """
     cfg = module.config
     activation_to_hf(cfg.activation, what="ViTConfig.activation")   # raises if HF has none
+    _refuse_clip_options(cfg)
     params = to_layout(plain_params(params), cfg.layer_stacks, scanned=False, what="ViT params")
     return dump_state_dict(vit_tensor_maps(cfg, layout=layout), params, what="ViT params")
 

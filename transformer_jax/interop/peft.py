@@ -9,7 +9,8 @@ Entry points::
 ``to_peft`` writes what ``peft.PeftModel.from_pretrained(hf_base, out_dir)`` loads with no
 missing or unexpected adapter key, ``hf_base`` being the model that ``to_hf(module, params)``
 strict-loads into (``GPT2LMHeadModel``, ``LlamaForCausalLM``, the BERT class of
-``BertConfig.head``, ``T5ForConditionalGeneration``, ``ViTForImageClassification``).
+``BertConfig.head``, ``T5ForConditionalGeneration``, ``ViTForImageClassification``,
+``CLIPModel``).
 ``load_peft`` reads an adapter that PEFT's ``save_pretrained`` wrote (safetensors only) and
 returns the module with ``config.lora`` set from ``adapter_config.json`` and the params with
 ``lora_a`` / ``lora_b`` filled. Torch is never imported.

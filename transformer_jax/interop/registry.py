@@ -1,8 +1,8 @@
 """What every Hugging Face family converter shares: the registry, activations, shapes, layouts.
 
-The family files (``hf_gpt2``, ``hf_llama``, ``hf_mistral``, ``hf_bert``, ``hf_t5``, ``hf_vit``) each
-describe their checkpoint as one :class:`~transformer_jax.interop._common.TensorMap` table and
-export one :class:`HFFamily`; :mod:`transformer_jax.interop.hf` registers them and dispatches on
+The family files (``hf_gpt2``, ``hf_llama``, ``hf_mistral``, ``hf_bert``, ``hf_t5``, ``hf_vit``,
+``hf_clip``) each describe their checkpoint as one
+:class:`~transformer_jax.interop._common.TensorMap` table and export one :class:`HFFamily`; :mod:`transformer_jax.interop.hf` registers them and dispatches on
 the HF ``model_type`` (HF -> flax) or on the flax config (flax -> HF: its type, and for a type
 two families share, :attr:`HFFamily.matches`). Imports go one way:
 ``_common`` <- ``registry`` <- family files <- ``hf``.
@@ -104,6 +104,7 @@ HF_ACTIVATIONS: dict[str, str] = {
     "gelu_python_tanh": "gelu_tanh",
     "gelu": "gelu",
     "gelu_python": "gelu",
+    "quick_gelu": "quick_gelu",
     "relu": "relu",
     "silu": "silu",
     "swish": "silu",

@@ -20,6 +20,7 @@ ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
     "relu": jax.nn.relu,
     "gelu": lambda x: jax.nn.gelu(x, approximate=False),      # exact erf GELU (torch nn.GELU())
     "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),  # GPT-2's gelu_new
+    "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),    # OpenAI CLIP's (HF "quick_gelu")
     "silu": jax.nn.silu,
     "tanh": jnp.tanh,
 }

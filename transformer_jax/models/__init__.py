@@ -1,9 +1,9 @@
 """Model families. Each family is one file: config + presets + linen module.
 
 Token ids are checked. Every entry point that takes ids (``GPT``, ``Bert``, ``T5`` and
-``Transformer`` ``__call__``/``encode``/``decode``) raises a ``UserError`` naming the first
-id outside the table, its position, how many there are and the table's size when the ids
-are concrete (``model.apply`` outside ``jax.jit``)::
+``Transformer`` ``__call__``/``encode``/``decode``; ``CLIP`` ``__call__``/``encode_text``)
+raises a ``UserError`` naming the first id outside the table, its position, how many
+there are and the table's size when the ids are concrete (``model.apply`` outside ``jax.jit``)::
 
     input_ids[1, 7] = 50300 is outside the vocabulary [0, 50257) of GPTConfig.vocab_size
     (bad ids in input_ids: 1 of 16); token ids must come from the tokenizer ...
@@ -27,6 +27,7 @@ from typing import Any
 from ..errors import UserError
 from .base import PresetConfig, check_id_range, check_id_values, checked
 from .bert import Bert, BertConfig
+from .clip import CLIP, CLIPConfig
 from .gpt import GPT, GPTConfig
 from .t5 import T5, T5Config
 from .transformer import Transformer, TransformerConfig
@@ -39,6 +40,7 @@ FAMILIES: dict[str, tuple[type, type]] = {
     "vit": (ViTConfig, ViT),
     "t5": (T5Config, T5),
     "transformer": (TransformerConfig, Transformer),
+    "clip": (CLIPConfig, CLIP),
 }
 
 
@@ -62,5 +64,5 @@ def model_from_config(family: str, config: dict[str, Any]):
 
 __all__ = ["FAMILIES", "GPT", "GPTConfig", "PresetConfig", "build_model", "model_from_config",
            "ViT", "ViTConfig", "Bert", "BertConfig",
-           "T5", "T5Config", "Transformer", "TransformerConfig",
+           "T5", "T5Config", "Transformer", "TransformerConfig", "CLIP", "CLIPConfig",
            "check_id_range", "check_id_values", "checked"]

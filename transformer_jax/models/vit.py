@@ -7,6 +7,7 @@ Read top to bottom: config and presets -> position-embedding resizing (pure func
     -> patches (B, N, P, P, C), N = (H/P) * (W/P) in row-major grid order
     -> patch embedding ``embedding`` (B, N, D)     [a stride-P, kernel-P convolution]
     -> prepend the learned CLS token ``cls`` (B, N+1, D) -> + ``pos_embedding`` (N+1, D)
+    -> [``embedding_norm``: a LayerNorm, CLIP's ``pre_layrnorm``]
     -> dropout -> L x pre-norm EncoderBlock (self-attention, GELU MLP)
     -> final LayerNorm ``encoder_norm`` -> CLS token (B, D) -> ``head`` -> logits (B, K) fp32
 
@@ -27,8 +28,15 @@ interpolates the patch-grid part (bicubic by default, the same arithmetic as HF'
 ``interpolate_pos_encoding``) and keeps the CLS row; :func:`resize_params` applies it to
 a parameter tree. The model itself only accepts images of ``config.image_size``.
 
+CLIP's vision tower (``models/clip.py``) is this ViT with ``patch_bias=False`` (its patch
+convolution has no bias), ``embedding_norm=True`` (a LayerNorm on the embeddings before
+the blocks) and ``num_classes=0``: HF's ``post_layernorm`` on the CLS token is our
+``encoder_norm`` (per token) followed by taking the CLS token. The defaults keep the
+plain ViT: the same parameters and the same numbers.
+
 Parameter names (unscanned): ``embedding`` {kernel (P, P, C, D), bias (D,)}, ``cls`` (D,),
-``pos_embedding`` (T, D), ``encoderblock_0`` ... ``encoderblock_{L-1}`` (each an
+``pos_embedding`` (T, D), ``embedding_norm`` {scale, bias} (only with ``embedding_norm=True``),
+``encoderblock_0`` ... ``encoderblock_{L-1}`` (each an
 ``EncoderBlock``: norm1, self_attn{query,key,value,out}, norm2, mlp{wi,wo}),
 ``encoder_norm`` and, when ``num_classes > 0``, ``head`` {kernel (D, K), bias (K,)}. With
 ``scan_layers=True`` the blocks are one module ``encoderblock`` whose parameters carry a
@@ -94,6 +102,8 @@ class ViTConfig(EfficientAttentionConfig, PresetConfig):
     attention_dropout_rate: float = 0.0
     initializer_range: float = 0.02      # position embeddings
     head_zeroinit: bool = True           # big_vision: the classifier starts at zero
+    patch_bias: bool = True              # a bias on the patch embedding (CLIP has none)
+    embedding_norm: bool = False         # LayerNorm before the blocks (CLIP's pre_layrnorm)
     scan_layers: bool = False            # one scanned layer (compile time independent of depth)
     remat: bool = False                  # recompute activations in the backward pass
     remat_policy: str = "nothing_saveable"
@@ -122,7 +132,7 @@ class ViTConfig(EfficientAttentionConfig, PresetConfig):
         self._require_number("norm_eps", minimum=0, exclusive_min=True)
         self._require_rates("dropout_rate", "attention_dropout_rate")
         self._require_number("initializer_range", minimum=0)
-        self._require_bools("head_zeroinit")
+        self._require_bools("head_zeroinit", "patch_bias", "embedding_norm")
         self._require_model_settings()
         self._require_attention_options()
         self._require_divisible("d_model", "num_heads")
@@ -159,7 +169,7 @@ class ViTConfig(EfficientAttentionConfig, PresetConfig):
 
     # -- parameter and FLOP counts ---------------------------------------------------
     def _patch_params(self) -> int:
-        return self.patch_size ** 2 * self.num_channels * self.d_model + self.d_model
+        return self.patch_size ** 2 * self.num_channels * self.d_model + self.d_model * self.patch_bias
 
     def _layer_params(self) -> int:
         d, f = self.d_model, self.mlp_features
@@ -179,6 +189,7 @@ class ViTConfig(EfficientAttentionConfig, PresetConfig):
         """
         d = self.d_model
         embed = self._patch_params() + d + self.seq_len * d          # patches, cls, positions
+        embed += 2 * d * self.embedding_norm
         return (embed + self.num_layers * self._layer_params() + 2 * d  # + encoder_norm
                 + self._head_params())
 
@@ -390,9 +401,9 @@ class ViT(nn.Module):
         # (B, H, W, C) -> (B, G, P, G, P, C) -> (B, G, G, P, P, C) -> (B, N, P, P, C)
         patches = images.reshape(b, g, p, g, p, c).transpose(0, 1, 3, 2, 4, 5)
         patches = patches.reshape(b, g * g, p, p, c).astype(dtype)
-        x = Dense(cfg.d_model, in_axes=3, kernel_axes=(None, None, None, "embed"), dtype=dtype,
-                  param_dtype=param_dtype, cpu_tuning=cfg.cpu_tuning,
-                  name="embedding")(patches)                                   # (B, N, D)
+        x = Dense(cfg.d_model, in_axes=3, use_bias=cfg.patch_bias,
+                  kernel_axes=(None, None, None, "embed"), dtype=dtype, param_dtype=param_dtype,
+                  cpu_tuning=cfg.cpu_tuning, name="embedding")(patches)       # (B, N, D)
 
         cls = self.param("cls", nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
                          (cfg.d_model,), param_dtype)
@@ -402,6 +413,9 @@ class ViT(nn.Module):
                                                       (None, "embed")),
                          (cfg.seq_len, cfg.d_model), param_dtype)
         x = x + pos.astype(dtype)[None]
+        if cfg.embedding_norm:
+            x = LayerNorm(eps=cfg.norm_eps, dtype=dtype, param_dtype=param_dtype,
+                          name="embedding_norm")(x)
         x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
         x = nn.with_logical_constraint(x, ("act_batch", "act_length", "act_embed"))
 

@@ -3,7 +3,7 @@ a PEFT directory.
 
   --format hf    ``model.safetensors`` + ``config.json`` + the tokenizer files: what
                  ``AutoModel*.from_pretrained(DIR)`` loads (GPT-2, Llama or Mistral, BERT with the
-                 run's head, T5, ViT). A LoRA run needs ``--merge`` (the adapters folded
+                 run's head, T5, ViT, CLIP). A LoRA run needs ``--merge`` (the adapters folded
                  into the kernels); a QLoRA run's base is read back from its quantized form.
   --format peft  ``adapter_model.safetensors`` + ``adapter_config.json`` (LoRA, or prefix
                  tuning): ``peft.PeftModel.from_pretrained(base, DIR)`` loads it over the
@@ -46,7 +46,7 @@ def hf_architecture(config: Any) -> str:
     if family == "vit":
         return "ViTForImageClassification" if config.num_classes else "ViTModel"
     return {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-            "t5": "T5ForConditionalGeneration"}[family]
+            "t5": "T5ForConditionalGeneration", "clip": "CLIPModel"}[family]
 
 
 def _unique_arrays(state_dict: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -56,7 +56,7 @@ def _unique_arrays(state_dict: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     for key, array in state_dict.items():
         if id(array) not in seen:
             seen.add(id(array))
-            out[key] = np.ascontiguousarray(array)
+            out[key] = np.asarray(array, order="C")      # 0-d stays 0-d (logit_scale)
     return out
 
 

@@ -2,14 +2,14 @@
 all of them, or only adapters over a frozen base (LoRA, QLoRA, prefix tuning).
 
 ``DIR`` is a Hugging Face ``save_pretrained`` directory (``config.json`` with a
-``model_type``: GPT-2, Llama, Mistral, BERT, T5, ViT; read by :func:`~transformer_jax.interop.from_hf`)
+``model_type``: GPT-2, Llama, Mistral, BERT, T5, ViT, CLIP; read by :func:`~transformer_jax.interop.from_hf`)
 or a transformer_jax workdir (its latest checkpoint). The run then:
 
 * takes the model config from ``DIR`` (:func:`resolve`): the experiment's model settings
   apply only where training may change them (:data:`CHANGEABLE`: dropout, dtypes, remat,
   layer scan, attention implementation, cpu tuning, LoRA, prefix tokens) and where the task
-  decides (:data:`HEAD_FIELDS`: BERT's head and classes, ViT's classes, channels and image
-  size); other settings that differ from ``DIR``'s are reported once and not used;
+  decides (:data:`HEAD_FIELDS`: BERT's head and classes, ViT's classes and channels, CLIP's
+  channels); other settings that differ from ``DIR``'s are reported once and not used;
 * uses ``DIR``'s tokenizer when the experiment asks for the default byte tokenizer
   (``hf:DIR`` for an HF directory with tokenizer files; a workdir's own tokenizer);
 * loads every parameter whose path and shape the new model shares (:class:`Start`); a task
@@ -47,8 +47,8 @@ from ..models import FAMILIES
 from .step import combine, split_tree
 
 #: model fields a fine-tuning run may set on top of the checkpoint's config (they change
-#: how the same weights train or run, not which weights there are; a ViT's image_size
-#: resizes its position table)
+#: how the same weights train or run, not which weights there are; a ViT's or CLIP's
+#: image_size resizes its position table)
 CHANGEABLE = frozenset({"dropout_rate", "attention_dropout_rate", "classifier_dropout_rate",
                         "mlp_dropout_rate",
                         "dtype", "param_dtype", "remat", "remat_policy", "scan_layers",
@@ -58,6 +58,7 @@ CHANGEABLE = frozenset({"dropout_rate", "attention_dropout_rate", "classifier_dr
 #: shape are loaded when their shapes agree and initialised fresh otherwise
 HEAD_FIELDS = {"bert": frozenset({"head", "num_classes"}),
                "vit": frozenset({"num_classes", "num_channels"}),
+               "clip": frozenset({"num_channels"}),
                "gpt": frozenset(), "t5": frozenset(), "transformer": frozenset()}
 
 #: parameter leaves that are adapters: they train, and are new in a fine-tuning run
@@ -238,9 +239,10 @@ class Start:
     def plan(cls, source: Source, model_config: Any, abstract: dict) -> "Start":
         params = source.params
         old = FAMILIES[source.family][0].from_dict(source.model_config)
-        if source.family == "vit" and old.image_size != model_config.image_size:
-            from ..models.vit import resize_params    # the position table, interpolated
-            old, params = resize_params(params, old, model_config.image_size)
+        if source.family in ("vit", "clip") and old.image_size != model_config.image_size:
+            from ..models import clip, vit             # the position table, interpolated
+            resize = clip.resize_params if source.family == "clip" else vit.resize_params
+            old, params = resize(params, old, model_config.image_size)
         params = convert_layout(params, old.layer_stacks, scanned=model_config.scan_layers)
         theirs = _flat(params)
         mine = {path: tuple(leaf.shape) for path, leaf in _flat(abstract).items()}
