@@ -28,7 +28,10 @@ import optax  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 
 from transformer_jax import sharding as sh  # noqa: E402
-from transformer_jax.models import GPT, GPTConfig, T5, T5Config  # noqa: E402
+from transformer_jax.models import (Bert, BertConfig, CLIP, CLIPConfig, GPT, GPTConfig, T5,  # noqa: E402
+                                    T5Config)
+from transformer_jax.tasks.contrastive import contrastive_loss  # noqa: E402
+from transformer_jax.tasks.pretrain import pretraining_loss  # noqa: E402
 from transformer_jax.train.distributed import JitPlacement, PmapPlacement  # noqa: E402
 from transformer_jax.losses import lm_loss, token_loss  # noqa: E402
 from transformer_jax.train.finetune import ParamSplit  # noqa: E402
@@ -67,18 +70,45 @@ def families():
     t5_batch = {"inputs": src, "decoder_inputs": tgt[:, :-1], "targets": tgt[:, 1:], "weights": w}
     lora = GPT(gpt.config.replace(lora=dict(rank=4, targets="attn/|mlp/"), dropout_rate=0.0,
                                   attention_dropout_rate=0.0))
+    # CLIP's loss scores every image against every caption of the global batch: the meshes
+    # gather the embeddings, pmap gathers them itself (tasks/contrastive.py)
+    clip = CLIP(CLIPConfig.preset("tiny", vocab_size=300, max_len=t, eos_token_id=1, pad_token_id=0))
+    cc = clip.config
+    caption = rng.integers(3, 300, (b, t)).astype(np.int32)
+    caption[np.arange(b), rng.integers(4, t, b)] = 1                 # the end of text, pooled
+    images = rng.standard_normal((b, cc.image_size, cc.image_size, cc.num_channels)).astype(np.float32)
+    weights = np.ones((b,), np.float32)
+    weights[-3:] = 0.0                                               # padding: neither query nor negative
+    clip_batch = {"input_ids": caption, "attention_mask": np.ones((b, t), np.int32),
+                  "images": images, "weights": weights}
+    # BERT pretraining: the MLM mean is over the whole batch's masked tokens, which the
+    # devices hold in unequal numbers (pmap sums the counts first)
+    bert = Bert(BertConfig.preset("tiny", head="pretraining", max_len=t))
+    masked = rng.random((b, t)) < np.linspace(0.05, 0.6, b)[:, None]
+    nsp = rng.integers(0, 2, b).astype(np.int32)
+    nsp[-2:] = -100                                                  # no pair: eval padding
+    bert_batch = {"input_ids": rng.integers(0, 512, (b, t)).astype(np.int32),
+                  "token_type_ids": (np.arange(t) >= t // 2).astype(np.int32)[None].repeat(b, 0),
+                  "attention_mask": np.ones((b, t), np.int32),
+                  "targets": rng.integers(0, 512, (b, t)).astype(np.int32),
+                  "weights": masked.astype(np.float32), "nsp_labels": nsp}
     return {
+        "bert_pretrain": (bert, pretraining_loss, bert_batch, (jnp.zeros((1, t), jnp.int32),)),
         "gpt": (gpt, lm_loss, gpt_batch, (jnp.zeros((1, t), jnp.int32),)),
         # LoRA: the adapters train (state.params), the base is state.frozen
         "gpt_lora": (lora, lm_loss, gpt_batch, (jnp.zeros((1, t), jnp.int32),)),
         "t5": (t5, t5_loss, t5_batch, (jnp.zeros((1, 12), jnp.int32), jnp.zeros((1, t), jnp.int32))),
+        "clip": (clip, contrastive_loss, clip_batch,
+                 (jnp.zeros((1, t), jnp.int32), jnp.zeros(images[:1].shape, jnp.float32))),
     }
 
 
 def deterministic(loss_fn):
-    """The same loss with dropout off."""
-    return lambda apply_fn, params, batch, rngs, det, smoothing: loss_fn(apply_fn, params, batch, rngs,
-                                                                         True, smoothing)
+    """The same loss with dropout off (a loss over the global batch stays one)."""
+    def loss(apply_fn, params, batch, rngs, det, smoothing, **kw):
+        return loss_fn(apply_fn, params, batch, rngs, True, smoothing, **kw)
+    loss.global_batch = getattr(loss_fn, "global_batch", False)
+    return loss
 
 
 def compare(state, metrics, ref_state, ref_metrics) -> dict:
@@ -114,14 +144,19 @@ def parity() -> dict:
                      else MESHES + ["pmap"])
             if split is not None:          # adapters: one mesh and pmap suffice
                 cases = [] if dropout else ["data=2,fsdp=2,tensor=2", "pmap"]
+            if name == "clip":             # no dropout; a data mesh, an fsdp mesh and pmap
+                cases = [] if dropout else ["data=8", "data=2,fsdp=4", "pmap"]
+            if name == "bert_pretrain":
+                cases = [] if dropout else ["data=8", "pmap"]
+            rows = len(next(iter(batch.values())))
             for case in cases:
                 spec, _, extra = case.partition("/")
                 accum = 2 if extra == "accum2" else 1
                 if spec == "pmap":
-                    place = PmapPlacement(None, len(batch["inputs"]))
+                    place = PmapPlacement(None, rows)
                     fn = make_train_step(loss_fn=lf, axis_name=place.axis_name)
                 else:
-                    place = JitPlacement(spec, len(batch["inputs"]), accum)
+                    place = JitPlacement(spec, rows, accum)
                     fn = make_train_step(loss_fn=lf, accum_steps=accum)
                 place.setup(create, init_vars)
                 # the same initial values (a host copy: the step donates its input), placed for

@@ -4,13 +4,15 @@ A loss function (:data:`LossFn`) maps ``(apply_fn, params, batch, rngs, determin
 smoothing)`` to ``(loss_sum, sums)``: the objective summed over tokens (or examples) and
 named sums (at least ``weight``; usually ``nll`` and ``correct``). Sums rather than means
 let gradient accumulation and data-parallel shards combine exactly: add the pieces, then
-divide once by the total weight (:func:`mean_loss`, :func:`per_weight_means`).
+divide once by the total weight (:func:`mean_loss`, :func:`per_weight_means`). A loss that
+counts two kinds of things names a second weight, ``X_weight``, for its ``X_*`` sums
+(:func:`metric_names`).
 
 Shapes: B batch, T length, V vocabulary (or classes); ``...`` any leading axes.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +25,7 @@ Array = jax.Array
 LossFn = Callable[..., tuple[Array, dict[str, Array]]]
 
 __all__ = ["LossFn", "target_logits", "label_smoothed_cross_entropy", "mean_loss",
-           "token_loss", "per_weight_means", "lm_loss"]
+           "token_loss", "metric_names", "per_weight_means", "lm_loss"]
 
 
 def target_logits(logits: Array, targets: Array) -> tuple[Array, Array]:
@@ -103,13 +105,42 @@ def token_loss(logits: Array, targets: Array, weights: Array | None, smoothing: 
     return loss_sum, {"weight": weight_sum, "nll": nll_sum, "correct": jnp.sum(hits * w)}
 
 
+def metric_names(names: Iterable[str]) -> dict[str, tuple[str, str]]:
+    """For each named sum that is not a weight: ``(metric name, the weight it is divided by)``.
+
+    The rule: ``weight`` and every ``X_weight`` are weights (divisors, not metrics). A sum
+    ``X_rest`` is divided by ``X_weight`` when that sum exists (the longest such ``X``
+    wins), any other sum by ``weight``; ``correct`` is reported as ``accuracy`` and
+    ``X_correct`` as ``X_accuracy``. So one loss can count two things, e.g. sentence pairs
+    and masked tokens (``tasks/pretrain.py``)::
+
+        {"weight": 8, "nll": 30, "correct": 4}              -> nll 30/8, accuracy 4/8
+        {"weight": 8, "mlm_weight": 20, "mlm_correct": 5}   -> mlm_accuracy 5/20
+
+    Used by :func:`per_weight_means` (the train step) and by the eval loop
+    (``train/loop.py``), on host floats.
+    """
+    names = list(names)
+    groups = sorted((n[: -len("_weight")] for n in names if n.endswith("_weight")),
+                    key=len, reverse=True)
+    out = {}
+    for name in names:
+        if name == "weight" or name.endswith("_weight"):
+            continue
+        group = next((g for g in groups if name.startswith(g + "_")), None)
+        stem = name if group is None else name[len(group) + 1:]
+        stem = "accuracy" if stem == "correct" else stem
+        out[name] = (stem if group is None else f"{group}_{stem}",
+                     "weight" if group is None else f"{group}_weight")
+    return out
+
+
 def per_weight_means(loss_sum: Array, sums: dict[str, Array]) -> dict[str, Array]:
-    """Per-weight means: ``loss``, and each named sum (``correct`` is reported as ``accuracy``)."""
-    weight = sums["weight"]
-    out = {"loss": mean_loss(loss_sum, weight)}
-    for k, v in sums.items():
-        if k != "weight":
-            out["accuracy" if k == "correct" else k] = mean_loss(v, weight)
+    """Per-weight means: ``loss`` (per ``weight``) and each named sum, named and divided as
+    :func:`metric_names` says (0 where its weight is 0)."""
+    out = {"loss": mean_loss(loss_sum, sums["weight"])}
+    for name, (metric, weight) in metric_names(sums).items():
+        out[metric] = mean_loss(sums[name], sums[weight])
     return out
 
 

@@ -168,8 +168,8 @@ def test_init_from_a_checkpoint_of_another_family_is_refused(bert_run, data_dir,
     assert code == 2 and lines == [
         f"error: --init-from {bert_run} is a bert checkpoint (task 'mlm'), but experiment "
         "'stdlib_gpt' trains task 'lm', which needs a gpt model; a bert model trains 'classify' "
-        "or 'mlm': choose an experiment for it (--experiment bert_classify_stdlib or "
-        "bert_mlm_stdlib), or --set task=mlm"]
+        "or 'mlm' or 'pretrain': choose an experiment for it (--experiment bert_classify_stdlib "
+        "or bert_mlm_stdlib or bert_pretrain_stdlib), or --set task=mlm"]
     assert "parameter arrays loaded" not in out
     assert not (tmp_path / "run").exists()
     # the same model without --init-from: the task refuses it
@@ -178,7 +178,7 @@ def test_init_from_a_checkpoint_of_another_family_is_refused(bert_run, data_dir,
     assert code == 2 and lines == [
         "error: task 'lm' trains a decoder-only model (model=gpt: GPT-2, Llama, Mistral), got "
         "model='bert'; set model=gpt, or the task a bert model trains (--set task=classify or "
-        "task=mlm)"]
+        "task=mlm or task=pretrain)"]
     assert not (tmp_path / "run").exists()
 
 

@@ -26,7 +26,7 @@ Preprocessing (one function, :func:`preprocess_image`), to ``image_size`` S:
 Batches (``B = batch_size // process_count`` rows on each process)::
 
     {"images":  float32 (B, S, S, C)   NHWC
-     "labels":  int32   (B,)
+     "labels":  int32   (B,)           -1 for a dataset without labels (image-caption pairs)
      "weights": float32 (B,)}          1.0, or 0.0 on rows that pad the last eval batch
 
 Order. Training iterates endlessly over epochs; epoch e visits the examples in the order
@@ -39,7 +39,7 @@ in-order pass that keeps every example (the last batch padded with weight-0 rows
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -194,7 +194,8 @@ class ImageIterator:
     def __init__(self, source, *, name: str, split: str, image_size: int, num_channels: int,
                  max_value: float, batch_size: int, seed: int, shuffle: bool, repeat: bool,
                  augment: bool = False, flip: bool = False, process_index: int = 0,
-                 process_count: int = 1):
+                 process_count: int = 1,
+                 annotate: Callable[[Any, int, int], dict[str, np.ndarray]] | None = None):
         if image_size < 1:
             raise UserError(f"image_size must be >= 1, got {image_size}")
         if batch_size < 1 or batch_size % process_count:
@@ -208,6 +209,7 @@ class ImageIterator:
         self.seed, self.shuffle, self.repeat = seed, shuffle, repeat
         self.augment, self.flip = augment, flip
         self.process_index, self.process_count = process_index, process_count
+        self.annotate = annotate
         self.num_examples = len(source)
         if self.num_examples == 0:
             raise UserError(f"dataset {name!r} split {split!r} is empty (0 examples); prepare the "
@@ -242,6 +244,7 @@ class ImageIterator:
         images = np.zeros((b, s, s, self.num_channels), np.float32)
         labels = np.zeros((b,), np.int32)
         weights = np.zeros((b,), np.float32)
+        extras: dict[str, np.ndarray] = {}
         for row, (i, example) in enumerate(zip(ids, _read(self._source, ids))):
             rng = (np.random.default_rng([self.seed, self._epoch, int(i)])
                    if self.augment else None)
@@ -250,11 +253,18 @@ class ImageIterator:
             if image.shape[-1] != self.num_channels:
                 raise UserError(f"dataset {self.name!r} example {int(i)} has {image.shape[-1]} "
                                 f"channels, expected {self.num_channels}")
-            images[row], labels[row], weights[row] = image, int(example["label"]), 1.0
+            images[row], weights[row] = image, 1.0
+            labels[row] = int(example["label"]) if "label" in example else -1
+            if self.annotate is not None:
+                for key, value in self.annotate(example, int(i), self._epoch).items():
+                    value = np.asarray(value)
+                    if key not in extras:
+                        extras[key] = np.zeros((b,) + value.shape, value.dtype)
+                    extras[key][row] = value
         self._index += 1
         if self.repeat and self._index == self.batches_per_epoch:
             self._epoch, self._index = self._epoch + 1, 0
-        return {"images": images, "labels": labels, "weights": weights}
+        return {"images": images, "labels": labels, "weights": weights, **extras}
 
     def get_state(self) -> dict[str, Any]:
         """The position of the next batch, JSON-serialisable (independent of the process)."""
@@ -279,11 +289,15 @@ def make_image_iterator(dataset: str, split: str, *, image_size: int, batch_size
                         augment: bool = False, flip: bool | None = None,
                         data_dir: str | None = None, process_index: int = 0,
                         process_count: int = 1, test_fraction: float = 0.2, split_seed: int = 0,
-                        info: DatasetInfo | None = None) -> ImageIterator:
+                        info: DatasetInfo | None = None,
+                        annotate: Callable[[Any, int, int], dict[str, np.ndarray]] | None = None,
+                        ) -> ImageIterator:
     """An :class:`ImageIterator` over ``dataset``'s ``split`` (module docstring).
 
     ``flip`` defaults to the dataset's (False for digits, True for TFDS photos);
-    ``augment`` applies only where ``repeat`` (training).
+    ``augment`` applies only where ``repeat`` (training). ``annotate(example, index, epoch)``
+    adds arrays to each row (the contrastive task's tokenized caption); rows that pad the
+    last eval batch hold zeros there.
     """
     if process_count < 1 or not 0 <= process_index < process_count:
         raise UserError(f"need 0 <= process_index < process_count, got {process_index}, "
@@ -295,5 +309,6 @@ def make_image_iterator(dataset: str, split: str, *, image_size: int, batch_size
                          num_channels=info.num_channels, max_value=info.max_value,
                          batch_size=batch_size, seed=seed, shuffle=shuffle, repeat=repeat,
                          augment=augment and repeat, flip=info.flip if flip is None else flip,
-                         process_index=process_index, process_count=process_count)
+                         process_index=process_index, process_count=process_count,
+                         annotate=annotate)
 

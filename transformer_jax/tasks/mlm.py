@@ -338,6 +338,19 @@ def check_bert(cfg, task: str, heads: tuple[str, ...]) -> None:
                         "drop the override")
 
 
+def check_masking_options(options: Mapping[str, Any]) -> None:
+    """Every option a probability in [0, 1]; some tokens masked; [MASK] + random <= 1."""
+    for name, value in options.items():
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value <= 1:
+            raise UserError(f"task option {name}={value!r} must be a number in [0, 1]")
+    if options["mask_prob"] == 0:
+        raise UserError("task option mask_prob=0 selects no tokens: nothing to learn")
+    total = options["mask_token_prob"] + options["random_token_prob"]
+    if total > 1:
+        raise UserError(f"task options mask_token_prob + random_token_prob = {total:g} "
+                        "exceed 1")
+
+
 @register_task
 class MLMTask(Task):
     """BERT masked-LM pretraining. Options: ``mask_prob`` (0.15), ``mask_token_prob`` (0.8),
@@ -353,16 +366,7 @@ class MLMTask(Task):
     def __init__(self, cfg, workdir, *, spec=None):
         super().__init__(cfg, workdir, spec=spec)
         check_bert(cfg, self.name, ("mlm", "pretraining"))
-        for name in self.OPTIONS:
-            value = self.options[name]
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value <= 1:
-                raise UserError(f"task option {name}={value!r} must be a number in [0, 1]")
-        if self.options["mask_prob"] == 0:
-            raise UserError("task option mask_prob=0 selects no tokens: nothing to learn")
-        total = self.options["mask_token_prob"] + self.options["random_token_prob"]
-        if total > 1:
-            raise UserError(f"task options mask_token_prob + random_token_prob = {total:g} "
-                            "exceed 1")
+        check_masking_options(self.options)
         if cfg.seq_len < 3:
             raise UserError(f"seq_len={cfg.seq_len} leaves no room for text between [CLS] and [SEP]")
         tokenizer, self.tokenizer_spec = build_tokenizer(cfg, self.workdir, spec)

@@ -63,6 +63,7 @@ from jax.experimental.multihost_utils import sync_global_devices
 
 from .. import storage
 from ..errors import UserError
+from ..losses import metric_names
 from ..models import build_model, model_from_config
 from ..layers.attention import tpu_generation
 from ..models.base import attention_plan, describe_attention_plan
@@ -190,11 +191,13 @@ def evaluate(params, apply_fn, task: Task, eval_fn=None, model=None, *,
     for row in jax.device_get(sums):   # added up in float64 on the host
         for k, v in row.items():
             totals[k] = totals.get(k, 0.0) + float(v)
-    weight = totals.pop("weight", 0.0)
+    weight = totals.get("weight", 0.0)
     if weight <= 0:
         raise UserError(f"the eval split {cfg.eval_split!r} of {cfg.dataset!r} gave no tokens to "
                         "score; choose another eval_split or raise eval_batches")
-    out = {f"eval_{'accuracy' if k == 'correct' else k}": v / weight for k, v in totals.items()}
+    # each sum per its weight (``weight``, or ``X_weight`` for ``X_*``: losses.metric_names)
+    out = {f"eval_{metric}": totals[k] / totals[w] if totals[w] > 0 else 0.0
+           for k, (metric, w) in metric_names(totals).items()}
     out["eval_ppl"] = math.exp(min(out["eval_loss"], 50.0))
     out["eval_tokens"] = weight
     if model is not None:

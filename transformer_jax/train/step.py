@@ -16,6 +16,7 @@ run of good steps doubles it.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -169,14 +170,22 @@ def _skip_if_not_finite(finite: Array, new: TrainState, old: TrainState) -> Trai
                        loss_scale=old.loss_scale.update(finite))
 
 
-def make_gradient_sums(loss_fn: LossFn, label_smoothing: float, accum_steps: int) -> Callable:
+def make_gradient_sums(loss_fn: LossFn, label_smoothing: float, accum_steps: int,
+                       axis_name: str | None = None) -> Callable:
     """``gradient_sums(state, batch, rng, scale) -> (grads, loss_sum, sums)``: the loss sum,
     named sums and the gradient of the loss sum, over ``accum_steps`` micro-batches.
 
     With a ``scale`` each micro-batch differentiates its *mean* loss times the scale (the
     range torch's GradScaler is tuned for; a sum over many tokens would overflow float16 at
     a far smaller scale) and its gradient is unscaled back to that of its sum.
+
+    A loss that needs the whole batch rather than a sum of per-example terms (CLIP's
+    contrastive loss: every image against every caption; BERT pretraining's MLM mean over
+    all the masked tokens) marks itself ``loss_fn.global_batch = True`` and takes
+    ``axis_name``: under ``pmap`` it gathers (or sums) what it needs from the other devices.
     """
+    if getattr(loss_fn, "global_batch", False):
+        loss_fn = functools.partial(loss_fn, axis_name=axis_name)
     def objective(params, frozen, apply_fn, batch, rng, scale):
         """Differentiated with respect to ``params`` only: the frozen ones get no gradient
         (and no weight-gradient matmuls)."""
@@ -235,7 +244,7 @@ def make_train_step(*, loss_fn: LossFn = lm_loss, label_smoothing: float = 0.0,
     """
     if accum_steps < 1:
         raise UserError(f"accum_steps must be >= 1, got {accum_steps}")
-    gradient_sums = make_gradient_sums(loss_fn, label_smoothing, accum_steps)
+    gradient_sums = make_gradient_sums(loss_fn, label_smoothing, accum_steps, axis_name)
 
     def train_step(state: TrainState, batch: dict[str, Array]):
         step_rng = jax.random.fold_in(state.rng, state.step)
