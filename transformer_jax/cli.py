@@ -5,6 +5,8 @@
                         [--parallelism jit|pmap] [--mesh data=N,fsdp=N,tensor=N]
                         [--coordinator HOST:PORT --num-processes N --process-id I]
   transformer-jax eval --workdir DIR [--batches N]
+  transformer-jax eval --tasks A,B (--workdir DIR | --init-from DIR) [--include-path DIR] [--num-fewshot K]
+                       [--limit N] [--batch-size B] [--bootstrap-iters N] [--output OUT.json]
   transformer-jax generate --workdir DIR --prompt TEXT --max-new-tokens N [--temperature T] [--top-k K] [--top-p P] [--seed S]
   transformer-jax export --workdir DIR --out DIR [--format hf|peft] [--merge]
   transformer-jax sweep --experiment NAME|FILE --workdir DIR [--quick] [--parallel N] [--set k=v ...]
@@ -64,9 +66,25 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--process-id", type=int, default=None, metavar="I",
                    help="multi-process run: this process's index, 0..N-1 (also $TRANSFORMER_JAX_PROCESS_ID)")
 
-    e = sub.add_parser("eval", help="evaluate the latest checkpoint of a workdir")
-    e.add_argument("--workdir", required=True)
+    e = sub.add_parser("eval", help="evaluate the latest checkpoint of a workdir (its task's "
+                                    "eval loss), or run lm-evaluation-harness tasks (--tasks)")
+    e.add_argument("--workdir", default=None)
     e.add_argument("--batches", type=int, default=None, help="number of eval batches (default: the config's)")
+    h = e.add_argument_group("lm-evaluation-harness (pip install -e '.[eval]')")
+    h.add_argument("--tasks", default=None, metavar="A,B",
+                   help="harness task names (hellaswag, lambada_openai, ... or yours in "
+                        "--include-path); a workdir's results are appended to its metrics.jsonl")
+    h.add_argument("--init-from", default=None, metavar="DIR",
+                   help="with --tasks: a Hugging Face save_pretrained directory (or a workdir) "
+                        "instead of --workdir")
+    h.add_argument("--include-path", default=None, metavar="DIR", help="more task YAMLs")
+    h.add_argument("--num-fewshot", type=int, default=None, metavar="K")
+    h.add_argument("--limit", type=float, default=None, metavar="N",
+                   help="at most N documents per task (a fraction below 1)")
+    h.add_argument("--batch-size", type=int, default=16, metavar="B", help="rows per forward (16)")
+    h.add_argument("--bootstrap-iters", type=int, default=100000, metavar="N",
+                   help="bootstrap resamples for the stderr of perplexities (0: none)")
+    h.add_argument("--output", default=None, metavar="OUT.json", help="write the results JSON")
 
     g = sub.add_parser("generate", help="generate text with the latest checkpoint of a workdir")
     g.add_argument("--workdir", required=True)
@@ -215,9 +233,56 @@ def _train(args) -> int:
 
 
 def _eval(args) -> int:
+    from .errors import UserError
+
+    if args.tasks is not None:
+        return _harness(args)
+    if args.workdir is None:
+        raise UserError("eval needs --workdir DIR (or --tasks A,B for the lm-evaluation-harness)")
+    harness_only = [flag for flag, value in (("--init-from", args.init_from),
+                                             ("--include-path", args.include_path),
+                                             ("--num-fewshot", args.num_fewshot),
+                                             ("--limit", args.limit), ("--output", args.output))
+                    if value is not None]
+    if harness_only:
+        raise UserError(f"{', '.join(harness_only)} go with --tasks (the lm-evaluation-harness)")
     from .train.loop import evaluate_workdir
 
     print(json.dumps(evaluate_workdir(args.workdir, batches=args.batches), indent=2))
+    return 0
+
+
+def _harness(args) -> int:
+    from .errors import UserError
+    from .train import distributed
+
+    if (args.workdir is None) == (args.init_from is None):
+        raise UserError("eval --tasks needs one of --workdir DIR or --init-from DIR")
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if not tasks:
+        raise UserError("--tasks names no task; give e.g. --tasks hellaswag,arc_easy")
+    distributed.initialize(None, None, None)     # a pod or $TRANSFORMER_JAX_COORDINATOR...
+    from . import eval_harness
+
+    source = args.workdir or args.init_from
+    lm = eval_harness.HarnessLM.from_dir(source, batch_size=args.batch_size)
+    results = eval_harness.run_harness(lm, tasks, include_path=args.include_path,
+                                       num_fewshot=args.num_fewshot, limit=args.limit,
+                                       bootstrap_iters=args.bootstrap_iters)
+    if results is None:       # another process than 0
+        return 0
+    from lm_eval.utils import make_table
+
+    print(make_table(results))
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as f:
+            json.dump(results, f, indent=2, default=str)
+        print(f"wrote {args.output}")
+    if args.workdir is not None:
+        step = eval_harness.checkpoint_step(args.workdir)
+        eval_harness.append_metrics(args.workdir, step, eval_harness.flat_metrics(results))
+        print(f"appended the harness metrics at step {step} to "
+              f"{os.path.join(args.workdir, 'metrics.jsonl')}")
     return 0
 
 

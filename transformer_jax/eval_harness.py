@@ -1,0 +1,407 @@
+"""EleutherAI's lm-evaluation-harness over a transformer_jax model: ``transformer-jax eval --tasks``.
+
+:class:`HarnessLM` is an ``lm_eval`` language model (``lm_eval.api.model.TemplateLM``) built
+from ``(module, params, tokenizer)``, or from a directory with :meth:`HarnessLM.from_dir`: a
+Hugging Face ``save_pretrained`` directory or a transformer_jax workdir (its latest
+checkpoint), read as ``--init-from`` reads them. It answers the harness's three requests the
+way its Hugging Face backend (``lm_eval --model hf``) does, so the two report the same
+numbers for the same weights (``tests/eval/test_harness.py`` checks it to 1e-4):
+
+* ``loglikelihood(context, continuation)``: the pair is encoded as ``HFLM`` encodes it
+  (``TemplateLM._encode_pair``: the context's trailing whitespace moves to the
+  continuation, the whole text is encoded and split where the context's tokens end; an
+  empty context is the prefix token), left-truncated to ``max_len + 1`` tokens. Requests
+  are sorted by length and batched; each batch is padded on the right to one of a few
+  lengths (powers of two up to ``max_len``) and rows, so that a run compiles a handful of
+  programs. One jitted forward per batch returns, per row, the sum of the continuation's
+  log-probabilities (float32 log-softmax, highest matmul precision) and whether every
+  continuation token is the argmax.
+* ``loglikelihood_rolling(text)``: the text's tokens in disjoint windows of ``max_len``
+  (``lm_eval.utils.get_rolling_token_windows`` + ``make_disjoint_window``, the first
+  conditioned on the prefix token: bos, else eos), each scored as above, summed.
+* ``generate_until(context, gen_kwargs)``: greedy decoding with the KV cache
+  (:func:`transformer_jax.decode.generate`), the context left-truncated to leave room for
+  ``max_gen_toks`` (default 256), stopped at eos, the text cut at the first stop sequence
+  (``until``, eos's text added). Sampling (``do_sample``/``temperature > 0``) is refused.
+
+Families: decoder-only models (``GPTConfig``: GPT-2, Llama, Mistral). Anything else is a
+UserError. An encoder-decoder (T5) would need the harness's ``seq2seq`` path: the context
+through the encoder, the continuation scored by the decoder from ``decoder_start_id`` (no
+left truncation of the continuation, no rolling windows through the decoder), and
+generation with an encoder-decoder cache; none of that is here yet.
+
+Several processes (``jax.distributed``; a TPU pod): process 0 runs the harness, the others
+call :meth:`HarnessLM.follow`. Each batch process 0 scores is broadcast first, and every
+process runs the same jitted forward on it, the rows split over all devices; generation
+runs the same replicated program everywhere. :func:`evaluate` does this for the CLI.
+
+``lm_eval`` is optional: ``pip install -e '.[eval]'``. Importing this module without it is a
+UserError that says so.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from .decode import argmax, generate
+from .errors import UserError
+
+try:
+    from lm_eval.api.model import TemplateLM
+    from lm_eval import utils as lm_utils
+    from lm_eval.models.utils import (handle_stop_sequences, normalize_gen_kwargs,
+                                      postprocess_generated_text)
+except ImportError:   # pragma: no cover - the message is the point
+    raise UserError("the lm-evaluation-harness is not installed: pip install -e '.[eval]' "
+                    "(or pip install 'lm_eval>=0.4.13,<0.5')") from None
+
+#: the shortest padded length a batch of requests gets (then 2x, 4x, ... up to max_len)
+MIN_BUCKET = 16
+DEFAULT_BATCH_SIZE = 16
+DEFAULT_MAX_GEN_TOKS = 256
+
+
+def buckets(max_len: int, smallest: int = MIN_BUCKET) -> list[int]:
+    """The padded lengths: powers of two from ``smallest`` below ``max_len``, then ``max_len``."""
+    out, n = [], smallest
+    while n < max_len:
+        out.append(n)
+        n *= 2
+    return out + [max_len]
+
+
+def bucket_of(length: int, sizes: Sequence[int]) -> int:
+    """The smallest size in ``sizes`` (ascending) that holds ``length``."""
+    for size in sizes:
+        if length <= size:
+            return size
+    raise ValueError(f"length {length} exceeds the largest bucket {sizes[-1]}")
+
+
+def score_tokens(module, params, tokens, targets, mask):
+    """Continuation scores of a right-padded batch: the reference the harness jits.
+
+    Args:
+      tokens: (B, T) int32 model inputs (any padding after each row's last real token).
+      targets: (B, T) int32, the token that follows each input position.
+      mask: (B, T) bool, True at the positions whose target is a continuation token.
+
+    Returns:
+      ``(logprob, greedy)``: (B,) float32, the sum over masked positions of
+      ``log_softmax(logits)[target]``; (B,) bool, whether every masked target is the argmax.
+    """
+    with jax.default_matmul_precision("highest"):
+        logits = module.apply({"params": params}, tokens).astype(jnp.float32)   # (B, T, V)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    picked = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]      # (B, T)
+    logprob = jnp.sum(jnp.where(mask, picked, 0.0), axis=-1)
+    greedy = jnp.all(jnp.where(mask, argmax(logits) == targets, True), axis=-1)
+    return logprob, greedy
+
+
+def _is_gpt(module) -> bool:
+    from .models.gpt import GPT
+    return isinstance(module, GPT)
+
+
+class HarnessLM(TemplateLM):
+    """An ``lm_eval`` model over a decoder-only transformer_jax model (module docstring).
+
+    Args:
+      module, params: a ``GPT`` and its parameters (unscanned or scanned alike).
+      tokenizer: a transformer_jax tokenizer (``hf:DIR``, byte, SentencePiece).
+      batch_size: rows per forward (and per generation batch).
+      dtype: the compute dtype the harness runs in (float32 for parity with ``--model hf``).
+    """
+
+    def __init__(self, module, params, tokenizer, *, batch_size: int = DEFAULT_BATCH_SIZE,
+                 dtype: str = "float32", max_gen_toks: int = DEFAULT_MAX_GEN_TOKS):
+        super().__init__()
+        if not _is_gpt(module):
+            raise UserError(f"the lm-evaluation-harness runs decoder-only models (GPT-2, Llama, "
+                            f"Mistral); this is a {type(module).__name__}")
+        if batch_size < 1:
+            raise UserError(f"--batch-size must be >= 1, got {batch_size}")
+        config = module.config.replace(dtype=dtype, param_dtype=dtype)
+        self.module = type(module)(config)
+        self.tokenizer_ = tokenizer
+        self.max_len = config.max_len
+        self._batch_size = batch_size
+        self._max_gen_toks = max_gen_toks
+        self.mesh = Mesh(np.asarray(jax.devices()), ("data",))
+        self.params = self._global(jax.tree_util.tree_map(
+            lambda x: np.asarray(x, dtype=np.dtype(dtype)), params), P())
+        self._score = jax.jit(functools.partial(score_tokens, self.module),
+                              out_shardings=NamedSharding(self.mesh, P()))
+        self.buckets = buckets(self.max_len)
+        self._leader = jax.process_count() > 1 and jax.process_index() == 0
+        self.forwards = 0   # batches scored (for the benchmark)
+
+    # -- construction --------------------------------------------------------------
+    @classmethod
+    def from_dir(cls, path: str | os.PathLike, **kwargs) -> "HarnessLM":
+        """From a Hugging Face ``save_pretrained`` directory (with its tokenizer files) or a
+        transformer_jax workdir (its latest checkpoint and its run's tokenizer)."""
+        from .data.tokenizers import get_tokenizer
+        from .models.gpt import GPT, GPTConfig
+        from .train.finetune import load_source
+
+        source = load_source(path)
+        if source.family != "gpt":
+            raise UserError(f"{source.path}: a {source.family} model; the lm-evaluation-harness "
+                            "runs decoder-only models here (GPT-2, Llama, Mistral)")
+        if source.tokenizer is None:
+            raise UserError(f"{source.path} holds no tokenizer (tokenizer.json, tokenizer.model "
+                            "or spiece.model); save the tokenizer with the model")
+        module = GPT(GPTConfig.from_dict(source.model_config))
+        return cls(module, source.params, get_tokenizer(source.tokenizer), **kwargs)
+
+    # -- what lm_eval asks of a model ------------------------------------------------
+    @property
+    def eot_token_id(self) -> int:
+        return self.tokenizer_.eos_id
+
+    @property
+    def prefix_token_id(self) -> int:
+        bos = getattr(self.tokenizer_, "bos_id", None)
+        return bos if bos is not None else self.tokenizer_.eos_id
+
+    @property
+    def max_length(self) -> int:
+        return self.max_len
+
+    @property
+    def tokenizer_name(self) -> str:
+        return getattr(self.tokenizer_, "spec", type(self.tokenizer_).__name__)
+
+    def _encode(self, text: str, special: bool) -> list[int]:
+        from .data.hf_tokenizer import HFTokenizer
+        if isinstance(self.tokenizer_, HFTokenizer):
+            return self.tokenizer_.encode(text, add_special=special)
+        return self.tokenizer_.encode(text)
+
+    def _decode(self, ids, skip_special: bool = True) -> str:
+        from .data.hf_tokenizer import HFTokenizer
+        if isinstance(self.tokenizer_, HFTokenizer):
+            return self.tokenizer_.decode(ids, skip_special=skip_special)
+        return self.tokenizer_.decode(ids)
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None,
+                   left_truncate_len: int | None = None, **kwargs) -> list[int]:
+        """As ``HFLM.tok_encode``: the tokenizer's special tokens (Llama's bos) unless the
+        text already starts with the prefix token's text."""
+        special = True if add_special_tokens is None else add_special_tokens
+        if add_special_tokens is None:
+            prefix = self._decode([self.prefix_token_id], skip_special=False)
+            if prefix and string.startswith(prefix):
+                special = False
+        ids = self._encode(string, special)
+        return ids[-left_truncate_len:] if left_truncate_len else ids
+
+    # -- scoring -----------------------------------------------------------------------
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
+        """``(sum logprob, is_greedy)`` of each ``(key, context_ids, continuation_ids)``."""
+        rows = []
+        for _, context, continuation in requests:
+            if not context or not continuation or len(continuation) > self.max_len:
+                raise UserError(f"a request with {len(context)} context and {len(continuation)} "
+                                f"continuation tokens (max_len {self.max_len}) cannot be scored")
+            full = (list(context) + list(continuation))[-(self.max_len + 1):]
+            rows.append((full, len(continuation)))
+        order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
+        out: list[tuple[float, bool] | None] = [None] * len(rows)
+        for start in range(0, len(order), self._batch_size):
+            chunk = order[start:start + self._batch_size]
+            scores = self._call("score", [rows[i] for i in chunk])
+            for i, score in zip(chunk, scores):
+                out[i] = score
+        return out
+
+    def _score_rows(self, rows: list) -> list[tuple[float, bool]]:
+        """One padded batch through the jitted forward (on every process alike)."""
+        n_dev = len(self.mesh.devices.flat)
+        b = max(self._batch_size, len(rows))
+        b = -(-b // n_dev) * n_dev
+        t = bucket_of(max(len(full) - 1 for full, _ in rows), self.buckets)
+        tokens = np.zeros((b, t), np.int32)
+        targets = np.zeros((b, t), np.int32)
+        mask = np.zeros((b, t), bool)
+        for r, (full, n_cont) in enumerate(rows):
+            n = len(full) - 1
+            tokens[r, :n], targets[r, :n] = full[:-1], full[1:]
+            mask[r, n - n_cont:n] = True
+        rows_sharding = P("data")
+        logprob, greedy = self._score(self.params, self._global(tokens, rows_sharding),
+                                      self._global(targets, rows_sharding),
+                                      self._global(mask, rows_sharding))
+        self.forwards += 1
+        logprob, greedy = np.asarray(logprob), np.asarray(greedy)
+        return [(float(logprob[r]), bool(greedy[r])) for r in range(len(rows))]
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        windows, owners = [], []
+        for k, request in enumerate(requests):
+            (text,) = request.args
+            for context, continuation in map(lm_utils.make_disjoint_window,
+                                             lm_utils.get_rolling_token_windows(
+                                                 token_list=self.tok_encode(text),
+                                                 prefix_token=self.prefix_token_id,
+                                                 max_seq_len=self.max_len, context_len=1)):
+                windows.append((None, context, continuation))
+                owners.append(k)
+        totals = [0.0] * len(requests)
+        for k, (logprob, _) in zip(owners, self._loglikelihood_tokens(windows)):
+            totals[k] += logprob
+        return totals
+
+    # -- generation --------------------------------------------------------------------
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        eos_text = self._decode([self.eot_token_id], skip_special=False)
+        groups: dict[str, list[int]] = {}
+        for k, request in enumerate(requests):
+            groups.setdefault(json.dumps(request.args[1], sort_keys=True, default=str), []).append(k)
+        out: list[str | None] = [None] * len(requests)
+        for indices in groups.values():
+            kwargs = normalize_gen_kwargs(dict(requests[indices[0]].args[1]), self._max_gen_toks)
+            until = handle_stop_sequences(kwargs.pop("until", None), eos=eos_text)
+            max_gen = int(kwargs.pop("max_gen_toks"))
+            if kwargs.get("do_sample") or kwargs.get("temperature", 0.0) > 0:
+                raise UserError("generate_until with sampling (do_sample / temperature > 0) is not "
+                                "supported here; the harness decodes greedily")
+            if max_gen >= self.max_len:
+                raise UserError(f"max_gen_toks {max_gen} leaves no room for a context in "
+                                f"max_len {self.max_len}")
+            prompts = [self.tok_encode(requests[k].args[0], left_truncate_len=self.max_len - max_gen)
+                       for k in indices]
+            order = sorted(range(len(indices)), key=lambda i: -len(prompts[i]))
+            for start in range(0, len(order), self._batch_size):
+                chunk = order[start:start + self._batch_size]
+                new = self._call("generate", {"prompts": [prompts[i] for i in chunk],
+                                              "max_gen": max_gen})
+                for i, ids in zip(chunk, new):
+                    out[indices[i]] = postprocess_generated_text(self._decode(ids), until, None)
+        return out
+
+    def _generate_rows(self, payload: dict) -> list[list[int]]:
+        """Greedy continuations (cut after eos) of left-padded prompts, bucketed in length."""
+        prompts, max_gen = payload["prompts"], payload["max_gen"]
+        room = self.max_len - max_gen
+        t0 = min(bucket_of(max(map(len, prompts)), self.buckets), room)
+        b = max(self._batch_size, len(prompts))
+        eos = self.tokenizer_.eos_id
+        pad = self.tokenizer_.pad_id if self.tokenizer_.pad_id is not None else (eos or 0)
+        ids = np.full((b, t0), pad, np.int32)
+        mask = np.zeros((b, t0), np.int32)
+        for r, p in enumerate(prompts):
+            ids[r, t0 - len(p):], mask[r, t0 - len(p):] = p, 1
+        mask[len(prompts):, -1] = 1          # filler rows: one real token each
+        with jax.default_matmul_precision("highest"):
+            result = generate(self.module, self.params, self._global(ids, P()), max_new_tokens=max_gen,
+                              eos_id=eos, pad_id=pad, prompt_mask=self._global(mask, P()))
+        result = np.asarray(result)[:len(prompts), t0:].tolist()
+        return [row[:row.index(eos) + 1] if eos in row else row for row in result]
+
+    # -- several processes -------------------------------------------------------------
+    def _global(self, tree, spec: P):
+        """Host arrays (the same on every process) as arrays over the whole mesh."""
+        sharding = NamedSharding(self.mesh, spec)
+        if jax.process_count() == 1:
+            return jax.device_put(tree, sharding)
+        return jax.tree_util.tree_map(
+            lambda x: jax.make_array_from_callback(np.shape(x), sharding,
+                                                   lambda index, x=x: np.asarray(x)[index]), tree)
+
+    def _ops(self) -> dict[str, Callable[[Any], Any]]:
+        return {"score": self._score_rows, "generate": self._generate_rows}
+
+    def _call(self, op: str, payload: Any):
+        """Run ``op`` here; with several processes, broadcast it first so the others run it too."""
+        if self._leader:
+            from .train.distributed import broadcast_json
+            broadcast_json({"op": op, "payload": payload})
+        return self._ops()[op](payload)
+
+    def follow(self) -> None:
+        """On processes other than 0: run what process 0 broadcasts until it stops."""
+        from .train.distributed import broadcast_json
+        while True:
+            message = broadcast_json(None)
+            if message["op"] == "stop":
+                return
+            self._ops()[message["op"]](message["payload"])
+
+    def stop_followers(self) -> None:
+        """On process 0: release the processes in :meth:`follow`."""
+        if self._leader:
+            from .train.distributed import broadcast_json
+            broadcast_json({"op": "stop", "payload": None})
+
+
+# ----------------------------------------------------------------------------- the CLI's run
+
+def run_harness(lm: HarnessLM, tasks: Sequence[str], *, include_path: str | None = None,
+                num_fewshot: int | None = None, limit: float | None = None,
+                bootstrap_iters: int = 100000, log_samples: bool = False,
+                include_defaults: bool = True) -> dict | None:
+    """``lm_eval.simple_evaluate`` with ``lm`` on process 0 (the others follow); its results
+    dict on process 0, None elsewhere. ``include_defaults=False``: only the tasks in
+    ``include_path`` (the harness then skips indexing its thousands of task files)."""
+    if jax.process_index() != 0:
+        lm.follow()
+        return None
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    manager = TaskManager(include_path=include_path, include_defaults=include_defaults)
+    try:
+        return lm_eval.simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=num_fewshot,
+                                       limit=limit, task_manager=manager,
+                                       bootstrap_iters=bootstrap_iters, log_samples=log_samples)
+    finally:
+        lm.stop_followers()
+
+
+def flat_metrics(results: dict) -> dict[str, float]:
+    """``{"harness/<task>/<metric>": value}``: the numbers of ``results["results"]`` (metric
+    ``acc,none`` as ``acc``, another filter as ``acc/<filter>``; no stderr)."""
+    out = {}
+    for task, metrics in results.get("results", {}).items():
+        for key, value in metrics.items():
+            if "," not in key or "_stderr" in key or not isinstance(value, (int, float)):
+                continue
+            name, filt = key.split(",", 1)
+            out[f"harness/{task}/{name if filt == 'none' else f'{name}/{filt}'}"] = float(value)
+    return out
+
+
+def checkpoint_step(workdir: str | os.PathLike) -> int | None:
+    """The latest checkpoint step of a workdir, or None for another directory."""
+    from . import storage
+    from .train.checkpoint import CheckpointManager
+
+    ckpt_dir = storage.path(workdir) / "checkpoints"
+    if not ckpt_dir.is_dir():
+        return None
+    manager = CheckpointManager(ckpt_dir, read_only=True)
+    try:
+        return manager.latest_step()
+    finally:
+        manager.close()
+
+
+def append_metrics(workdir: str | os.PathLike, step: int, row: dict[str, float]) -> None:
+    """One ``{"step": step, **row}`` line appended to the workdir's metrics.jsonl."""
+    from . import storage
+
+    path = storage.path(workdir) / "metrics.jsonl"
+    text = storage.read_text(path) if path.exists() else ""
+    if text and not text.endswith("\n"):
+        text += "\n"
+    storage.write_text(path, text + json.dumps({"step": int(step), **row}) + "\n")
