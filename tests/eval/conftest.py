@@ -1,0 +1,85 @@
+"""Model directories and tasks the harness tests share: built offline, once per session."""
+import os
+
+import pytest
+
+pytest.importorskip("lm_eval")
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+from tests.tokenizer_dirs import CORPUS, gpt2_dir  # noqa: E402
+
+MAX_LEN = 128      # short, so that the rolling task's longer documents take several windows
+
+
+def hf_env() -> None:
+    """No network for the datasets library and the hub (the tasks are local JSONL files)."""
+    os.environ["HF_DATASETS_OFFLINE"] = "1"
+    os.environ["HF_HUB_OFFLINE"] = "1"
+
+
+def llama_tokenizer(root) -> None:
+    """A byte-level BPE (600 pieces) that adds ``<s>`` in front, as Llama's tokenizer does."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(
+        vocab_size=600, special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", 1)])
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                         unk_token="<unk>").save_pretrained(root)
+
+
+@pytest.fixture(scope="session")
+def tasks_dir(tmp_path_factory):
+    from transformer_jax.data.harness_tasks import write_stdlib_tasks
+    hf_env()
+    return write_stdlib_tasks(tmp_path_factory.mktemp("harness_tasks"))
+
+
+@pytest.fixture(scope="session")
+def gpt2_hf(tmp_path_factory):
+    """A random GPT-2 (2 layers, width 32, max_len 128) with its own BPE tokenizer."""
+    root = tmp_path_factory.mktemp("gpt2")
+    gpt2_dir(root)
+    config = transformers.GPT2Config.from_pretrained(root)
+    config.update(dict(n_positions=MAX_LEN, n_embd=32, n_layer=2, n_head=2))
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(config).save_pretrained(root)
+    return str(root)
+
+
+@pytest.fixture(scope="session")
+def llama_hf(tmp_path_factory):
+    """A random Llama (RoPE, RMSNorm, SwiGLU, 2 kv heads of 4) whose tokenizer adds bos."""
+    root = tmp_path_factory.mktemp("llama")
+    llama_tokenizer(root)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=600, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=MAX_LEN,
+        bos_token_id=1, eos_token_id=2, pad_token_id=None)).save_pretrained(root)
+    return str(root)
+
+
+@pytest.fixture(scope="session")
+def finetuned(tmp_path_factory, gpt2_hf):
+    """A run fine-tuned here from ``gpt2_hf`` for 3 steps (its BPE tokenizer), and its export
+    as a Hugging Face directory: (workdir, export)."""
+    from transformer_jax.cli import main
+
+    root = tmp_path_factory.mktemp("finetuned")
+    workdir, export = root / "run", root / "export"
+    sets = ["steps=3", "log_every=1", "eval_every=3", "save_every=3", "eval_batches=1",
+            "sample_tokens=0", "batch_size=4", "seq_len=32", "learning_rate=1e-2",
+            "warmup_steps=1", f"data_dir={root / 'tfds'}"]
+    # in this process: the CLI's imports are paid once
+    assert main(["train", "--no-progress", "--init-from", gpt2_hf, "--workdir", str(workdir),
+                 *(f"--set={s}" for s in sets)]) == 0
+    assert main(["export", "--workdir", str(workdir), "--out", str(export)]) == 0
+    return str(workdir), str(export)

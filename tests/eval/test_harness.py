@@ -1,0 +1,176 @@
+"""The lm-evaluation-harness over transformer_jax models: the same numbers as its Hugging Face
+backend (``lm_eval --model hf``, float32) on the same weights, for a GPT-2 with its own
+tokenizer, a Llama whose tokenizer adds bos, and a run fine-tuned here and exported; the
+three request kinds through three local tasks (tests/eval/conftest.py). Then the CLI.
+
+Parity is per request: each continuation's summed log-probability within 1e-4 (relative,
+for sums past 1), the same greedy flags and the same generated text; and every metric within
+1e-4 relative.
+"""
+import json
+from pathlib import Path
+
+import pytest
+import transformers
+
+from tests.eval.conftest import hf_env
+
+pytestmark = pytest.mark.slow
+
+TASKS = ["stdlib_choice", "stdlib_rolling", "stdlib_generate"]
+LIMIT = 4
+TOL = 1e-4
+
+
+def ours(path, tasks_dir, tasks=TASKS, **kwargs):
+    from transformer_jax.eval_harness import HarnessLM, run_harness
+    lm = HarnessLM.from_dir(path, batch_size=8)
+    return run_harness(lm, tasks, include_path=tasks_dir, limit=LIMIT, bootstrap_iters=0,
+                       log_samples=True, include_defaults=False, **kwargs)
+
+
+def theirs(path, tasks_dir, tasks=TASKS, **kwargs):
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+    hf_env()
+    return lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={path},dtype=float32",
+                                   device="cpu", batch_size=8, tasks=tasks, limit=LIMIT,
+                                   task_manager=TaskManager(include_path=tasks_dir, include_defaults=False),
+                                   bootstrap_iters=0, log_samples=True, **kwargs)
+
+
+def _scores(resps):
+    """A sample's responses as (floats, the rest): loglikelihoods, greedy flags, texts."""
+    floats, rest = [], []
+    for resp in resps:
+        for item in resp:
+            item = item if isinstance(item, (list, tuple)) else [item]
+            for x in item:
+                (floats if isinstance(x, float) else rest).append(x)
+    return floats, rest
+
+
+def compare(a: dict, b: dict) -> float:
+    """Assert two harness results agree (module docstring); the largest |difference| of a
+    request's log-likelihood."""
+    worst = 0.0
+    assert set(a["results"]) == set(b["results"])
+    for task, metrics in a["results"].items():
+        for key, value in metrics.items():
+            if isinstance(value, float) and "_stderr" not in key:
+                assert value == pytest.approx(b["results"][task][key], rel=TOL, abs=TOL), (task, key)
+        sa = sorted(a["samples"][task], key=lambda s: s["doc_id"])
+        sb = sorted(b["samples"][task], key=lambda s: s["doc_id"])
+        assert [s["doc_id"] for s in sa] == [s["doc_id"] for s in sb] and sa
+        for x, y in zip(sa, sb):
+            (fx, rx), (fy, ry) = _scores(x["resps"]), _scores(y["resps"])
+            assert rx == ry, (task, x["doc_id"], rx, ry)
+            assert len(fx) == len(fy)
+            for u, v in zip(fx, fy):
+                assert abs(u - v) <= TOL * max(1.0, abs(v)), (task, x["doc_id"], u, v)
+                worst = max(worst, abs(u - v))
+    return worst
+
+
+def test_gpt2_directory_matches_the_hf_backend(gpt2_hf, tasks_dir):
+    worst = compare(ours(gpt2_hf, tasks_dir), theirs(gpt2_hf, tasks_dir))
+    print(f"gpt2: max |diff| {worst:.3g}")
+
+
+def test_llama_directory_matches_the_hf_backend(llama_hf, tasks_dir):
+    worst = compare(ours(llama_hf, tasks_dir), theirs(llama_hf, tasks_dir))
+    print(f"llama: max |diff| {worst:.3g}")
+
+
+def test_a_run_trained_here_matches_the_hf_backend_on_its_export(finetuned, tasks_dir):
+    workdir, export = finetuned
+    worst = compare(ours(workdir, tasks_dir), theirs(export, tasks_dir))
+    print(f"fine-tuned workdir vs its export: max |diff| {worst:.3g}")
+
+
+def run_cli(capsys, *args):
+    """``transformer-jax ARGS`` in this process: (exit status, stdout, the error: lines)."""
+    from transformer_jax.cli import main
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, [line for line in err.splitlines() if line.startswith("error:")]
+
+
+def test_cli_prints_the_table_writes_the_json_and_a_metrics_row(finetuned, tasks_dir, tmp_path,
+                                                                 capsys):
+    workdir, _ = finetuned
+    before = (Path(workdir) / "metrics.jsonl").read_text().splitlines()
+    out = tmp_path / "results.json"
+    code, stdout, lines = run_cli(capsys, "eval", "--tasks", "stdlib_choice", "--workdir", workdir,
+                                  "--include-path", tasks_dir, "--limit", "2", "--output", str(out))
+    assert code == 0, lines
+    assert "stdlib_choice" in stdout and "acc_norm" in stdout      # make_table's rows
+    results = json.loads(out.read_text())["results"]["stdlib_choice"]
+    rows = (Path(workdir) / "metrics.jsonl").read_text().splitlines()
+    assert rows[:-1] == before
+    assert json.loads(rows[-1]) == {"step": 3, "harness/stdlib_choice/acc": results["acc,none"],
+                                    "harness/stdlib_choice/acc_norm": results["acc_norm,none"]}
+
+
+def test_cli_refusals(tmp_path, capsys, tasks_dir):
+    assert run_cli(capsys, "eval", "--tasks", "stdlib_choice")[::2] == (
+        2, ["error: eval --tasks needs one of --workdir DIR or --init-from DIR"])
+    assert run_cli(capsys, "eval", "--workdir", str(tmp_path), "--limit", "2")[::2] == (
+        2, ["error: --limit go with --tasks (the lm-evaluation-harness)"])
+    bert = tmp_path / "bert"
+    transformers.BertForMaskedLM(transformers.BertConfig(
+        vocab_size=64, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=16)).save_pretrained(bert)
+    code, _, lines = run_cli(capsys, "eval", "--tasks", "stdlib_choice", "--init-from", str(bert),
+                             "--include-path", tasks_dir)
+    assert code == 2 and "runs decoder-only models here" in lines[0], lines
+
+
+REQUESTS = {"pairs": [["def f(x):", " return x"], ["import os", "\nimport sys"],
+                      ["Hello", " world"], ["a", " b c d e"], ["The quick", " brown fox"]],
+            "texts": ["Text wrapping and filling. " * 20, "short"],
+            "prompts": ["def main(", "import"]}
+
+
+def test_two_processes_answer_as_one(gpt2_hf):
+    """Process 0 runs the harness, process 1 follows: the same answers as one process, each
+    batch's rows split over the 4 devices of both."""
+    import socket
+    import subprocess
+    import sys
+
+    from lm_eval.api.instance import Instance
+    from tests.test_sharding import env_with_devices
+    from transformer_jax.eval_harness import HarnessLM
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    worker = Path(__file__).with_name("harness_worker.py")
+    procs = [subprocess.Popen([sys.executable, str(worker), f"127.0.0.1:{port}", str(i), gpt2_hf,
+                               json.dumps(REQUESTS)], env=env_with_devices(2),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    try:
+        outs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    two = json.loads(outs[0][0].strip().splitlines()[-1])
+
+    lm = HarnessLM.from_dir(gpt2_hf, batch_size=3)
+    one = {"pairs": lm.loglikelihood([Instance("loglikelihood", {}, tuple(r), k)
+                                      for k, r in enumerate(REQUESTS["pairs"])]),
+           "texts": lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (t,), k)
+                                              for k, t in enumerate(REQUESTS["texts"])]),
+           "prompts": lm.generate_until([Instance("generate_until", {},
+                                                  (p, {"until": ["\n"], "max_gen_toks": 5}), k)
+                                         for k, p in enumerate(REQUESTS["prompts"])])}
+    assert two["forwards"] == lm.forwards >= 3
+    assert [g for _, g in two["pairs"]] == [g for _, g in one["pairs"]]
+    assert two["prompts"] == one["prompts"]
+    for u, v in zip([x for x, _ in two["pairs"]] + two["texts"],
+                    [x for x, _ in one["pairs"]] + one["texts"]):
+        assert u == pytest.approx(v, rel=1e-5, abs=1e-5)
