@@ -137,7 +137,8 @@ class HarnessLM(TemplateLM):
         self._max_gen_toks = max_gen_toks
         self.mesh = Mesh(np.asarray(jax.devices()), ("data",))
         self.params = self._global(jax.tree_util.tree_map(
-            lambda x: np.asarray(x, dtype=np.dtype(dtype)), params), P())
+            lambda x: np.asarray(x, dtype) if jnp.issubdtype(x.dtype, jnp.floating)
+            else np.asarray(x), params), P())     # quantized kernels stay as they are
         self._score = jax.jit(functools.partial(score_tokens, self.module),
                               out_shardings=NamedSharding(self.mesh, P()))
         self.buckets = buckets(self.max_len)
@@ -147,21 +148,34 @@ class HarnessLM(TemplateLM):
     # -- construction --------------------------------------------------------------
     @classmethod
     def from_dir(cls, path: str | os.PathLike, **kwargs) -> "HarnessLM":
-        """From a Hugging Face ``save_pretrained`` directory (with its tokenizer files) or a
-        transformer_jax workdir (its latest checkpoint and its run's tokenizer)."""
+        """From a transformer_jax workdir (its latest checkpoint as it trained: LoRA
+        adapters, a prefix, a quantized base, with its run's tokenizer) or a Hugging Face
+        ``save_pretrained`` directory (with its tokenizer files)."""
+        from . import storage
         from .data.tokenizers import get_tokenizer
-        from .models.gpt import GPT, GPTConfig
-        from .train.finetune import load_source
 
-        source = load_source(path)
-        if source.family != "gpt":
-            raise UserError(f"{source.path}: a {source.family} model; the lm-evaluation-harness "
-                            "runs decoder-only models here (GPT-2, Llama, Mistral)")
-        if source.tokenizer is None:
-            raise UserError(f"{source.path} holds no tokenizer (tokenizer.json, tokenizer.model "
-                            "or spiece.model); save the tokenizer with the model")
-        module = GPT(GPTConfig.from_dict(source.model_config))
-        return cls(module, source.params, get_tokenizer(source.tokenizer), **kwargs)
+        if (storage.path(path) / "checkpoints").is_dir():
+            from .train.checkpoint import load_params
+
+            run_config, params = load_params(path)
+            family, model_config = run_config["family"], run_config["model"]
+            spec = (run_config.get("task_spec") or {}).get("tokenizer")
+            where = os.fspath(path)
+        else:
+            from .train.finetune import load_source
+
+            source = load_source(path)
+            family, model_config, params = source.family, source.model_config, source.params
+            spec, where = source.tokenizer, source.path
+        if family != "gpt":
+            raise UserError(f"{where}: a {family} model; the lm-evaluation-harness runs "
+                            "decoder-only models here (GPT-2, Llama, Mistral)")
+        if spec is None:
+            raise UserError(f"{where} holds no tokenizer (tokenizer.json, tokenizer.model or "
+                            "spiece.model); save the tokenizer with the model")
+        from .models import model_from_config
+        _, module = model_from_config(family, model_config)
+        return cls(module, params, get_tokenizer(spec), **kwargs)
 
     # -- what lm_eval asks of a model ------------------------------------------------
     @property

@@ -3,6 +3,9 @@ import os
 
 import pytest
 
+# before the datasets library is imported (it reads them once): the tasks are local files
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ["HF_HUB_OFFLINE"] = "1"
 pytest.importorskip("lm_eval")
 
 import torch  # noqa: E402
