@@ -66,25 +66,7 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--process-id", type=int, default=None, metavar="I",
                    help="multi-process run: this process's index, 0..N-1 (also $TRANSFORMER_JAX_PROCESS_ID)")
 
-    e = sub.add_parser("eval", help="evaluate the latest checkpoint of a workdir (its task's "
-                                    "eval loss), or run lm-evaluation-harness tasks (--tasks)")
-    e.add_argument("--workdir", default=None)
-    e.add_argument("--batches", type=int, default=None, help="number of eval batches (default: the config's)")
-    h = e.add_argument_group("lm-evaluation-harness (pip install -e '.[eval]')")
-    h.add_argument("--tasks", default=None, metavar="A,B",
-                   help="harness task names (hellaswag, lambada_openai, ... or yours in "
-                        "--include-path); a workdir's results are appended to its metrics.jsonl")
-    h.add_argument("--init-from", default=None, metavar="DIR",
-                   help="with --tasks: a Hugging Face save_pretrained directory (or a workdir) "
-                        "instead of --workdir")
-    h.add_argument("--include-path", default=None, metavar="DIR", help="more task YAMLs")
-    h.add_argument("--num-fewshot", type=int, default=None, metavar="K")
-    h.add_argument("--limit", type=float, default=None, metavar="N",
-                   help="at most N documents per task (a fraction below 1)")
-    h.add_argument("--batch-size", type=int, default=16, metavar="B", help="rows per forward (16)")
-    h.add_argument("--bootstrap-iters", type=int, default=100000, metavar="N",
-                   help="bootstrap resamples for the stderr of perplexities (0: none)")
-    h.add_argument("--output", default=None, metavar="OUT.json", help="write the results JSON")
+    _add_eval_parser(sub)
 
     g = sub.add_parser("generate", help="generate text with the latest checkpoint of a workdir")
     g.add_argument("--workdir", required=True)
@@ -123,6 +105,28 @@ def _parser() -> argparse.ArgumentParser:
     _add_compare_parser(sub)
     sub.add_parser("experiments", help="list the experiments that --experiment accepts")
     return p
+
+
+def _add_eval_parser(sub) -> None:
+    e = sub.add_parser("eval", help="evaluate the latest checkpoint of a workdir (its task's "
+                                    "eval loss), or run lm-evaluation-harness tasks (--tasks)")
+    e.add_argument("--workdir", default=None)
+    e.add_argument("--batches", type=int, default=None, help="number of eval batches (default: the config's)")
+    h = e.add_argument_group("lm-evaluation-harness (pip install -e '.[eval]')")
+    h.add_argument("--tasks", default=None, metavar="A,B",
+                   help="harness task names (hellaswag, lambada_openai, ... or yours in "
+                        "--include-path); a workdir's results are appended to its metrics.jsonl")
+    h.add_argument("--init-from", default=None, metavar="DIR",
+                   help="with --tasks: a Hugging Face save_pretrained directory (or a workdir) "
+                        "instead of --workdir")
+    h.add_argument("--include-path", default=None, metavar="DIR", help="more task YAMLs")
+    h.add_argument("--num-fewshot", type=int, default=None, metavar="K")
+    h.add_argument("--limit", type=float, default=None, metavar="N",
+                   help="at most N documents per task (a fraction below 1)")
+    h.add_argument("--batch-size", type=int, default=16, metavar="B", help="rows per forward (16)")
+    h.add_argument("--bootstrap-iters", type=int, default=100000, metavar="N",
+                   help="bootstrap resamples for the stderr of perplexities (0: none)")
+    h.add_argument("--output", default=None, metavar="OUT.json", help="write the results JSON")
 
 
 def _add_compile_parser(sub) -> None:
