@@ -265,9 +265,17 @@ def _harness(args) -> int:
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not tasks:
         raise UserError("--tasks names no task; give e.g. --tasks hellaswag,arc_easy")
+    if args.output and not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
+        raise UserError(f"--output {args.output}: its directory does not exist; create it first")
     distributed.initialize(None, None, None)     # a pod or $TRANSFORMER_JAX_COORDINATOR...
     from . import eval_harness
 
+    step = None
+    if args.workdir is not None:
+        step = eval_harness.checkpoint_step(args.workdir)
+        if step is None:
+            raise UserError(f"--workdir {args.workdir} holds no checkpoint; for a Hugging Face "
+                            "save_pretrained directory use --init-from DIR")
     source = args.workdir or args.init_from
     lm = eval_harness.HarnessLM.from_dir(source, batch_size=args.batch_size)
     results = eval_harness.run_harness(lm, tasks, include_path=args.include_path,
@@ -278,15 +286,14 @@ def _harness(args) -> int:
     from lm_eval.utils import make_table
 
     print(make_table(results))
+    if args.workdir is not None:
+        eval_harness.append_metrics(args.workdir, step, eval_harness.flat_metrics(results))
+        print(f"appended the harness metrics at step {step} to "
+              f"{os.path.join(args.workdir, 'metrics.jsonl')}")
     if args.output:
         with open(args.output, "w", encoding="utf-8") as f:
             json.dump(results, f, indent=2, default=str)
         print(f"wrote {args.output}")
-    if args.workdir is not None:
-        step = eval_harness.checkpoint_step(args.workdir)
-        eval_harness.append_metrics(args.workdir, step, eval_harness.flat_metrics(results))
-        print(f"appended the harness metrics at step {step} to "
-              f"{os.path.join(args.workdir, 'metrics.jsonl')}")
     return 0
 
 

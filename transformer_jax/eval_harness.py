@@ -132,7 +132,8 @@ class HarnessLM(TemplateLM):
         config = module.config.replace(dtype=dtype, param_dtype=dtype)
         self.module = type(module)(config)
         self.tokenizer_ = tokenizer
-        self.max_len = config.max_len
+        # the positions a sequence may use: a prefix-tuned model's prefix takes its first P
+        self.max_len = config.max_len - (getattr(config, "prefix_tokens", 0) or 0)
         self._batch_size = batch_size
         self._max_gen_toks = max_gen_toks
         self.mesh = Mesh(np.asarray(jax.devices()), ("data",))
@@ -370,11 +371,18 @@ def run_harness(lm: HarnessLM, tasks: Sequence[str], *, include_path: str | None
     if jax.process_index() != 0:
         lm.follow()
         return None
-    import lm_eval
-    from lm_eval.tasks import TaskManager
+    try:                       # whatever fails here, the other processes are released
+        import lm_eval
+        from lm_eval.tasks import TaskManager
 
-    manager = TaskManager(include_path=include_path, include_defaults=include_defaults)
-    try:
+        manager = TaskManager(include_path=include_path, include_defaults=include_defaults)
+        known = set(manager.all_tasks)
+        unknown = [t for t in tasks if t not in known and not os.path.isfile(t)]
+        if unknown:
+            raise UserError(f"unknown harness task(s) {unknown}"
+                            + ("" if include_path else "; for task YAMLs of your own, add "
+                               "--include-path DIR")
+                            + " (`lm_eval ls tasks` lists the harness's own)")
         return lm_eval.simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=num_fewshot,
                                        limit=limit, task_manager=manager,
                                        bootstrap_iters=bootstrap_iters, log_samples=log_samples)

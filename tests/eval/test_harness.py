@@ -124,6 +124,25 @@ def test_cli_refusals(tmp_path, capsys, tasks_dir):
     code, _, lines = run_cli(capsys, "eval", "--tasks", "stdlib_choice", "--init-from", str(bert),
                              "--include-path", tasks_dir)
     assert code == 2 and "runs decoder-only models here" in lines[0], lines
+    # an HF directory given as --workdir, an --output whose directory is missing: refused
+    # before anything loads
+    assert run_cli(capsys, "eval", "--tasks", "stdlib_choice", "--workdir", str(bert))[::2] == (
+        2, [f"error: --workdir {bert} holds no checkpoint; for a Hugging Face save_pretrained "
+            "directory use --init-from DIR"])
+    missing = tmp_path / "no" / "out.json"
+    assert run_cli(capsys, "eval", "--tasks", "stdlib_choice", "--init-from", str(bert),
+                   "--output", str(missing))[::2] == (
+        2, [f"error: --output {missing}: its directory does not exist; create it first"])
+
+
+def test_an_unknown_task_is_named(gpt2_hf, tasks_dir):
+    from transformer_jax.errors import UserError
+    from transformer_jax.eval_harness import HarnessLM, run_harness
+
+    lm = HarnessLM.from_dir(gpt2_hf, batch_size=2)
+    with pytest.raises(UserError, match=r"unknown harness task\(s\) \['stdlib_choise'\] \(`lm_eval ls"):
+        run_harness(lm, ["stdlib_choice", "stdlib_choise"], include_path=tasks_dir,
+                    include_defaults=False)
 
 
 REQUESTS = {"pairs": [["def f(x):", " return x"], ["import os", "\nimport sys"],
@@ -174,3 +193,28 @@ def test_two_processes_answer_as_one(gpt2_hf):
     for u, v in zip([x for x, _ in two["pairs"]] + two["texts"],
                     [x for x, _ in one["pairs"]] + one["texts"]):
         assert u == pytest.approx(v, rel=1e-5, abs=1e-5)
+
+
+def test_a_prefix_tuned_model_scores_within_its_positions():
+    """A prefix of P learned positions leaves max_len - P for the text: rolling windows and
+    the longest bucket fit, and the answers do not depend on the batching."""
+    import jax
+    import numpy as np
+    from lm_eval.api.instance import Instance
+
+    from transformer_jax.data import get_tokenizer
+    from transformer_jax.eval_harness import HarnessLM
+    from transformer_jax.models import GPT, GPTConfig
+
+    model = GPT(GPTConfig.preset("tiny", vocab_size=259, max_len=32, prefix_tokens=4))
+    params = model.init(jax.random.PRNGKey(0), np.zeros((1, 8), np.int32))["params"]
+    text = "Text wrapping and filling, one line at a time. " * 3          # ~150 bytes
+    answers = []
+    for batch_size in (1, 4):
+        lm = HarnessLM(model, params, get_tokenizer("byte"), batch_size=batch_size)
+        assert lm.max_len == 28
+        answers.append(lm.loglikelihood_rolling(
+            [Instance("loglikelihood_rolling", {}, (text,), 0),
+             Instance("loglikelihood_rolling", {}, (text[:40],), 1)]))
+    assert all(np.isfinite(answers[0])) and answers[0][0] < answers[0][1] < 0
+    np.testing.assert_allclose(answers[0], answers[1], rtol=1e-5)
