@@ -67,6 +67,7 @@ from ..data import images as image_data
 from ..data.hf_tokenizer import HFTokenizer
 from ..data.pipeline import _splitmix64
 from ..errors import UserError
+from ..models.clip import l2_normalize
 from .base import Task, register_task
 
 Array = jax.Array
@@ -256,20 +257,15 @@ def _as_texts(value: Any) -> list[str]:
 
 # ============================================================================ zero-shot
 
-def _unit(x: Array) -> Array:
-    x = x.astype(jnp.float32)
-    return x / jnp.linalg.norm(x, axis=-1, keepdims=True)
-
-
 def class_embeddings(encode_text, tokenizer, names: Sequence[str], templates: Sequence[str],
                      seq_len: int) -> np.ndarray:
     """(K, E) unit class embeddings from text alone, by prompt ensembling: the normalised mean
     of each class's template embeddings. ``encode_text(input_ids, attention_mask)`` -> (n, E)."""
     texts = [t.format(name) for name in names for t in templates]
     enc = encode_captions(tokenizer, texts, seq_len)
-    emb = _unit(jnp.asarray(encode_text(enc["input_ids"], enc["attention_mask"])))
+    emb = l2_normalize(jnp.asarray(encode_text(enc["input_ids"], enc["attention_mask"])))
     emb = emb.reshape(len(names), len(templates), -1).mean(axis=1)
-    return np.asarray(_unit(emb))
+    return np.asarray(l2_normalize(emb))
 
 
 def recall_at_1(similarity: np.ndarray, labels: np.ndarray | None = None) -> float:
@@ -466,8 +462,8 @@ class ContrastiveTask(Task):
         imgs, txts, labels, seen = [], [], [], 0
         for batch in self.make_iterator(self.cfg.eval_split, 0, 1, train=False):
             keep = batch["weights"] > 0
-            imgs.append(np.asarray(_unit(encode_image(params, batch["images"])))[keep])
-            txts.append(np.asarray(_unit(encode_text(params, batch["input_ids"],
+            imgs.append(np.asarray(l2_normalize(encode_image(params, batch["images"])))[keep])
+            txts.append(np.asarray(l2_normalize(encode_text(params, batch["input_ids"],
                                                      batch["attention_mask"])))[keep])
             labels.append(batch["labels"][keep])
             seen += int(keep.sum())
