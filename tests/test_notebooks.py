@@ -19,7 +19,7 @@ callbacks, paused with ``stop_at`` and continued with ``resume=True``: its print
 show a pause and a resume that together logged every log step once, a curve redrawn at least
 at every logged row, and losses equal, bit for bit, to those of an uninterrupted run.
 
-Notebook 06_scaling_laws runs 8 tiny members of ``experiments/scaling_laws.py`` with
+Notebook 07_scaling_laws runs 8 tiny members of ``experiments/scaling_laws.py`` with
 ``run_sweep``: its panels must be redrawn after each member (``drawn after k/8 members``),
 and the work directory it prints must hold the fits (``fit.json`` with every law's keys,
 ``scaling.png``, ``scaling.md``).
@@ -48,13 +48,13 @@ from jupyter_client.kernelspec import KernelSpecManager  # noqa: E402
 COLAB = Path(__file__).resolve().parents[1] / "colab"
 NOTEBOOKS = sorted(COLAB.glob("*.ipynb"))
 EXPECTED = {"01_attention_from_scratch", "02_train_gpt", "03_bert_t5_vit", "04_scaling_tpu",
-            "05_hf_pytorch_weights", "06_finetune", "06_scaling_laws"}
+            "05_hf_pytorch_weights", "06_finetune", "07_scaling_laws"}
 # Notebooks that compare numbers with a reference (PyTorch, HF, another device layout).
 PARITY_NOTEBOOKS = {"01_attention_from_scratch", "02_train_gpt", "04_scaling_tpu",
                     "05_hf_pytorch_weights", "06_finetune"}
 # Notebooks that build a model and print what attention_impl="auto" runs on this platform.
 ATTENTION_NOTEBOOKS = {"02_train_gpt", "03_bert_t5_vit", "04_scaling_tpu", "05_hf_pytorch_weights",
-                       "06_finetune", "06_scaling_laws"}
+                       "06_finetune", "07_scaling_laws"}
 ATTENTION_LINE = re.compile(r"^attention: auto -> xla \(cpu\)$", re.MULTILINE)
 # Notebook 02: one line per train() call, and one per compared loss.
 RUN_LINE = re.compile(r"^(?P<how>paused|finished|stopped) at step (?P<step>\d+) \(this call started at "
@@ -62,7 +62,7 @@ RUN_LINE = re.compile(r"^(?P<how>paused|finished|stopped) at step (?P<step>\d+) 
                       r"(?P<evals>\[[\d, ]*\]); curve drawn (?P<draws>\d+) times", re.MULTILINE)
 LOSS_LINE = re.compile(r"^step (?P<step>\d+): loss (?P<ours>\S+) paused and resumed, (?P<ref>\S+) "
                        r"uninterrupted", re.MULTILINE)
-# Notebook 06_scaling_laws: one line per redraw of its panels, and where its sweep ran.
+# Notebook 07_scaling_laws: one line per redraw of its panels, and where its sweep ran.
 DRAWN_LINE = re.compile(r"^drawn after (?P<done>\d+)/(?P<total>\d+) members", re.MULTILINE)
 WORKDIR_LINE = re.compile(r"^work directory: (?P<path>.+)$", re.MULTILINE)
 FIT_KEYS = {"alpha_N", "alpha_N_ci", "E_N", "r2_N", "gamma_C", "gamma_C_ci", "r2_C", "beta_D",
@@ -182,7 +182,7 @@ def test_notebook_runs_top_to_bottom(path, tmp_path, kernel_spec_manager, kernel
         assert ATTENTION_LINE.search(text), f"{path.name} did not print 'attention: auto -> xla (cpu)'"
     if path.stem == "02_train_gpt":
         check_paused_and_resumed(text)
-    if path.stem == "06_scaling_laws":
+    if path.stem == "07_scaling_laws":
         check_scaling_sweep(text, tmp_path)
 
 
@@ -213,7 +213,7 @@ def check_paused_and_resumed(text: str) -> None:
 
 
 def check_scaling_sweep(text: str, cwd: Path) -> None:
-    """Notebook 06_scaling_laws: its panels redrawn after each of the 8 smoke members, and the
+    """Notebook 07_scaling_laws: its panels redrawn after each of the 8 smoke members, and the
     fits written into the work directory it printed."""
     drawn = [(int(m["done"]), int(m["total"])) for m in DRAWN_LINE.finditer(text)]
     assert drawn == [(k, 8) for k in range(1, 9)], drawn
