@@ -54,8 +54,8 @@ every member)::
   N_opt(C)   1.13                                                       0.73    0.50
 
 The final eval loss falls from 2.871 (3.3k parameters) to 2.214 (0.79M); the data model's
-best eval loss from 2.938 (10k bytes, at step 50: it overfits) to 2.321 (1M bytes). The
-README says why these differ from Kaplan's and Chinchilla's.
+best eval loss from 2.938 (10k bytes, at step 50: it overfits) to 2.321 (1M bytes).
+docs/scaling_laws.md says why these differ from Kaplan's and Chinchilla's.
 """
 from __future__ import annotations
 

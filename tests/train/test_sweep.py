@@ -130,10 +130,10 @@ def test_an_interrupted_sweep_prints_the_whole_command_that_continues_it(tmp_pat
 
 
 def test_flops_and_parameter_counts_follow_the_readme_formula(tmp_path, data_dir):
-    """README: C = tokens x (6 (N + V D) + 12 L D T), N the non-embedding parameters
+    """docs/scaling_laws.md: C = tokens x (6 (N + V D) + 12 L D T), N the non-embedding parameters
     (per layer 12 D^2 + 13 D with biases and LayerNorms, and the final norm's 2 D)."""
-    readme = (REPO / "README.md").read_text()
-    assert "6 (N + V·D) + 12·L·D·T" in readme
+    page = (REPO / "docs" / "scaling_laws.md").read_text()
+    assert "6 (N + V·D) + 12·L·D·T" in page
     path = tmp_path / "widths.py"
     path.write_text(TINY_SWEEP.format(data_dir=data_dir).split("def get_sweep")[0]
                     + "SWEEP = [['model.num_layers=1'], ['model.num_layers=2', 'model.d_model=32']]\n")
@@ -203,7 +203,7 @@ def test_sweep_mistakes_are_refused_before_anything_runs(tmp_path, experiment):
 def test_scaling_laws_grid_spans_what_the_laws_need(quick):
     """>= 6 sizes over >= 2 decades of non-embedding parameters, one token budget; nested
     data subsets over >= 1.5 decades; every member's config valid; the full grid's FLOPs
-    (the README formula, bytes: V = 259) as its docstring states them (about 5e16)."""
+    (the formula in docs/scaling_laws.md, bytes: V = 259) as its docstring states them (about 5e16)."""
     from transformer_jax.models import GPTConfig
     from transformer_jax.train.config import experiment_module
     from transformer_jax.train.sweep import member_config
