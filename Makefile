@@ -11,7 +11,7 @@ BIN     = $(VENV)/bin
 $(BIN)/.installed: pyproject.toml .ci/constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -c .ci/constraints.txt -e ".[test,tpu,eval]"
+	$(BIN)/python -m pip install -q -c .ci/constraints.txt -e ".[test,tpu,eval,docs]"
 	touch $@
 
 train: $(BIN)/.installed
