@@ -57,6 +57,7 @@ def test_the_api_reference_is_generated_from_the_docstrings(site):
     page = (site / "reference/transformer_jax/losses/index.html").read_text()
     assert "label_smoothed_cross_entropy" in page
     assert "Cross-entropy" in page or "cross-entropy" in page      # its docstring's text
+    assert ":data:" not in page and "<code>LossFn</code>" in page   # Sphinx roles as code
     for module in ("layers/attention", "models/gpt", "train/step", "data"):
         assert (site / "reference/transformer_jax" / module / "index.html").is_file(), module
     private = [p for p in (site / "reference").rglob("*") if p.name.startswith("_")]
