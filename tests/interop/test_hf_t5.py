@@ -17,7 +17,7 @@ import pytest
 
 from transformer_jax.beam_search import beam_search, greedy_search
 from transformer_jax.interop import from_hf, hf_config, to_hf
-from transformer_jax.interop._common import ConversionError
+from transformer_jax.interop.common import ConversionError
 from transformer_jax.interop.hf import from_hf_state_dict
 from transformer_jax.interop.hf_t5 import to_hf_model
 from transformer_jax.layers.relative import relative_position_bucket

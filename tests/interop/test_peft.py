@@ -32,7 +32,7 @@ from flax import traverse_util
 
 from transformer_jax.errors import UserError
 from transformer_jax.interop import from_hf, load_peft, to_hf, to_peft
-from transformer_jax.interop._common import flatten_params
+from transformer_jax.interop.common import flatten_params
 from transformer_jax.interop.peft import KEY_PREFIX, lora_sites, read_adapter
 from transformer_jax.layers import lora as lora_lib
 

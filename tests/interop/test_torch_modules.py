@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer_jax.interop._common import ConversionError, StateDictReader
+from transformer_jax.interop.common import ConversionError, StateDictReader
 from transformer_jax.interop.torch import from_torch, to_torch_state_dict
 from transformer_jax.layers import MultiHeadAttention, dot_product_attention
 
@@ -623,6 +623,6 @@ def test_dropout_is_opt_in():
 
 def test_import_does_not_import_torch():
     code = ("import sys, transformer_jax, transformer_jax.interop.torch, "
-            "transformer_jax.interop.torch_modules, transformer_jax.interop._common; "
+            "transformer_jax.interop.torch_modules, transformer_jax.interop.common; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -60,7 +60,7 @@ import numpy as np
 
 from ..errors import UserError
 from ..models.gpt import GPT, GPTConfig
-from ._common import (ConversionError, StateDictReader, TensorMap, attention_mismatches,
+from .common import (ConversionError, StateDictReader, TensorMap, attention_mismatches,
                       layer_norm, linear)
 from .hf_gpt2 import causal_lm_from_state_dict, causal_lm_to_state_dict
 from .registry import HFFamily, activation_from_hf

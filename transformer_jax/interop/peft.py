@@ -16,7 +16,7 @@ returns the module with ``config.lora`` set from ``adapter_config.json`` and the
 ``lora_a`` / ``lora_b`` filled. Torch is never imported.
 
 Which HF module is which Dense. Nothing here names a family's modules: the family's
-:class:`~transformer_jax.interop._common.TensorMap` table (``hf_<family>.<family>_tensor_maps``)
+:class:`~transformer_jax.interop.common.TensorMap` table (``hf_<family>.<family>_tensor_maps``)
 does. A 2-D ``<module>.weight`` entry whose targets are Dense kernels is a LoRA site:
 ``nn.Linear`` (weight (out, in), ``transpose=True``) or GPT-2's ``Conv1D`` (weight (in, out);
 ``fan_in_fan_out``). A site may hold several of our Dense layers packed along its output
@@ -78,7 +78,7 @@ import numpy as np
 
 from ..errors import UserError
 from ..layers.lora import ADAPTER_NAMES, LoraConfig
-from ._common import Path, TensorMap, flatten_params, unflatten_params
+from .common import Path, TensorMap, flatten_params, unflatten_params
 from .registry import (HFFamily, family_for_config, plain_params, register_hf_family,
                        to_layout, without_scan)
 

@@ -2,10 +2,10 @@
 
 The family files (``hf_gpt2``, ``hf_llama``, ``hf_mistral``, ``hf_bert``, ``hf_t5``, ``hf_vit``,
 ``hf_clip``) each describe their checkpoint as one
-:class:`~transformer_jax.interop._common.TensorMap` table and export one :class:`HFFamily`; :mod:`transformer_jax.interop.hf` registers them and dispatches on
+:class:`~transformer_jax.interop.common.TensorMap` table and export one :class:`HFFamily`; :mod:`transformer_jax.interop.hf` registers them and dispatches on
 the HF ``model_type`` (HF -> flax) or on the flax config (flax -> HF: its type, and for a type
 two families share, :attr:`HFFamily.matches`). Imports go one way:
-``_common`` <- ``registry`` <- family files <- ``hf``.
+``common`` <- ``registry`` <- family files <- ``hf``.
 
 Every family converts the same way, with the helpers below:
 
@@ -27,7 +27,7 @@ import numpy as np
 
 from ..errors import UserError
 from ..layers.stack import convert_layout
-from ._common import ConversionError, Path, Shape, TensorMap, flatten_params
+from .common import ConversionError, Path, Shape, TensorMap, flatten_params
 
 # ============================================================================ registry
 

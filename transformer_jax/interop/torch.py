@@ -86,9 +86,9 @@ default by the rules above, or the module's own bool ``norm_first`` attribute),
 attention), ``activation`` (feed-forwards, blocks, whole models and the built-in layers).
 
 Every converter asserts each key and shape through
-:class:`~transformer_jax.interop._common.StateDictReader`: every state-dict key must be
+:class:`~transformer_jax.interop.common.StateDictReader`: every state-dict key must be
 consumed exactly once, and every shape must match (``ConversionError``, a ``ValueError``,
-naming the key). The same :class:`~transformer_jax.interop._common.TensorMap` tables
+naming the key). The same :class:`~transformer_jax.interop.common.TensorMap` tables
 drive both directions.
 """
 from __future__ import annotations
@@ -104,7 +104,7 @@ import numpy as np
 
 from ..errors import UserError
 from ..layers.embeddings import sinusoidal_table
-from ._common import (ConversionError, StateDictReader, TensorMap, dump_state_dict,
+from .common import (ConversionError, StateDictReader, TensorMap, dump_state_dict,
                       flatten_params, layer_norm, linear, load_params, packed_linear)
 from .torch_modules import (SeedBERT, SeedDecoderLayer, SeedEncoderBlock, SeedFeedForward,
                             SeedGPT, SeedGroupedQueryAttention, SeedInputEmbedding,

@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from ..errors import UserError
-from ._common import flatten_params, unflatten_params
+from .common import flatten_params, unflatten_params
 
 __all__ = ["lr_lambda", "TorchRecipe", "hf_twin", "transformer_twin", "transformer_state_dict",
            "decayed_names", "mask_like", "cross_entropy_sum", "train_step"]
