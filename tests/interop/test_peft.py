@@ -42,7 +42,7 @@ from .conftest import (GPT2_TINY, T5_TINY, VIT_TINY, bert_model, clip_model, gpt
 peft = pytest.importorskip("peft")
 from peft.utils import get_peft_model_state_dict  # noqa: E402
 
-HAVE_LLAMA = importlib.util.find_spec("transformer_jax.interop.hf_llama") is not None
+HAVE_LLAMA = importlib.util.find_spec("transformer_jax.interop.hf.llama") is not None
 
 LOGIT_ATOL = 1e-5      # max abs, logits
 GRAD_ATOL = 1e-4       # max abs, adapter gradients

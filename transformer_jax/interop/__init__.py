@@ -7,8 +7,8 @@ transformer_jax.interop`` costs nothing and imports neither torch nor transforme
     tutorial modules and ``torch.nn``'s Transformer modules, both ways;
   * ``from_hf``, ``to_hf``, ``to_hf_numpy``, ``hf_config`` (:mod:`transformer_jax.interop.hf`):
     Hugging Face GPT-2, Llama, Mistral, BERT, T5, ViT and CLIP, dispatching on the HF
-    ``model_type`` (one file per family, ``hf_gpt2`` ... ``hf_clip``, over the shared
-    ``registry`` and ``common``);
+    ``model_type`` (one module per family under ``hf/``, over ``hf/registry.py`` and the
+    shared ``common``);
   * ``to_peft``, ``load_peft`` (:mod:`transformer_jax.interop.peft`): LoRA adapters as
     Hugging Face PEFT adapter directories, both ways (``from_hf(..., adapter=dir)`` too).
 """

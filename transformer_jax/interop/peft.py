@@ -16,7 +16,7 @@ returns the module with ``config.lora`` set from ``adapter_config.json`` and the
 ``lora_a`` / ``lora_b`` filled. Torch is never imported.
 
 Which HF module is which Dense. Nothing here names a family's modules: the family's
-:class:`~transformer_jax.interop.common.TensorMap` table (``hf_<family>.<family>_tensor_maps``)
+:class:`~transformer_jax.interop.common.TensorMap` table (``hf/<family>.py``: ``<family>_tensor_maps``)
 does. A 2-D ``<module>.weight`` entry whose targets are Dense kernels is a LoRA site:
 ``nn.Linear`` (weight (out, in), ``transpose=True``) or GPT-2's ``Conv1D`` (weight (in, out);
 ``fan_in_fan_out``). A site may hold several of our Dense layers packed along its output
@@ -79,7 +79,7 @@ import numpy as np
 from ..errors import UserError
 from ..layers.lora import ADAPTER_NAMES, LoraConfig
 from .common import Path, TensorMap, flatten_params, unflatten_params
-from .registry import (HFFamily, family_for_config, plain_params, register_hf_family,
+from .hf.registry import (HFFamily, family_for_config, plain_params, register_hf_family,
                        to_layout, without_scan)
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -105,6 +105,7 @@ _UNSUPPORTED_OPTIONS: dict[str, str] = {
 }
 
 #: HF head modules that PEFT's SEQ_CLS task saves whole (``modules_to_save``)
+_HF = f"{__package__}.hf"       # the family modules, imported by name (hf/convert.py imports peft)
 _SEQ_CLS_HEADS = ("classifier", "score")
 _SAVE_AGAIN = "save the adapter again with PeftModel.save_pretrained(dir, safe_serialization=True)"
 
@@ -113,15 +114,16 @@ _SAVE_AGAIN = "save the adapter again with PeftModel.save_pretrained(dir, safe_s
 
 def _family(config: Any) -> HFFamily:
     """The HF family of ``config``. ``interop.hf`` registers the families when imported;
-    where it was not (a model trained here, exported with ``to_peft``), every family file
-    (``hf_*.py``, each exporting ``FAMILY``) of this package is registered first."""
+    where it was not (a model trained here, exported with ``to_peft``), every family module
+    of ``interop/hf/`` (each exporting ``FAMILY``) is registered first."""
     try:
         return family_for_config(config)
     except TypeError:
         pass
-    for info in pkgutil.iter_modules([os.path.dirname(__file__)]):
-        if info.name.startswith("hf_"):
-            family = getattr(importlib.import_module(f"{__package__}.{info.name}"), "FAMILY", None)
+    hf_dir = os.path.join(os.path.dirname(__file__), "hf")
+    for info in pkgutil.iter_modules([hf_dir]):
+        if info.name not in ("convert", "registry"):
+            family = getattr(importlib.import_module(f"{_HF}.{info.name}"), "FAMILY", None)
             if isinstance(family, HFFamily):
                 register_hf_family(family)
     return family_for_config(config)
@@ -129,13 +131,13 @@ def _family(config: Any) -> HFFamily:
 
 def _family_module(config: Any):
     name = _family(config).name
-    return name, importlib.import_module(f"{__package__}.hf_{name}")
+    return name, importlib.import_module(f"{_HF}.{name}")
 
 
 def tensor_maps(config: Any, **kwargs: Any) -> list[TensorMap]:
     """The family table of ``config`` (unscanned), with the key names ``to_hf`` writes.
 
-    By the family files' convention: ``hf_<name>.<name>_tensor_maps(config, **kwargs)``;
+    By the family modules' convention: ``hf.<name>.<name>_tensor_maps(config, **kwargs)``;
     BERT's also takes the key prefix of its HF class (none for ``BertModel``). ``kwargs``:
     e.g. ViT's ``layout="legacy"`` (transformers 4 names).
     """

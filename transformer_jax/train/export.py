@@ -37,7 +37,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 def hf_architecture(config: Any) -> str:
     """The ``transformers`` class a model config exports as (``config.json``'s architectures)."""
-    from ..interop.registry import family_for_config
+    from ..interop.hf.registry import family_for_config
 
     family = family_for_config(config).name
     if family == "bert":
