@@ -143,7 +143,7 @@ def export(workdir: str, out_dir: str, *, fmt: str = "hf", merge: bool = False) 
                 to_peft(model, params, staging, base_model_name_or_path=base,
                         modules_to_save=_trained_heads(model, run_config))
             elif prefix:
-                from ..interop.peft_prefix import prefix_to_peft
+                from ..interop.peft.prefix import prefix_to_peft
                 prefix_to_peft(model, params, staging, base_model_name_or_path=base)
             else:
                 raise UserError(f"{workdir} trained no adapters (no model.lora, no "

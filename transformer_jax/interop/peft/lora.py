@@ -76,10 +76,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..errors import UserError
-from ..layers.lora import ADAPTER_NAMES, LoraConfig
-from .common import Path, TensorMap, flatten_params, unflatten_params
-from .hf.registry import (HFFamily, family_for_config, plain_params, register_hf_family,
+from ...errors import UserError
+from ...layers.lora import ADAPTER_NAMES, LoraConfig
+from ..common import Path, TensorMap, flatten_params, unflatten_params
+from ..hf.registry import (HFFamily, family_for_config, plain_params, register_hf_family,
                        to_layout, without_scan)
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -105,7 +105,8 @@ _UNSUPPORTED_OPTIONS: dict[str, str] = {
 }
 
 #: HF head modules that PEFT's SEQ_CLS task saves whole (``modules_to_save``)
-_HF = f"{__package__}.hf"       # the family modules, imported by name (hf/convert.py imports peft)
+_INTEROP = __package__.rsplit(".", 1)[0]
+_HF = f"{_INTEROP}.hf"   # the family modules, imported by name (hf/convert.py imports peft)
 _SEQ_CLS_HEADS = ("classifier", "score")
 _SAVE_AGAIN = "save the adapter again with PeftModel.save_pretrained(dir, safe_serialization=True)"
 
@@ -120,7 +121,7 @@ def _family(config: Any) -> HFFamily:
         return family_for_config(config)
     except TypeError:
         pass
-    hf_dir = os.path.join(os.path.dirname(__file__), "hf")
+    hf_dir = os.path.join(os.path.dirname(os.path.dirname(__file__)), "hf")
     for info in pkgutil.iter_modules([hf_dir]):
         if info.name not in ("convert", "registry"):
             family = getattr(importlib.import_module(f"{_HF}.{info.name}"), "FAMILY", None)
@@ -239,9 +240,9 @@ def _number(x: float) -> int | float:
 
 def _task_type(config: Any) -> str | None:
     """PEFT's task type for the HF class ``to_hf`` targets."""
-    from ..models.bert import BertConfig
-    from ..models.gpt import GPTConfig
-    from ..models.t5 import T5Config
+    from ...models.bert import BertConfig
+    from ...models.gpt import GPTConfig
+    from ...models.t5 import T5Config
 
     if isinstance(config, GPTConfig):
         return "CAUSAL_LM"
