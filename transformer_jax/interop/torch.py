@@ -7,7 +7,7 @@ torch is imported lazily inside the functions: ``import transformer_jax`` never 
     state = to_torch_state_dict(flax_module, params)            # {key: np.ndarray}
     torch_module.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
 
-Recognised modules (the mirrors live in :mod:`transformer_jax.interop.torch_modules`):
+Recognised modules (the mirrors live in :mod:`transformer_jax.interop.tutorial.modules`):
 
 ``torch.nn`` built-ins, by type (subclasses included; an extra parameter or buffer of a
 subclass is an unknown key and raises):
@@ -106,7 +106,7 @@ from ..errors import UserError
 from ..layers.embeddings import sinusoidal_table
 from .common import (ConversionError, StateDictReader, TensorMap, dump_state_dict,
                       flatten_params, layer_norm, linear, load_params, packed_linear)
-from .torch_modules import (SeedBERT, SeedDecoderLayer, SeedEncoderBlock, SeedFeedForward,
+from .tutorial.modules import (SeedBERT, SeedDecoderLayer, SeedEncoderBlock, SeedFeedForward,
                             SeedGPT, SeedGroupedQueryAttention, SeedInputEmbedding,
                             SeedMultiHeadAttention, SeedPatchEmbed, SeedPositionalEncoding,
                             SeedScaledDotProductAttention, SeedTransformer,

@@ -64,14 +64,14 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from ..errors import UserError
-from ..layers.attention import MultiHeadAttention, dot_product_attention
-from ..layers.blocks import DecoderBlock, EncoderBlock
-from ..layers.dense import Dense, Embed
-from ..layers.embeddings import SinusoidalPositionalEncoding
-from ..layers.masks import causal_mask, combine_masks
-from ..layers.mlp import FeedForward
-from ..layers.norms import LayerNorm
+from ...errors import UserError
+from ...layers.attention import MultiHeadAttention, dot_product_attention
+from ...layers.blocks import DecoderBlock, EncoderBlock
+from ...layers.dense import Dense, Embed
+from ...layers.embeddings import SinusoidalPositionalEncoding
+from ...layers.masks import causal_mask, combine_masks
+from ...layers.mlp import FeedForward
+from ...layers.norms import LayerNorm
 
 Array = jax.Array
 

@@ -1,0 +1,1 @@
+"""The tutorial's PyTorch modules: their Flax mirrors (:mod:`.modules`)."""
