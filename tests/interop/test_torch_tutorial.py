@@ -1,4 +1,4 @@
-"""``from_torch`` on the tutorials' own PyTorch classes (``seed_classes.py``, kept verbatim).
+"""``from_torch`` on the tutorials' own PyTorch classes (``tutorial_classes.py``, kept verbatim).
 
 Each class is first run in PyTorch. Those that run convert, with fp32 forward parity
 (``RTOL``/``ATOL``), gradient parity w.r.t. every parameter for the grouped-query attention
@@ -32,7 +32,7 @@ import pytest
 
 from transformer_jax.interop.torch import from_torch, to_torch_state_dict
 
-from . import seed_classes as seed
+from . import tutorial_classes as seed
 from .conftest import ATOL, RTOL, torch
 
 B, S, T, D, N, K, F, V, L = 2, 7, 5, 32, 4, 2, 64, 50, 2

@@ -1,4 +1,4 @@
-# The seeds' own PyTorch code, kept verbatim as TEST DATA for tests/interop/test_torch_seeds.py.
+# The seeds' own PyTorch code, kept verbatim as TEST DATA for tests/interop/test_torch_tutorial.py.
 #
 # Source: ../shared/seeds/transformer_architecture_applications.txt (TransformerConfig,
 # InputEmbedding, PositionalEncoding, ScaledDotProductAttention, MultiHeadAttention,
