@@ -20,7 +20,7 @@ subclass is an unknown key and raises):
   (override with ``activation=``), non-LayerNorm norms, custom encoders/decoders in
   ``nn.Transformer``, layers of one stack that differ from each other.
 
-Tutorial ("seed") modules, by attribute names. First, a module whose ``forward`` is
+The tutorial's PyTorch modules, by attribute names. First, a module whose ``forward`` is
 missing (``nn.Module``'s unimplemented one) or a stub (a body that only returns None, e.g.
 ``pass``) is refused with a ``UserError`` (a ``ValueError``): PyTorch computes nothing to
 convert. Both occur in the tutorials: ``GroupedQueryAttention`` stops after ``__init__``
@@ -29,7 +29,7 @@ convert. Both occur in the tutorials: ``GroupedQueryAttention`` stops after ``__
 sliding-window attention). Then, tried in this order:
   1. whole Transformer: ``embedding``, ``pos_encoder``, ``encoder_layers`` (ModuleList),
      ``classifier`` [, ``decoder_embedding``, ``decoder_pos_encoder``, ``decoder_layers``
-     unless the bool ``encoder_only``] -> ``SeedTransformer``. The parts follow rules 5,
+     unless the bool ``encoder_only``] -> ``TutorialTransformer``. The parts follow rules 5,
      11, 9 and 7; all layers must share one configuration. The decoder's ``tgt_mask`` is
      read off the module's own ``generate_mask``: the tutorial's ``triu(ones, diagonal=1)``
      -- inverted w.r.t. its own convention (1 = may attend), so target position i sees
@@ -37,31 +37,31 @@ sliding-window attention). Then, tried in this order:
      refused: conversion keeps PyTorch's outputs, which is what a checkpoint trained with
      that mask needs; a corrected causal ``tril`` gives ``decoder_mask="causal"``;
   2. BERT: ``transformer`` (rule 1, encoder-only), ``pooler``, ``next_sentence_predictor``,
-     ``masked_lm_predictor`` -> ``SeedBERT``;
-  3. GPT: ``transformer`` (rule 1, encoder-only), ``lm_head`` -> ``SeedGPT``. The
+     ``masked_lm_predictor`` -> ``TutorialBERT``;
+  3. GPT: ``transformer`` (rule 1, encoder-only), ``lm_head`` -> ``TutorialGPT``. The
      tutorial's BERT and GPT apply their heads (Linear layers of input width d_model) to
      the Transformer's output, which is already its classifier's vocabulary logits: they
      run, and convert as written, only when vocab_size == d_model; otherwise PyTorch
      fails with a shape error and so does ``from_torch``, with a message saying so;
   4. grouped-query attention: ``nn.Linear`` attributes ``q_proj, k_proj, v_proj, o_proj``
-     -> ``SeedGroupedQueryAttention``. Query heads from an int attribute as in rule 10 (or
+     -> ``TutorialGroupedQueryAttention``. Query heads from an int attribute as in rule 10 (or
      ``num_heads=``), key/value heads from ``n_kv_groups``, ``n_kv_heads``, ``num_kv_heads``
      or ``num_key_value_heads`` (or ``num_kv_heads=``, else k_proj's width / head dim).
-     The forward is assumed to be the usual one (see ``SeedGroupedQueryAttention``);
+     The forward is assumed to be the usual one (see ``TutorialGroupedQueryAttention``);
   5. input embedding: ``token_embedding`` (``nn.Embedding``) and an ``nn.Parameter``
-     ``position_embedding`` (1, max_len, D) -> ``SeedInputEmbedding`` (ids -> E[ids] *
+     ``position_embedding`` (1, max_len, D) -> ``TutorialInputEmbedding`` (ids -> E[ids] *
      sqrt(D) + learned positions, dropout). ``padding_idx`` is accepted (its row gets a
      gradient here, none in PyTorch); ``max_norm`` and ``scale_grad_by_freq`` are refused;
   6. patch embedding: an ``nn.Conv2d`` attribute ``proj`` with kernel_size == stride, no
-     padding, dilation 1, groups 1 -> ``SeedPatchEmbed`` (NCHW images -> (B, N, D));
+     padding, dilation 1, groups 1 -> ``TutorialPatchEmbed`` (NCHW images -> (B, N, D));
   7. post-norm decoder layer: ``self_attn``, ``cross_attn``, ``feed_forward``, ``norm1``,
-     ``norm2``, ``norm3`` -> ``SeedDecoderLayer``;
-  8. pre-norm encoder block: ``attn``, ``ff``, ``norm1``, ``norm2`` -> ``SeedEncoderBlock``
+     ``norm2``, ``norm3`` -> ``TutorialDecoderLayer``;
+  8. pre-norm encoder block: ``attn``, ``ff``, ``norm1``, ``norm2`` -> ``TutorialEncoderBlock``
      (``pre_norm=True``);
   9. post-norm block: ``attention`` or ``self_attn``, ``feed_forward``, ``norm1``, ``norm2``
-     -> ``SeedEncoderBlock`` (``pre_norm=False``);
+     -> ``TutorialEncoderBlock`` (``pre_norm=False``);
   10. multi-head attention: ``nn.Linear`` attributes ``w_q, w_k, w_v, w_o`` (or ``W_q, W_k,
-      W_v, W_o``) -> ``SeedMultiHeadAttention``. Heads from an int attribute ``num_heads``,
+      W_v, W_o``) -> ``TutorialMultiHeadAttention``. Heads from an int attribute ``num_heads``,
       ``n_heads``, ``n_head``, ``nhead``, ``heads`` or ``h`` (or ``d_k``/``head_dim``), else
       pass ``num_heads=``. Any ``nn.Dropout`` inside (directly or in an inner ``attention``
       submodule) is taken as dropout on the attention weights;
@@ -69,20 +69,20 @@ sliding-window attention). Then, tried in this order:
       ``sinusoidal_table(max_len, D)`` within 1e-6 + pos * 2**-22 (the second term is the
       fp32 rounding of the angle pos * freq: two implementations' 1-ulp differences in
       ``exp`` grow with the position), else an error naming ``pe``; the mirror recomputes
-      the table (no parameters) -> ``SeedPositionalEncoding``;
+      the table (no parameters) -> ``TutorialPositionalEncoding``;
   12. feed-forward: an ``nn.Sequential`` of Linear, activation, Dropout, Linear [, Dropout]
       -- the module itself or its attribute ``net`` or ``feed_forward`` -- or ``nn.Linear``
       attributes ``w_1``, ``w_2`` with an activation module (ReLU/GELU/SiLU/Tanh) and an
-      optional ``nn.Dropout`` among its children -> ``SeedFeedForward``;
+      optional ``nn.Dropout`` among its children -> ``TutorialFeedForward``;
   13. scaled dot-product attention: no parameters or buffers, only ``nn.Dropout``
       children (their rate: dropout on the weights), ``forward(query, key, value, ...)``
-      (or ``q, k, v``) -> ``SeedScaledDotProductAttention``, returning (output, weights).
+      (or ``q, k, v``) -> ``TutorialScaledDotProductAttention``, returning (output, weights).
   Inside blocks, the attention and feed-forward submodules follow rules 10 and 12; residual
   dropout is the block's own ``nn.Dropout`` child(ren).
 
 Overrides (keyword arguments) resolve ambiguities: ``norm_first`` (blocks and whole models;
 default by the rules above, or the module's own bool ``norm_first`` attribute),
-``num_heads`` (seed attention, blocks and whole models), ``num_kv_heads`` (grouped-query
+``num_heads`` (tutorial attention, blocks and whole models), ``num_kv_heads`` (grouped-query
 attention), ``activation`` (feed-forwards, blocks, whole models and the built-in layers).
 
 Every converter asserts each key and shape through
@@ -106,10 +106,10 @@ from ..errors import UserError
 from ..layers.embeddings import sinusoidal_table
 from .common import (ConversionError, StateDictReader, TensorMap, dump_state_dict,
                       flatten_params, layer_norm, linear, load_params, packed_linear)
-from .tutorial.modules import (SeedBERT, SeedDecoderLayer, SeedEncoderBlock, SeedFeedForward,
-                            SeedGPT, SeedGroupedQueryAttention, SeedInputEmbedding,
-                            SeedMultiHeadAttention, SeedPatchEmbed, SeedPositionalEncoding,
-                            SeedScaledDotProductAttention, SeedTransformer,
+from .tutorial.modules import (TutorialBERT, TutorialDecoderLayer, TutorialEncoderBlock, TutorialFeedForward,
+                            TutorialGPT, TutorialGroupedQueryAttention, TutorialInputEmbedding,
+                            TutorialMultiHeadAttention, TutorialPatchEmbed, TutorialPositionalEncoding,
+                            TutorialScaledDotProductAttention, TutorialTransformer,
                             TorchMultiheadAttention, TorchTransformer, TorchTransformerDecoder,
                             TorchTransformerDecoderLayer, TorchTransformerEncoder,
                             TorchTransformerEncoderLayer)
@@ -120,21 +120,21 @@ RECOGNISED = (
     "torch.nn.MultiheadAttention", "torch.nn.TransformerEncoderLayer",
     "torch.nn.TransformerEncoder", "torch.nn.TransformerDecoderLayer",
     "torch.nn.TransformerDecoder", "torch.nn.Transformer",
-    "seed decoder layer (self_attn, cross_attn, feed_forward, norm1, norm2, norm3)",
-    "seed pre-norm block (attn, ff, norm1, norm2)",
-    "seed post-norm block (attention|self_attn, feed_forward, norm1, norm2)",
-    "seed multi-head attention (w_q, w_k, w_v, w_o Linear layers, or W_q...)",
-    "seed positional encoding (buffer pe)",
-    "seed feed-forward (Sequential Linear/act/Dropout/Linear, itself or as net/feed_forward; "
+    "tutorial decoder layer (self_attn, cross_attn, feed_forward, norm1, norm2, norm3)",
+    "tutorial pre-norm block (attn, ff, norm1, norm2)",
+    "tutorial post-norm block (attention|self_attn, feed_forward, norm1, norm2)",
+    "tutorial multi-head attention (w_q, w_k, w_v, w_o Linear layers, or W_q...)",
+    "tutorial positional encoding (buffer pe)",
+    "tutorial feed-forward (Sequential Linear/act/Dropout/Linear, itself or as net/feed_forward; "
     "or w_1, w_2 Linear + activation module)",
-    ("seed Transformer (embedding, pos_encoder, encoder_layers, classifier [, decoder_layers, "
+    ("tutorial Transformer (embedding, pos_encoder, encoder_layers, classifier [, decoder_layers, "
      "decoder_embedding, decoder_pos_encoder])"),
-    "seed BERT (transformer, pooler, next_sentence_predictor, masked_lm_predictor)",
-    "seed GPT (transformer, lm_head)",
-    "seed grouped-query attention (q_proj, k_proj, v_proj, o_proj Linear layers)",
-    "seed input embedding (token_embedding Embedding, position_embedding Parameter)",
-    "seed patch embedding (proj Conv2d)",
-    "seed scaled dot-product attention (no parameters, forward(query, key, value, ...))",
+    "tutorial BERT (transformer, pooler, next_sentence_predictor, masked_lm_predictor)",
+    "tutorial GPT (transformer, lm_head)",
+    "tutorial grouped-query attention (q_proj, k_proj, v_proj, o_proj Linear layers)",
+    "tutorial input embedding (token_embedding Embedding, position_embedding Parameter)",
+    "tutorial patch embedding (proj Conv2d)",
+    "tutorial scaled dot-product attention (no parameters, forward(query, key, value, ...))",
 )
 
 _HEAD_ATTRS = ("num_heads", "n_heads", "n_head", "nhead", "heads", "h")
@@ -195,7 +195,7 @@ def to_torch_state_dict(flax_module: flax.linen.Module, params: Mapping[str, Any
 
     ``load_state_dict({k: torch.from_numpy(v) ...}, strict=True)`` into a torch module of
     the same configuration reproduces the Flax outputs. Built-in mirrors need nothing
-    else; the seed mirrors need ``like=`` a torch module of the same structure, from which
+    else; the tutorial mirrors need ``like=`` a torch module of the same structure, from which
     the key names are read: it is recognised as by ``from_torch(like, **overrides)`` (pass
     the same overrides as then) and the resulting configuration must equal
     ``flax_module``'s. Any params-shaped tree works, e.g. gradients. ``params`` may be
@@ -236,23 +236,23 @@ def _recognise(m: Any, overrides: dict[str, Any]) -> _Conversion:
     _check_runnable(m)
 
     blocks = ("norm_first", "num_heads", "activation")
-    seeds = (
-        ("seed Transformer", _is_seed_transformer, _seed_transformer, blocks),
-        ("seed BERT", _is_seed_bert, _seed_bert, blocks),
-        ("seed GPT", _is_seed_gpt, _seed_gpt, blocks),
-        ("seed grouped-query attention", _gqa_names, _seed_gqa, ("num_heads", "num_kv_heads")),
-        ("seed input embedding", _is_seed_input_embedding, _seed_input_embedding, ()),
-        ("seed patch embedding", _is_seed_patch_embed, _seed_patch_embed, ()),
-        ("seed decoder layer", _is_seed_decoder, _seed_decoder, blocks),
-        ("seed pre-norm block", _is_seed_pre_block, functools.partial(_seed_block, pre=True), blocks),
-        ("seed post-norm block", _is_seed_post_block, functools.partial(_seed_block, pre=False),
+    tutorial = (
+        ("tutorial Transformer", _is_tutorial_transformer, _tutorial_transformer, blocks),
+        ("tutorial BERT", _is_tutorial_bert, _tutorial_bert, blocks),
+        ("tutorial GPT", _is_tutorial_gpt, _tutorial_gpt, blocks),
+        ("tutorial grouped-query attention", _gqa_names, _tutorial_gqa, ("num_heads", "num_kv_heads")),
+        ("tutorial input embedding", _is_tutorial_input_embedding, _tutorial_input_embedding, ()),
+        ("tutorial patch embedding", _is_tutorial_patch_embed, _tutorial_patch_embed, ()),
+        ("tutorial decoder layer", _is_tutorial_decoder, _tutorial_decoder, blocks),
+        ("tutorial pre-norm block", _is_tutorial_pre_block, functools.partial(_tutorial_block, pre=True), blocks),
+        ("tutorial post-norm block", _is_tutorial_post_block, functools.partial(_tutorial_block, pre=False),
          blocks),
-        ("seed multi-head attention", _is_seed_attention, _seed_attention_module, ("num_heads",)),
-        ("seed positional encoding", _is_seed_pe, _seed_pe, ()),
-        ("seed feed-forward", _is_seed_ff, _seed_ff_module, ("activation",)),
-        ("seed scaled dot-product attention", _is_seed_sdpa, _seed_sdpa, ()),
+        ("tutorial multi-head attention", _is_tutorial_attention, _tutorial_attention_module, ("num_heads",)),
+        ("tutorial positional encoding", _is_tutorial_pe, _tutorial_pe, ()),
+        ("tutorial feed-forward", _is_tutorial_ff, _tutorial_ff_module, ("activation",)),
+        ("tutorial scaled dot-product attention", _is_tutorial_sdpa, _tutorial_sdpa, ()),
     )
-    for kind, test, build, allowed in seeds:
+    for kind, test, build, allowed in tutorial:
         if test(m):
             _check_overrides(kind, overrides, allowed)
             return build(m, overrides)
@@ -564,7 +564,7 @@ def _transformer(m: Any, overrides: dict[str, Any]) -> _Conversion:
     return _Conversion(module, _builtin_maps(module, dims))
 
 
-# ----------------------------------------------------------------------------- seed: tests
+# ----------------------------------------------------------------------------- tutorial: tests
 
 def _has(m: Any, *names: str) -> bool:
     return all(getattr(m, n, None) is not None for n in names)
@@ -579,27 +579,27 @@ def _attention_names(m: Any) -> tuple[str, str, str, str] | None:
     return None
 
 
-def _is_seed_decoder(m: Any) -> bool:
+def _is_tutorial_decoder(m: Any) -> bool:
     return _has(m, "self_attn", "cross_attn", "feed_forward", "norm1", "norm2", "norm3")
 
 
-def _is_seed_pre_block(m: Any) -> bool:
+def _is_tutorial_pre_block(m: Any) -> bool:
     return _has(m, "attn", "ff", "norm1", "norm2")
 
 
-def _is_seed_post_block(m: Any) -> bool:
+def _is_tutorial_post_block(m: Any) -> bool:
     return (_has(m, "attention") or _has(m, "self_attn")) and _has(m, "feed_forward", "norm1", "norm2")
 
 
-def _is_seed_attention(m: Any) -> bool:
+def _is_tutorial_attention(m: Any) -> bool:
     return _attention_names(m) is not None
 
 
-def _is_seed_pe(m: Any) -> bool:
+def _is_tutorial_pe(m: Any) -> bool:
     return "pe" in dict(m.named_buffers(recurse=False))
 
 
-def _is_seed_ff(m: Any) -> bool:
+def _is_tutorial_ff(m: Any) -> bool:
     import torch.nn as tnn
 
     return (isinstance(m, tnn.Sequential)
@@ -607,11 +607,11 @@ def _is_seed_ff(m: Any) -> bool:
             or all(isinstance(getattr(m, a, None), tnn.Linear) for a in ("w_1", "w_2")))
 
 
-# ----------------------------------------------------------------------------- seed: readers
+# ----------------------------------------------------------------------------- tutorial: readers
 
-def _seed_attention(m: Any, tp: str, fp: tuple[str, ...], where: str,
+def _tutorial_attention(m: Any, tp: str, fp: tuple[str, ...], where: str,
                     num_heads: int | None) -> tuple[dict, list[TensorMap]]:
-    """Seed attention at key prefix ``tp`` -> (library attention fields, maps to ``fp``)."""
+    """Tutorial attention at key prefix ``tp`` -> (library attention fields, maps to ``fp``)."""
     import torch.nn as tnn
 
     names = _attention_names(m)
@@ -660,12 +660,12 @@ def _seed_attention(m: Any, tp: str, fp: tuple[str, ...], where: str,
     return cfg, maps
 
 
-def _seed_attention_module(m: Any, overrides: dict[str, Any]) -> _Conversion:
-    cfg, maps = _seed_attention(m, "", (), type(m).__name__, overrides.get("num_heads"))
-    return _Conversion(SeedMultiHeadAttention(**cfg), maps)
+def _tutorial_attention_module(m: Any, overrides: dict[str, Any]) -> _Conversion:
+    cfg, maps = _tutorial_attention(m, "", (), type(m).__name__, overrides.get("num_heads"))
+    return _Conversion(TutorialMultiHeadAttention(**cfg), maps)
 
 
-def _seed_pe(m: Any, overrides: dict[str, Any]) -> _Conversion:
+def _tutorial_pe(m: Any, overrides: dict[str, Any]) -> _Conversion:
     import torch.nn as tnn
 
     pe = m.pe.detach().cpu().float().numpy()
@@ -680,13 +680,13 @@ def _seed_pe(m: Any, overrides: dict[str, Any]) -> _Conversion:
     table.to_flax(pe)  # check the attribute even when the buffer is not persistent
     persistent = "pe" in m.state_dict()
     rate = _only_dropout_rate([x for x in m.modules() if isinstance(x, tnn.Dropout)], "dropout")
-    return _Conversion(SeedPositionalEncoding(max_len=max_len, dropout_rate=rate),
+    return _Conversion(TutorialPositionalEncoding(max_len=max_len, dropout_rate=rate),
                        [table] if persistent else [])
 
 
-def _seed_ff(m: Any, tp: str, fp: tuple[str, ...], where: str,
+def _tutorial_ff(m: Any, tp: str, fp: tuple[str, ...], where: str,
              activation: str | None) -> tuple[dict, list[TensorMap]]:
-    """Seed feed-forward at key prefix ``tp`` -> (SeedFeedForward fields, maps to ``fp``)."""
+    """Tutorial feed-forward at key prefix ``tp`` -> (TutorialFeedForward fields, maps to ``fp``)."""
     import torch.nn as tnn
 
     if isinstance(m, tnn.Sequential):
@@ -752,9 +752,9 @@ def _seed_ff(m: Any, tp: str, fp: tuple[str, ...], where: str,
     return cfg, maps
 
 
-def _seed_ff_module(m: Any, overrides: dict[str, Any]) -> _Conversion:
-    cfg, maps = _seed_ff(m, "", (), "", overrides.get("activation"))
-    return _Conversion(SeedFeedForward(**cfg), maps)
+def _tutorial_ff_module(m: Any, overrides: dict[str, Any]) -> _Conversion:
+    cfg, maps = _tutorial_ff(m, "", (), "", overrides.get("activation"))
+    return _Conversion(TutorialFeedForward(**cfg), maps)
 
 
 def _norm_first(m: Any, overrides: dict[str, Any], default: bool) -> bool:
@@ -766,19 +766,19 @@ def _norm_first(m: Any, overrides: dict[str, Any], default: bool) -> bool:
 
 def _block_parts(m: Any, attn_names: dict[str, str], ff_name: str, norms: tuple[str, ...],
                  overrides: dict[str, Any]) -> tuple[dict, list[TensorMap]]:
-    """Common reading of the seed blocks: attention(s) ``{torch name: flax name}``, feed-forward, norms."""
+    """Common reading of the tutorial blocks: attention(s) ``{torch name: flax name}``, feed-forward, norms."""
     import torch.nn as tnn
 
     attn_cfgs, maps = [], []
     for tname, fname in attn_names.items():
-        cfg, amaps = _seed_attention(getattr(m, tname), f"{tname}.", (fname,), f"{tname}.",
+        cfg, amaps = _tutorial_attention(getattr(m, tname), f"{tname}.", (fname,), f"{tname}.",
                                      overrides.get("num_heads"))
         attn_cfgs.append(cfg)
         maps += amaps
     if any(c != attn_cfgs[0] for c in attn_cfgs):
         raise UserError(f"{' and '.join(attn_names)} are configured differently ({attn_cfgs}); "
                         "the mirror has one attention configuration")
-    ff_cfg, ff_maps = _seed_ff(getattr(m, ff_name), f"{ff_name}.", ("mlp",), f"{ff_name}.",
+    ff_cfg, ff_maps = _tutorial_ff(getattr(m, ff_name), f"{ff_name}.", ("mlp",), f"{ff_name}.",
                                overrides.get("activation"))
     maps += ff_maps
     if ff_cfg["output_dropout_rate"]:
@@ -799,32 +799,32 @@ def _block_parts(m: Any, attn_names: dict[str, str], ff_name: str, norms: tuple[
     return cfg, maps
 
 
-def _seed_block(m: Any, overrides: dict[str, Any], *, pre: bool) -> _Conversion:
+def _tutorial_block(m: Any, overrides: dict[str, Any], *, pre: bool) -> _Conversion:
     if pre:
         attn_name, ff_name = "attn", "ff"
     else:
         attn_name = "attention" if _has(m, "attention") else "self_attn"
         ff_name = "feed_forward"
     cfg, maps = _block_parts(m, {attn_name: "self_attn"}, ff_name, ("norm1", "norm2"), overrides)
-    module = SeedEncoderBlock(**cfg, pre_norm=_norm_first(m, overrides, default=pre))
+    module = TutorialEncoderBlock(**cfg, pre_norm=_norm_first(m, overrides, default=pre))
     return _Conversion(module, maps)
 
 
-def _seed_decoder(m: Any, overrides: dict[str, Any]) -> _Conversion:
+def _tutorial_decoder(m: Any, overrides: dict[str, Any]) -> _Conversion:
     cfg, maps = _block_parts(m, {"self_attn": "self_attn", "cross_attn": "cross_attn"},
                              "feed_forward", ("norm1", "norm2", "norm3"), overrides)
-    module = SeedDecoderLayer(**cfg, pre_norm=_norm_first(m, overrides, default=False))
+    module = TutorialDecoderLayer(**cfg, pre_norm=_norm_first(m, overrides, default=False))
     return _Conversion(module, maps)
 
 
-# ----------------------------------------------------------------------------- seed: runnable?
+# ----------------------------------------------------------------------------- tutorial: runnable?
 
 _GQA_NO_FORWARD = (
     "(The tutorial's GroupedQueryAttention is such a class: its code stops after __init__.) Give it a "
     "forward(query, key, value, mask=None) in a subclass -- batch-first (B, T, D) inputs; N "
     "query heads and K key/value heads, each shared by N/K consecutive query heads "
     "(repeat_interleave); softmax(q k^T / sqrt(head_dim)) with mask 1 = may attend; o_proj "
-    "over the concatenated heads -- and convert that subclass (-> SeedGroupedQueryAttention), "
+    "over the concatenated heads -- and convert that subclass (-> TutorialGroupedQueryAttention), "
     "or use transformer_jax.layers.MultiHeadAttention(num_heads=N, num_kv_heads=K) directly")
 _WINDOW_STUB = (
     "(The tutorial's SlidingWindowAttention is such a stub: no projections and no windowing "
@@ -832,7 +832,7 @@ _WINDOW_STUB = (
     "model.attention_window=W (the GPTConfig/BertConfig/ViTConfig field; each token attends "
     "to the W nearest tokens), or pass the mask "
     "transformer_jax.layers.masks.sliding_window_mask(T, window=W) to a MultiHeadAttention or "
-    "to a converted seed attention")
+    "to a converted tutorial attention")
 
 
 def _is_stub(fn: Any) -> bool:
@@ -866,7 +866,7 @@ def _check_runnable(m: Any) -> None:
                         f"PyTorch computes nothing that could be converted. {hint}")
 
 
-# ----------------------------------------------------------------------------- seed: more tests
+# ----------------------------------------------------------------------------- tutorial: more tests
 
 _GQA_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj")
 _KV_HEAD_ATTRS = ("n_kv_groups", "n_kv_heads", "num_kv_heads", "num_key_value_heads", "n_kv_head",
@@ -879,20 +879,20 @@ def _gqa_names(m: Any) -> bool:
     return all(isinstance(getattr(m, n, None), tnn.Linear) for n in _GQA_NAMES)
 
 
-def _is_seed_input_embedding(m: Any) -> bool:
+def _is_tutorial_input_embedding(m: Any) -> bool:
     import torch.nn as tnn
 
     return (isinstance(getattr(m, "token_embedding", None), tnn.Embedding)
             and isinstance(getattr(m, "position_embedding", None), tnn.Parameter))
 
 
-def _is_seed_patch_embed(m: Any) -> bool:
+def _is_tutorial_patch_embed(m: Any) -> bool:
     import torch.nn as tnn
 
     return isinstance(getattr(m, "proj", None), tnn.Conv2d)
 
 
-def _is_seed_sdpa(m: Any) -> bool:
+def _is_tutorial_sdpa(m: Any) -> bool:
     """No parameters or buffers, only Dropout children, ``forward(query, key, value, ...)``."""
     import inspect
 
@@ -909,19 +909,19 @@ def _is_seed_sdpa(m: Any) -> bool:
     return names in (["query", "key", "value"], ["q", "k", "v"])
 
 
-def _is_seed_transformer(m: Any) -> bool:
+def _is_tutorial_transformer(m: Any) -> bool:
     return _has(m, "embedding", "pos_encoder", "encoder_layers", "classifier")
 
 
-def _is_seed_bert(m: Any) -> bool:
+def _is_tutorial_bert(m: Any) -> bool:
     return _has(m, "transformer", "pooler", "next_sentence_predictor", "masked_lm_predictor")
 
 
-def _is_seed_gpt(m: Any) -> bool:
+def _is_tutorial_gpt(m: Any) -> bool:
     return _has(m, "transformer", "lm_head")
 
 
-# ----------------------------------------------------------------------------- seed: small parts
+# ----------------------------------------------------------------------------- tutorial: small parts
 
 def _int_attr(m: Any, names: tuple[str, ...]) -> int | None:
     for name in names:
@@ -932,7 +932,7 @@ def _int_attr(m: Any, names: tuple[str, ...]) -> int | None:
 
 
 def _gqa_heads(m: Any, overrides: dict[str, Any]) -> tuple[int, int, int]:
-    """(N query heads, K key/value heads, head dim H) of a seed grouped-query attention."""
+    """(N query heads, K key/value heads, head dim H) of a tutorial grouped-query attention."""
     lq, lk = m.q_proj, m.k_proj
     n = overrides.get("num_heads") or _int_attr(m, _HEAD_ATTRS)
     if n is None:
@@ -965,7 +965,7 @@ def _gqa_heads(m: Any, overrides: dict[str, Any]) -> tuple[int, int, int]:
     return n, kv, h
 
 
-def _seed_gqa(m: Any, overrides: dict[str, Any]) -> _Conversion:
+def _tutorial_gqa(m: Any, overrides: dict[str, Any]) -> _Conversion:
     import torch.nn as tnn
 
     n, kv, h = _gqa_heads(m, overrides)
@@ -982,13 +982,13 @@ def _seed_gqa(m: Any, overrides: dict[str, Any]) -> _Conversion:
     maps += linear("o_proj.", ("out",), n * h, lo.out_features, bias=bias,
                    kernel_shape=(n, h, lo.out_features))
     rate = _only_dropout_rate([x for x in m.modules() if isinstance(x, tnn.Dropout)], "dropout")
-    module = SeedGroupedQueryAttention(
+    module = TutorialGroupedQueryAttention(
         num_heads=n, num_kv_heads=kv, head_dim=h, use_bias=bias, dropout_rate=rate,
         out_features=None if lo.out_features == lq.in_features else lo.out_features)
     return _Conversion(module, maps)
 
 
-def _seed_input_embedding(m: Any, overrides: dict[str, Any]) -> _Conversion:
+def _tutorial_input_embedding(m: Any, overrides: dict[str, Any]) -> _Conversion:
     import torch.nn as tnn
 
     emb, pos = m.token_embedding, m.position_embedding
@@ -1007,11 +1007,11 @@ def _seed_input_embedding(m: Any, overrides: dict[str, Any]) -> _Conversion:
     maps = [TensorMap("token_embedding.weight", (v, d), ((("token_embedding", "embedding"), (v, d)),)),
             TensorMap("position_embedding", shape, ((("position_embedding",), shape),))]
     rate = _only_dropout_rate([x for x in m.modules() if isinstance(x, tnn.Dropout)], "dropout")
-    return _Conversion(SeedInputEmbedding(vocab_size=v, features=d, max_len=shape[1],
+    return _Conversion(TutorialInputEmbedding(vocab_size=v, features=d, max_len=shape[1],
                                           dropout_rate=rate), maps)
 
 
-def _seed_patch_embed(m: Any, overrides: dict[str, Any]) -> _Conversion:
+def _tutorial_patch_embed(m: Any, overrides: dict[str, Any]) -> _Conversion:
     conv = m.proj
     kernel, stride = tuple(conv.kernel_size), tuple(conv.stride)
     if kernel != stride:
@@ -1026,16 +1026,16 @@ def _seed_patch_embed(m: Any, overrides: dict[str, Any]) -> _Conversion:
                       transpose=(2, 3, 1, 0))]                                  # OIHW -> HWIO
     if bias:
         maps.append(TensorMap("proj.bias", (d,), ((("proj", "bias"), (d,)),)))
-    return _Conversion(SeedPatchEmbed(features=d, patch_size=kernel, in_channels=c, use_bias=bias),
+    return _Conversion(TutorialPatchEmbed(features=d, patch_size=kernel, in_channels=c, use_bias=bias),
                        maps)
 
 
-def _seed_sdpa(m: Any, overrides: dict[str, Any]) -> _Conversion:
+def _tutorial_sdpa(m: Any, overrides: dict[str, Any]) -> _Conversion:
     rate = _only_dropout_rate(list(m.children()), "dropout")
-    return _Conversion(SeedScaledDotProductAttention(dropout_rate=rate), [])
+    return _Conversion(TutorialScaledDotProductAttention(dropout_rate=rate), [])
 
 
-# ----------------------------------------------------------------------------- seed: whole models
+# ----------------------------------------------------------------------------- tutorial: whole models
 
 _BLOCK_FIELDS = ("num_heads", "head_dim", "mlp_dim", "activation", "pre_norm", "norm_eps",
                  "use_bias", "norm_bias", "dropout_rate", "attention_dropout_rate",
@@ -1071,7 +1071,7 @@ def _differences(a: dict, b: dict) -> str:
 
 
 def _stack_of(layers: Any, name: str, want: type, overrides: dict[str, Any]) -> tuple[dict, list]:
-    """(shared block fields, maps) of a ModuleList of seed layers ``name.{i}`` -> ``name_{i}``."""
+    """(shared block fields, maps) of a ModuleList of tutorial layers ``name.{i}`` -> ``name_{i}``."""
     import torch.nn as tnn
 
     if not isinstance(layers, tnn.ModuleList) or not len(layers):
@@ -1090,9 +1090,9 @@ def _stack_of(layers: Any, name: str, want: type, overrides: dict[str, Any]) -> 
 
 
 def _embeddings(m: Any, emb_name: str, pe_name: str) -> tuple[dict, list[TensorMap]]:
-    """(SeedTransformer embedding fields, maps) of an InputEmbedding + PositionalEncoding pair."""
-    emb = _part(getattr(m, emb_name, None), emb_name, emb_name, SeedInputEmbedding, {})
-    pe = _part(getattr(m, pe_name, None), pe_name, pe_name, SeedPositionalEncoding, {})
+    """(TutorialTransformer embedding fields, maps) of an InputEmbedding + PositionalEncoding pair."""
+    emb = _part(getattr(m, emb_name, None), emb_name, emb_name, TutorialInputEmbedding, {})
+    pe = _part(getattr(m, pe_name, None), pe_name, pe_name, TutorialPositionalEncoding, {})
     e, p = emb.module, pe.module
     cfg = dict(vocab_size=e.vocab_size, d_model=e.features, max_len=e.max_len,
                embedding_dropout_rate=e.dropout_rate, pe_max_len=p.max_len,
@@ -1101,7 +1101,7 @@ def _embeddings(m: Any, emb_name: str, pe_name: str) -> tuple[dict, list[TensorM
 
 
 def _decoder_mask(m: Any) -> str:
-    """Which of SeedTransformer's decoder masks the module's ``generate_mask`` builds."""
+    """Which of TutorialTransformer's decoder masks the module's ``generate_mask`` builds."""
     import torch
 
     if not callable(getattr(m, "generate_mask", None)):
@@ -1120,8 +1120,8 @@ def _decoder_mask(m: Any) -> str:
                     "a causal tril(ones)")
 
 
-def _seed_transformer_parts(m: Any, overrides: dict[str, Any]) -> tuple[dict, list[TensorMap]]:
-    """(SeedTransformer fields, maps) of the tutorial's whole Transformer."""
+def _tutorial_transformer_parts(m: Any, overrides: dict[str, Any]) -> tuple[dict, list[TensorMap]]:
+    """(TutorialTransformer fields, maps) of the tutorial's whole Transformer."""
     import torch.nn as tnn
 
     enc_only = getattr(m, "encoder_only", False)
@@ -1130,7 +1130,7 @@ def _seed_transformer_parts(m: Any, overrides: dict[str, Any]) -> tuple[dict, li
     blocks = {k: v for k, v in overrides.items() if k in _BLOCK_OVERRIDES}
     cfg, maps = _embeddings(m, "embedding", "pos_encoder")
     block, layer_maps = _stack_of(getattr(m, "encoder_layers", None), "encoder_layers",
-                                  SeedEncoderBlock, blocks)
+                                  TutorialEncoderBlock, blocks)
     maps += layer_maps
     if not enc_only:
         dec, dec_maps = _embeddings(m, "decoder_embedding", "decoder_pos_encoder")
@@ -1139,7 +1139,7 @@ def _seed_transformer_parts(m: Any, overrides: dict[str, Any]) -> tuple[dict, li
                             f"embedding/pos_encoder ({_differences(cfg, dec)}); the mirror has one "
                             "embedding configuration")
         dec_block, layer_maps = _stack_of(getattr(m, "decoder_layers", None), "decoder_layers",
-                                          SeedDecoderLayer, blocks)
+                                          TutorialDecoderLayer, blocks)
         if dec_block != block:
             raise UserError(f"decoder_layers are configured differently from encoder_layers "
                             f"({_differences(block, dec_block)}); the mirror has one layer "
@@ -1156,9 +1156,9 @@ def _seed_transformer_parts(m: Any, overrides: dict[str, Any]) -> tuple[dict, li
     return cfg, maps
 
 
-def _seed_transformer(m: Any, overrides: dict[str, Any]) -> _Conversion:
-    cfg, maps = _seed_transformer_parts(m, overrides)
-    return _Conversion(SeedTransformer(**cfg), maps)
+def _tutorial_transformer(m: Any, overrides: dict[str, Any]) -> _Conversion:
+    cfg, maps = _tutorial_transformer_parts(m, overrides)
+    return _Conversion(TutorialTransformer(**cfg), maps)
 
 
 def _check_linear(m: Any, name: str, d_in: int, d_out: int, bias: bool | None = True) -> bool:
@@ -1172,13 +1172,13 @@ def _check_linear(m: Any, name: str, d_in: int, d_out: int, bias: bool | None = 
     return lin.bias is not None
 
 
-def _seed_lm_parts(m: Any, overrides: dict[str, Any], kind: str,
+def _tutorial_lm_parts(m: Any, overrides: dict[str, Any], kind: str,
                    heads: str) -> tuple[dict, list[TensorMap]]:
     """The ``transformer`` of the tutorial's BERT/GPT, and the check that the class can run."""
-    if not _is_seed_transformer(m.transformer):
+    if not _is_tutorial_transformer(m.transformer):
         raise UserError("transformer: expected the tutorial's Transformer (embedding, pos_encoder, "
                         f"encoder_layers, classifier), got {type(m.transformer).__name__}")
-    cfg, maps = _seed_transformer_parts(m.transformer, overrides)
+    cfg, maps = _tutorial_transformer_parts(m.transformer, overrides)
     if not cfg["encoder_only"]:
         raise UserError(f"transformer: the {kind} calls transformer(input_ids) without target ids, "
                         "which only an encoder_only=True Transformer accepts")
@@ -1194,11 +1194,11 @@ def _seed_lm_parts(m: Any, overrides: dict[str, Any], kind: str,
     return cfg, _nest(maps, "transformer.", ("transformer",))
 
 
-def _seed_bert(m: Any, overrides: dict[str, Any]) -> _Conversion:
+def _tutorial_bert(m: Any, overrides: dict[str, Any]) -> _Conversion:
     import torch.nn as tnn
 
     heads = "pooler = Linear(d_model, d_model) and masked_lm_predictor = Linear(d_model, vocab_size)"
-    cfg, maps = _seed_lm_parts(m, overrides, "BERT", heads)
+    cfg, maps = _tutorial_lm_parts(m, overrides, "BERT", heads)
     d, v = cfg["d_model"], cfg["vocab_size"]
     if not isinstance(getattr(m, "activation", None), tnn.Tanh):
         raise UserError(f"activation: expected nn.Tanh (the pooler's), got "
@@ -1206,12 +1206,12 @@ def _seed_bert(m: Any, overrides: dict[str, Any]) -> _Conversion:
     for name, d_out in (("pooler", d), ("next_sentence_predictor", 2), ("masked_lm_predictor", v)):
         _check_linear(m, name, d, d_out)
         maps += linear(f"{name}.", (name,), d, d_out)
-    return _Conversion(SeedBERT(**cfg), maps)
+    return _Conversion(TutorialBERT(**cfg), maps)
 
 
-def _seed_gpt(m: Any, overrides: dict[str, Any]) -> _Conversion:
-    cfg, maps = _seed_lm_parts(m, overrides, "GPT", "lm_head = Linear(d_model, vocab_size)")
+def _tutorial_gpt(m: Any, overrides: dict[str, Any]) -> _Conversion:
+    cfg, maps = _tutorial_lm_parts(m, overrides, "GPT", "lm_head = Linear(d_model, vocab_size)")
     d, v = cfg["d_model"], cfg["vocab_size"]
     bias = _check_linear(m, "lm_head", d, v, bias=None)
     maps += linear("lm_head.", ("lm_head",), d, v, bias=bias)
-    return _Conversion(SeedGPT(**cfg, lm_head_bias=bias), maps)
+    return _Conversion(TutorialGPT(**cfg, lm_head_bias=bias), maps)

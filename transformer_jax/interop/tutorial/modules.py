@@ -15,20 +15,20 @@ N heads, K key/value heads, H head dim, F feed-forward width.
 
 Two families:
 
-* the tutorial ("seed") modules, batch-first, mask 1 = may attend:
-  :class:`SeedMultiHeadAttention` ``(query, key, value, mask=None)``,
-  :class:`SeedPositionalEncoding` ``(x)``, :class:`SeedFeedForward` ``(x)``,
-  :class:`SeedEncoderBlock` ``(x, mask=None)`` (pre- or post-norm) and
-  :class:`SeedDecoderLayer` ``(x, encoder_output, src_mask=None, tgt_mask=None)``,
-  :class:`SeedGroupedQueryAttention` ``(query, key, value, mask=None)``,
-  :class:`SeedScaledDotProductAttention` ``(query, key, value, mask=None)`` -> (output,
-  weights), :class:`SeedInputEmbedding` ``(input_ids)``, :class:`SeedPatchEmbed` ``(x)``
-  (NCHW images), and whole models: :class:`SeedTransformer` ``(src, tgt=None)``,
-  :class:`SeedBERT` ``(input_ids, attention_mask, token_type_ids=None)`` and
-  :class:`SeedGPT` ``(input_ids, attention_mask=None)``, which reproduce what the
+* the tutorial's PyTorch modules, batch-first, mask 1 = may attend:
+  :class:`TutorialMultiHeadAttention` ``(query, key, value, mask=None)``,
+  :class:`TutorialPositionalEncoding` ``(x)``, :class:`TutorialFeedForward` ``(x)``,
+  :class:`TutorialEncoderBlock` ``(x, mask=None)`` (pre- or post-norm) and
+  :class:`TutorialDecoderLayer` ``(x, encoder_output, src_mask=None, tgt_mask=None)``,
+  :class:`TutorialGroupedQueryAttention` ``(query, key, value, mask=None)``,
+  :class:`TutorialScaledDotProductAttention` ``(query, key, value, mask=None)`` -> (output,
+  weights), :class:`TutorialInputEmbedding` ``(input_ids)``, :class:`TutorialPatchEmbed` ``(x)``
+  (NCHW images), and whole models: :class:`TutorialTransformer` ``(src, tgt=None)``,
+  :class:`TutorialBERT` ``(input_ids, attention_mask, token_type_ids=None)`` and
+  :class:`TutorialGPT` ``(input_ids, attention_mask=None)``, which reproduce what the
   tutorial's classes compute, oddities included (their docstrings say which).
   Their masks are 2-D (T, S) or 4-D (B|1, N|1, T, S); nonzero = may attend
-  (:class:`SeedScaledDotProductAttention` broadcasts any mask as PyTorch does).
+  (:class:`TutorialScaledDotProductAttention` broadcasts any mask as PyTorch does).
 
 * ``torch.nn`` built-ins, with PyTorch's conventions: ``batch_first`` (seq-first (T, B, D)
   inputs by default) or unbatched 2-D inputs; masks where bool ``True`` = NOT allowed,
@@ -76,18 +76,18 @@ from ...layers.norms import LayerNorm
 Array = jax.Array
 
 __all__ = [
-    "SeedMultiHeadAttention", "SeedPositionalEncoding", "SeedFeedForward", "SeedEncoderBlock",
-    "SeedDecoderLayer", "SeedGroupedQueryAttention", "SeedScaledDotProductAttention",
-    "SeedInputEmbedding", "SeedPatchEmbed", "SeedTransformer", "SeedBERT", "SeedGPT",
+    "TutorialMultiHeadAttention", "TutorialPositionalEncoding", "TutorialFeedForward", "TutorialEncoderBlock",
+    "TutorialDecoderLayer", "TutorialGroupedQueryAttention", "TutorialScaledDotProductAttention",
+    "TutorialInputEmbedding", "TutorialPatchEmbed", "TutorialTransformer", "TutorialBERT", "TutorialGPT",
     "TorchMultiheadAttention", "TorchTransformerEncoderLayer",
     "TorchTransformerEncoder", "TorchTransformerDecoderLayer", "TorchTransformerDecoder",
-    "TorchTransformer", "seed_mask", "torch_attention_masks",
+    "TorchTransformer", "tutorial_mask", "torch_attention_masks",
 ]
 
 
 # ----------------------------------------------------------------------------- masks & layout
 
-def seed_mask(mask: Array | None, name: str = "mask") -> Array | None:
+def tutorial_mask(mask: Array | None, name: str = "mask") -> Array | None:
     """A tutorial-style mask (nonzero = may attend) as a 4-D bool mask.
 
     Accepts 2-D (T, S) or 4-D (B|1, N|1, T, S) -- the shapes that broadcast against the
@@ -178,13 +178,13 @@ def _torch_major(y: Array, batch_first: bool, unbatched: bool) -> Array:
     return y if batch_first else y.swapaxes(0, 1)
 
 
-# ----------------------------------------------------------------------------- seed modules
+# ----------------------------------------------------------------------------- tutorial modules
 
-class SeedMultiHeadAttention(MultiHeadAttention):
+class TutorialMultiHeadAttention(MultiHeadAttention):
     """Tutorial multi-head attention: ``forward(query, key, value, mask=None)``.
 
     query (B, T, D), key (B, S, Dk), value (B, S, Dv) -> (B, T, D). ``mask`` (see
-    :func:`seed_mask`): 2-D (T, S) or 4-D (B|1, N|1, T, S), nonzero = may attend (the
+    :func:`tutorial_mask`): 2-D (T, S) or 4-D (B|1, N|1, T, S), nonzero = may attend (the
     tutorial's ``scores.masked_fill(mask == 0, ...)``). Parameters as the library's
     ``MultiHeadAttention``: query/key/value kernels (Din, N, H), out kernel (N, H, D).
     """
@@ -192,11 +192,11 @@ class SeedMultiHeadAttention(MultiHeadAttention):
     @nn.compact
     def __call__(self, query: Array, key: Array, value: Array, mask: Array | None = None, *,
                  deterministic: bool = True) -> Array:
-        return super().__call__(query, key, inputs_v=value, mask=seed_mask(mask),
+        return super().__call__(query, key, inputs_v=value, mask=tutorial_mask(mask),
                                 deterministic=deterministic)
 
 
-class SeedPositionalEncoding(SinusoidalPositionalEncoding):
+class TutorialPositionalEncoding(SinusoidalPositionalEncoding):
     """Tutorial positional encoding: ``forward(x) = dropout(x + pe[:, :T])``, x (B, T, D).
 
     The table is recomputed by ``sinusoidal_table`` (no parameters); ``max_len`` is the
@@ -204,7 +204,7 @@ class SeedPositionalEncoding(SinusoidalPositionalEncoding):
     """
 
 
-class SeedFeedForward(FeedForward):
+class TutorialFeedForward(FeedForward):
     """Tutorial feed-forward ``Linear -> activation -> Dropout -> Linear [-> Dropout]``.
 
     x (B, T, D) -> (B, T, D). ``dropout_rate`` is on the hidden (B, T, F) activation,
@@ -218,20 +218,20 @@ class SeedFeedForward(FeedForward):
         return nn.Dropout(self.output_dropout_rate)(y, deterministic=deterministic)
 
 
-class SeedEncoderBlock(EncoderBlock):
+class TutorialEncoderBlock(EncoderBlock):
     """Tutorial encoder block ``forward(x, mask=None)``, x (B, T, D) -> (B, T, D).
 
     ``pre_norm=True``:  x = x + attn(norm1 x); x = x + ff(norm2 x).
     ``pre_norm=False``: x = norm1(x + attn(x)); x = norm2(x + ff(x)).
-    ``mask`` as for :class:`SeedMultiHeadAttention` (T = S).
+    ``mask`` as for :class:`TutorialMultiHeadAttention` (T = S).
     """
 
     @nn.compact
     def __call__(self, x: Array, mask: Array | None = None, *, deterministic: bool = True) -> Array:
-        return self.forward(x, seed_mask(mask), deterministic=deterministic)
+        return self.forward(x, tutorial_mask(mask), deterministic=deterministic)
 
 
-class SeedDecoderLayer(DecoderBlock):
+class TutorialDecoderLayer(DecoderBlock):
     """Tutorial post-norm decoder layer ``forward(x, encoder_output, src_mask=None, tgt_mask=None)``.
 
     x (B, T, D), encoder_output (B, S, D) -> (B, T, D)::
@@ -241,7 +241,7 @@ class SeedDecoderLayer(DecoderBlock):
         x = norm3(x + ff(x))
 
     No causal mask of its own: causality comes from ``tgt_mask`` (e.g. (T, T) lower
-    triangular). Masks as for :class:`SeedMultiHeadAttention`.
+    triangular). Masks as for :class:`TutorialMultiHeadAttention`.
     """
     pre_norm: bool = False
 
@@ -249,25 +249,25 @@ class SeedDecoderLayer(DecoderBlock):
     def __call__(self, x: Array, encoder_output: Array, src_mask: Array | None = None,
                  tgt_mask: Array | None = None, *, deterministic: bool = True) -> Array:
         if not self.cross_attention:
-            raise UserError("SeedDecoderLayer needs cross_attention=True")
-        return self.forward(x, encoder_output, self_mask=seed_mask(tgt_mask, "tgt_mask"),
-                            cross_mask=seed_mask(src_mask, "src_mask"), causal=False,
+            raise UserError("TutorialDecoderLayer needs cross_attention=True")
+        return self.forward(x, encoder_output, self_mask=tutorial_mask(tgt_mask, "tgt_mask"),
+                            cross_mask=tutorial_mask(src_mask, "src_mask"), causal=False,
                             deterministic=deterministic)
 
 
-class SeedGroupedQueryAttention(SeedMultiHeadAttention):
+class TutorialGroupedQueryAttention(TutorialMultiHeadAttention):
     """Tutorial grouped-query attention ``forward(query, key, value, mask=None)``.
 
-    As :class:`SeedMultiHeadAttention` with ``num_kv_heads`` = K < N key/value heads: the
+    As :class:`TutorialMultiHeadAttention` with ``num_kv_heads`` = K < N key/value heads: the
     PyTorch ``q_proj`` (N*H, D), ``k_proj``/``v_proj`` (K*H, D), ``o_proj`` (D, N*H) become
     query (D, N, H), key/value (D, K, H), out (N, H, D) kernels. Key/value head k serves the
     query heads k*N/K ... (k+1)*N/K - 1 (``repeat_interleave`` of the K heads, the Llama
     convention). query (B, T, D), key/value (B, S, D) -> (B, T, D); masks as
-    :class:`SeedMultiHeadAttention`.
+    :class:`TutorialMultiHeadAttention`.
     """
 
 
-class SeedScaledDotProductAttention(nn.Module):
+class TutorialScaledDotProductAttention(nn.Module):
     """Tutorial attention core without parameters: ``forward(query, key, value, mask=None)
     -> (output, attention_weights)``.
 
@@ -308,7 +308,7 @@ class SeedScaledDotProductAttention(nn.Module):
         return out.reshape(lead + (t, v.shape[-1])), weights.reshape(lead + (t, s))
 
 
-class SeedInputEmbedding(nn.Module):
+class TutorialInputEmbedding(nn.Module):
     """Tutorial input embedding: ``forward(input_ids) = dropout(E[ids] * sqrt(D) + P[:, :T])``.
 
     input_ids (B, T) int -> (B, T, D). Parameters: ``token_embedding/embedding`` (V, D)
@@ -338,7 +338,7 @@ class SeedInputEmbedding(nn.Module):
         return nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
 
 
-class SeedPatchEmbed(nn.Module):
+class TutorialPatchEmbed(nn.Module):
     """Tutorial patch embedding: ``proj`` = ``Conv2d(C, D, kernel_size=P, stride=P)``, then
     ``flatten(2).transpose(1, 2)``.
 
@@ -376,9 +376,9 @@ class SeedPatchEmbed(nn.Module):
 DECODER_MASKS = ("future", "causal")
 
 
-class _SeedTransformerFields(nn.Module):
-    """The configuration of :class:`SeedTransformer` (shared by :class:`SeedBERT` and
-    :class:`SeedGPT`, which hold one as ``transformer``)."""
+class _TutorialTransformerFields(nn.Module):
+    """The configuration of :class:`TutorialTransformer` (shared by :class:`TutorialBERT` and
+    :class:`TutorialGPT`, which hold one as ``transformer``)."""
     vocab_size: int
     d_model: int
     num_heads: int
@@ -386,9 +386,9 @@ class _SeedTransformerFields(nn.Module):
     num_layers: int = 1
     num_decoder_layers: int = 0
     encoder_only: bool = False
-    decoder_mask: str = "future"         # see SeedTransformer
-    max_len: int = 2048                  # learned position table (SeedInputEmbedding)
-    pe_max_len: int = 5000               # sinusoidal table (SeedPositionalEncoding)
+    decoder_mask: str = "future"         # see TutorialTransformer
+    max_len: int = 2048                  # learned position table (TutorialInputEmbedding)
+    pe_max_len: int = 5000               # sinusoidal table (TutorialPositionalEncoding)
     head_dim: int | None = None
     activation: str = "gelu"
     pre_norm: bool = False
@@ -407,7 +407,7 @@ class _SeedTransformerFields(nn.Module):
     precision: Any = None
 
     def _fields(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(_SeedTransformerFields)
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(_TutorialTransformerFields)
                 if f.name not in ("parent", "name")}
 
     def _block_kwargs(self) -> dict[str, Any]:
@@ -424,7 +424,7 @@ class _SeedTransformerFields(nn.Module):
                      precision=self.precision, name=name)
 
 
-class SeedTransformer(_SeedTransformerFields):
+class TutorialTransformer(_TutorialTransformerFields):
     """The tutorial's whole Transformer: ``forward(src, tgt=None)`` -> logits.
 
     src (B, S) and tgt (B, T) token ids -> (B, T, V) (encoder-decoder) or (B, S, V)
@@ -436,9 +436,9 @@ class SeedTransformer(_SeedTransformerFields):
         y = decoder_layers_i(y, x, src_mask=None, tgt_mask=<decoder_mask>)
         return classifier(y)
 
-    Embeddings are :class:`SeedInputEmbedding` (``max_len`` learned positions) followed by
-    :class:`SeedPositionalEncoding` (``pe_max_len``); the layers are
-    :class:`SeedEncoderBlock` and :class:`SeedDecoderLayer` (post-norm unless ``pre_norm``),
+    Embeddings are :class:`TutorialInputEmbedding` (``max_len`` learned positions) followed by
+    :class:`TutorialPositionalEncoding` (``pe_max_len``); the layers are
+    :class:`TutorialEncoderBlock` and :class:`TutorialDecoderLayer` (post-norm unless ``pre_norm``),
     all of one configuration; ``classifier`` is a Dense (D, V).
 
     ``decoder_mask`` reproduces the PyTorch module's ``generate_mask`` as its decoder layers
@@ -454,16 +454,16 @@ class SeedTransformer(_SeedTransformerFields):
     def __call__(self, src: Array, tgt: Array | None = None, *,
                  deterministic: bool = True) -> Array:
         def embed(ids, emb_name: str, pe_name: str) -> Array:
-            x = SeedInputEmbedding(self.vocab_size, self.d_model, self.max_len,
+            x = TutorialInputEmbedding(self.vocab_size, self.d_model, self.max_len,
                                    self.embedding_dropout_rate, dtype=self.dtype,
                                    param_dtype=self.param_dtype, name=emb_name)(
                 ids, deterministic=deterministic)
-            return SeedPositionalEncoding(max_len=self.pe_max_len, dropout_rate=self.pe_dropout_rate,
+            return TutorialPositionalEncoding(max_len=self.pe_max_len, dropout_rate=self.pe_dropout_rate,
                                           dtype=self.dtype, name=pe_name)(x, deterministic=deterministic)
 
         x = embed(src, "embedding", "pos_encoder")
         for i in range(self.num_layers):
-            x = SeedEncoderBlock(**self._block_kwargs(), name=f"encoder_layers_{i}")(
+            x = TutorialEncoderBlock(**self._block_kwargs(), name=f"encoder_layers_{i}")(
                 x, deterministic=deterministic)
         classifier = self._dense(self.vocab_size, "classifier", self.classifier_bias)
         if self.encoder_only:
@@ -478,16 +478,16 @@ class SeedTransformer(_SeedTransformerFields):
         mask = (causal_mask(t) if self.decoder_mask == "causal"
                 else jnp.triu(jnp.ones((t, t), jnp.bool_), k=1))
         for i in range(self.num_decoder_layers):
-            y = SeedDecoderLayer(**self._block_kwargs(), name=f"decoder_layers_{i}")(
+            y = TutorialDecoderLayer(**self._block_kwargs(), name=f"decoder_layers_{i}")(
                 y, x, None, mask, deterministic=deterministic)
         return classifier(y)
 
 
-class SeedBERT(_SeedTransformerFields):
+class TutorialBERT(_TutorialTransformerFields):
     """The tutorial's BERT: ``forward(input_ids, attention_mask, token_type_ids=None)`` ->
     ``{"mlm_logits": (B, T, V), "nsp_logits": (B, 2)}``.
 
-    As written: ``out = transformer(input_ids)`` (an encoder-only :class:`SeedTransformer`,
+    As written: ``out = transformer(input_ids)`` (an encoder-only :class:`TutorialTransformer`,
     whose output is its classifier's (B, T, V) logits); ``pooled = tanh(pooler(out[:, 0]))``;
     ``nsp_logits = next_sentence_predictor(pooled)``; ``mlm_logits =
     masked_lm_predictor(out)``. The pooler and the MLM head are Linear layers of input
@@ -500,7 +500,7 @@ class SeedBERT(_SeedTransformerFields):
     def __call__(self, input_ids: Array, attention_mask: Array | None = None,
                  token_type_ids: Array | None = None, *,
                  deterministic: bool = True) -> dict[str, Array]:
-        out = SeedTransformer(**self._fields(), name="transformer")(input_ids,
+        out = TutorialTransformer(**self._fields(), name="transformer")(input_ids,
                                                                      deterministic=deterministic)
         if out.shape[-1] != self.d_model:
             raise UserError(f"the tutorial's BERT pools its Transformer's logits ({out.shape[-1]} "
@@ -511,11 +511,11 @@ class SeedBERT(_SeedTransformerFields):
                 "nsp_logits": self._dense(2, "next_sentence_predictor")(pooled)}
 
 
-class SeedGPT(_SeedTransformerFields):
+class TutorialGPT(_TutorialTransformerFields):
     """The tutorial's GPT: ``forward(input_ids, attention_mask=None) = lm_head(transformer(input_ids))``.
 
     input_ids (B, T) -> (B, T, V). As written: ``transformer`` is an encoder-only
-    :class:`SeedTransformer` (bidirectional, no causal mask) whose output is already (B,
+    :class:`TutorialTransformer` (bidirectional, no causal mask) whose output is already (B,
     T, V) logits, and ``lm_head`` (a Linear of input width D, no bias) is applied to them,
     so it runs only when V == D. ``attention_mask`` is accepted and ignored, as there.
     """
@@ -524,7 +524,7 @@ class SeedGPT(_SeedTransformerFields):
     @nn.compact
     def __call__(self, input_ids: Array, attention_mask: Array | None = None, *,
                  deterministic: bool = True) -> Array:
-        out = SeedTransformer(**self._fields(), name="transformer")(input_ids,
+        out = TutorialTransformer(**self._fields(), name="transformer")(input_ids,
                                                                      deterministic=deterministic)
         if out.shape[-1] != self.d_model:
             raise UserError(f"the tutorial's GPT applies lm_head (input width d_model={self.d_model}) "
