@@ -1,4 +1,4 @@
-"""fp32 parity of the Flax mirrors (``interop.tutorial.modules``) with PyTorch modules.
+"""fp32 parity of the Flax mirrors (``interop.torch_nn.modules``, ``interop.tutorial.modules``) with PyTorch modules.
 
 For every module: the forward outputs, the gradients w.r.t. the float inputs and the
 gradients w.r.t. every torch parameter (the JAX gradients mapped through the converter's
@@ -623,6 +623,7 @@ def test_dropout_is_opt_in():
 
 def test_import_does_not_import_torch():
     code = ("import sys, transformer_jax, transformer_jax.interop.torch, "
-            "transformer_jax.interop.tutorial.modules, transformer_jax.interop.common; "
+            "transformer_jax.interop.tutorial.modules, transformer_jax.interop.torch_nn.modules, "
+            "transformer_jax.interop.common; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True)

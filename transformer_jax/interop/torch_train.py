@@ -142,7 +142,7 @@ def _transformer_mirrors(config: Any):
     """The ``torch.nn.TransformerEncoder``/``Decoder`` mirrors of ``models.transformer``'s stacks."""
     import jax.numpy as jnp
 
-    from .tutorial.modules import TorchTransformerDecoder, TorchTransformerEncoder
+    from .torch_nn.modules import TorchTransformerDecoder, TorchTransformerEncoder
 
     stack = dict(num_heads=config.num_heads, mlp_dim=config.mlp_features,
                  activation=config.activation, pre_norm=config.pre_norm,
