@@ -17,7 +17,8 @@ Recognised modules, tried in this order:
     BERT and GPT ...), by attribute names: :mod:`transformer_jax.interop.tutorial.convert`
     (its docstring has the rules), mirrors in :mod:`transformer_jax.interop.tutorial.modules`.
 
-default by the rules above, or the module's own bool ``norm_first`` attribute),
+Overrides (keyword arguments) resolve ambiguities: ``norm_first`` (blocks and whole models;
+default by the tutorial's rules, or the module's own bool ``norm_first`` attribute),
 ``num_heads`` (tutorial attention, blocks and whole models), ``num_kv_heads`` (grouped-query
 attention), ``activation`` (feed-forwards, blocks, whole models and the built-in layers).
 
