@@ -146,7 +146,7 @@ def recognise_tutorial(m: Any, overrides: dict[str, Any]) -> Conversion:
                     f"recognised:\n  - {listing}")
 
 
-# ----------------------------------------------------------------------------- tutorial: whole models
+# ----------------------------------------------------------------------------- whole models
 
 _BLOCK_FIELDS = ("num_heads", "head_dim", "mlp_dim", "activation", "pre_norm", "norm_eps",
                  "use_bias", "norm_bias", "dropout_rate", "attention_dropout_rate",

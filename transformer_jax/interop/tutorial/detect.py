@@ -17,13 +17,15 @@ __all__ = ["check_runnable", "has", "attention_names", "gqa_names", "GQA_NAMES",
            "is_tutorial_bert", "is_tutorial_gpt"]
 
 
-# ----------------------------------------------------------------------------- tutorial: tests
+# ----------------------------------------------------------------------------- layers
 
 def has(m: Any, *names: str) -> bool:
+    """Whether ``m`` has every attribute of ``names``, none of them None."""
     return all(getattr(m, n, None) is not None for n in names)
 
 
 def attention_names(m: Any) -> tuple[str, str, str, str] | None:
+    """The names of the tutorial attention's four ``nn.Linear`` (``w_q``... or ``W_q``...), or None."""
     import torch.nn as tnn
 
     for names in (("w_q", "w_k", "w_v", "w_o"), ("W_q", "W_k", "W_v", "W_o")):
@@ -59,7 +61,7 @@ def is_tutorial_ff(m: Any) -> bool:
             or any(isinstance(getattr(m, a, None), tnn.Sequential) for a in ("net", "feed_forward"))
             or all(isinstance(getattr(m, a, None), tnn.Linear) for a in ("w_1", "w_2")))
 
-# ----------------------------------------------------------------------------- tutorial: runnable?
+# ----------------------------------------------------------------------------- runnable?
 
 _GQA_NO_FORWARD = (
     "(The tutorial's GroupedQueryAttention is such a class: its code stops after __init__.) Give it a "
@@ -108,7 +110,7 @@ def check_runnable(m: Any) -> None:
                         f"PyTorch computes nothing that could be converted. {hint}")
 
 
-# ----------------------------------------------------------------------------- tutorial: more tests
+# ----------------------------------------------------------------------------- more layers, whole models
 
 GQA_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj")
 KV_HEAD_ATTRS = ("n_kv_groups", "n_kv_heads", "num_kv_heads", "num_key_value_heads", "n_kv_head",

@@ -27,7 +27,7 @@ __all__ = ["tutorial_attention", "tutorial_attention_module", "tutorial_pe", "tu
            "tutorial_input_embedding", "tutorial_patch_embed", "tutorial_sdpa"]
 
 
-# ----------------------------------------------------------------------------- tutorial: readers
+# ---------------------------------------------------------------- attention, feed-forward, blocks
 
 def tutorial_attention(m: Any, tp: str, fp: tuple[str, ...], where: str,
                        num_heads: int | None) -> tuple[dict, list[TensorMap]]:
@@ -238,7 +238,7 @@ def tutorial_decoder(m: Any, overrides: dict[str, Any]) -> Conversion:
     return Conversion(module, maps)
 
 
-# ----------------------------------------------------------------------------- tutorial: small parts
+# ------------------------------------------------------------ grouped-query attention, embeddings
 
 def _int_attr(m: Any, names: tuple[str, ...]) -> int | None:
     for name in names:
