@@ -49,7 +49,7 @@ import jax
 import jax.numpy as jnp
 
 from ...errors import UserError
-from ...layers.attention import MultiHeadAttention
+from ...layers import MultiHeadAttention
 from ...layers.blocks import DecoderBlock, EncoderBlock
 from ...layers.masks import causal_mask, combine_masks
 from ...layers.norms import LayerNorm
