@@ -19,7 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from transformer_jax.interop.hf_bert import hf_class  # noqa: E402
+from transformer_jax.interop.hf.bert import hf_class  # noqa: E402
 
 # fp32 tolerances. Measured: GPT-2 logits (|logit| <= ~3) differ by <= 2e-6 and gradients by
 # <= 2e-7; BERT outputs by <= 6e-7, gradients by <= 1e-7; ViT logits (|logit| ~1) by

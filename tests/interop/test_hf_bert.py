@@ -13,7 +13,7 @@ import pytest
 
 from transformer_jax.interop import from_hf, hf_config, to_hf
 from transformer_jax.interop.hf import from_hf_state_dict, to_hf_numpy
-from transformer_jax.interop.hf_bert import HF_CLASSES, hf_class
+from transformer_jax.interop.hf.bert import HF_CLASSES, hf_class
 from transformer_jax.models.bert import HEADS, Bert, BertConfig
 
 from .conftest import (ATOL, BERT_TINY, RTOL, assert_gradients_match, bert_model,

@@ -20,7 +20,7 @@ import pytest
 from transformer_jax.errors import UserError
 from transformer_jax.interop import from_hf, hf_config, to_hf
 from transformer_jax.interop.hf import from_hf_state_dict, to_hf_numpy
-from transformer_jax.interop.hf_clip import clip_config_from_hf
+from transformer_jax.interop.hf.clip import clip_config_from_hf
 from transformer_jax.models.base import to_config_layout
 from transformer_jax.models.clip import CLIP, CLIPConfig
 from transformer_jax.models.vit import ViTConfig

@@ -1,5 +1,5 @@
 """``from_hf`` on damaged ``save_pretrained`` directories: every file problem is one
-UserError line that names the file and what to do (interop/hf.py), never a raw traceback.
+UserError line that names the file and what to do (interop/hf/convert.py), never a raw traceback.
 
 A tiny random GPT-2 is saved once (whole, sharded and bfloat16) and each test corrupts a copy:
 malformed or wrong JSON in config.json and the shard index, a safetensors file cut in its
@@ -13,7 +13,7 @@ import pytest
 
 from transformer_jax.errors import UserError
 from transformer_jax.interop import from_hf
-from transformer_jax.interop.hf import _SafetensorsDir
+from transformer_jax.interop.hf.convert import _SafetensorsDir
 
 from .conftest import gpt2_model, torch
 

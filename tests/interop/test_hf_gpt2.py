@@ -15,7 +15,7 @@ import pytest
 from transformer_jax.decode import generate
 from transformer_jax.errors import UserError
 from transformer_jax.interop import from_hf, hf_config, to_hf
-from transformer_jax.interop._common import ConversionError
+from transformer_jax.interop.common import ConversionError
 from transformer_jax.interop.hf import from_hf_state_dict, to_hf_numpy
 from transformer_jax.models.gpt import GPT, GPTConfig
 

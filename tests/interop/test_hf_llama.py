@@ -12,11 +12,11 @@ import pytest
 
 from transformer_jax.errors import UserError
 from transformer_jax.interop import from_hf, hf_config
-from transformer_jax.interop._common import ConversionError
+from transformer_jax.interop.common import ConversionError
 from transformer_jax.interop.hf import from_hf_state_dict, to_hf_numpy
-from transformer_jax.interop.hf_llama import (llama_config_from_hf, llama_hf_config,
+from transformer_jax.interop.hf.llama import (llama_config_from_hf, llama_hf_config,
                                                llama_to_state_dict)
-from transformer_jax.interop.registry import family_for_config
+from transformer_jax.interop.hf.registry import family_for_config
 from transformer_jax.models.bert import BertConfig
 from transformer_jax.models.gpt import GPT, GPTConfig
 

@@ -13,9 +13,9 @@ import pytest
 from transformer_jax.errors import UserError
 from transformer_jax.interop import from_hf, hf_config, to_hf
 from transformer_jax.interop.hf import from_hf_state_dict
-from transformer_jax.interop.hf_llama import llama_hf_config
-from transformer_jax.interop.hf_mistral import mistral_config_from_hf, mistral_hf_config
-from transformer_jax.interop.registry import family_for_config
+from transformer_jax.interop.hf.llama import llama_hf_config
+from transformer_jax.interop.hf.mistral import mistral_config_from_hf, mistral_hf_config
+from transformer_jax.interop.hf.registry import family_for_config
 from transformer_jax.models.gpt import GPT, GPTConfig
 
 from .conftest import (ATOL, RTOL, assert_aligned_greedy_matches_hf, assert_gradients_match,

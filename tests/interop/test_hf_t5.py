@@ -1,4 +1,4 @@
-"""T5 parity with Hugging Face ``T5ForConditionalGeneration`` (PyTorch), through ``interop.hf_t5``.
+"""T5 parity with Hugging Face ``T5ForConditionalGeneration`` (PyTorch), through ``interop.hf.t5``.
 
 The HF models and tolerances come from ``conftest.py`` (random weights moved off HF's init:
 norm scales of exactly 1 would hide a swapped norm). Two architectures: v1.0 (ReLU FF,
@@ -17,9 +17,9 @@ import pytest
 
 from transformer_jax.beam_search import beam_search, greedy_search
 from transformer_jax.interop import from_hf, hf_config, to_hf
-from transformer_jax.interop._common import ConversionError
+from transformer_jax.interop.common import ConversionError
 from transformer_jax.interop.hf import from_hf_state_dict
-from transformer_jax.interop.hf_t5 import to_hf_model
+from transformer_jax.interop.hf.t5 import to_hf_model
 from transformer_jax.layers.relative import relative_position_bucket
 from transformer_jax.models.t5 import T5, T5Config
 

@@ -15,7 +15,7 @@ import pytest
 
 from transformer_jax.interop import from_hf, hf_config, to_hf
 from transformer_jax.interop.hf import from_hf_state_dict, to_hf_numpy
-from transformer_jax.interop.hf_vit import vit_to_state_dict
+from transformer_jax.interop.hf.vit import vit_to_state_dict
 from transformer_jax.models.vit import ViT, ViTConfig, resize_pos_embedding
 
 from .conftest import (ATOL, GRAD_ATOL, GRAD_RTOL, RTOL, assert_gradients_match,

@@ -32,7 +32,7 @@ from flax import traverse_util
 
 from transformer_jax.errors import UserError
 from transformer_jax.interop import from_hf, load_peft, to_hf, to_peft
-from transformer_jax.interop._common import flatten_params
+from transformer_jax.interop.common import flatten_params
 from transformer_jax.interop.peft import KEY_PREFIX, lora_sites, read_adapter
 from transformer_jax.layers import lora as lora_lib
 
@@ -42,7 +42,7 @@ from .conftest import (GPT2_TINY, T5_TINY, VIT_TINY, bert_model, clip_model, gpt
 peft = pytest.importorskip("peft")
 from peft.utils import get_peft_model_state_dict  # noqa: E402
 
-HAVE_LLAMA = importlib.util.find_spec("transformer_jax.interop.hf_llama") is not None
+HAVE_LLAMA = importlib.util.find_spec("transformer_jax.interop.hf.llama") is not None
 
 LOGIT_ATOL = 1e-5      # max abs, logits
 GRAD_ATOL = 1e-4       # max abs, adapter gradients

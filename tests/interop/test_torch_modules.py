@@ -1,12 +1,12 @@
-"""fp32 parity of the Flax mirrors (``interop.torch_modules``) with PyTorch modules.
+"""fp32 parity of the Flax mirrors (``interop.torch_nn.modules``, ``interop.tutorial.modules``) with PyTorch modules.
 
 For every module: the forward outputs, the gradients w.r.t. the float inputs and the
 gradients w.r.t. every torch parameter (the JAX gradients mapped through the converter's
 own mapping table, ``to_torch_state_dict``) agree within ``RTOL``/``ATOL``. The loss is
 ``sum(output * cotangent)`` with a fixed random cotangent per output.
 
-The tutorial ("seed") reference modules below are written for this test from the
-descriptions of the seed modules' attribute names and semantics.
+Reference versions of the tutorial's PyTorch modules below are written for this test from the
+descriptions of the tutorial modules' attribute names and semantics.
 
 Torch modules run in eval mode (dropout off) with autograd on, i.e. torch's reference
 ("slow") path; ``TransformerEncoder`` is built with ``enable_nested_tensor=False`` for
@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer_jax.interop._common import ConversionError, StateDictReader
+from transformer_jax.interop.common import ConversionError, StateDictReader
 from transformer_jax.interop.torch import from_torch, to_torch_state_dict
 from transformer_jax.layers import MultiHeadAttention, dot_product_attention
 
@@ -40,7 +40,7 @@ def setup_module():
     torch.set_num_threads(2)
 
 
-# ============================================================================= seed references
+# ============================================================================= tutorial references
 
 class ScaledDotProduct(tnn.Module):
     """softmax(q k^T / sqrt(H), masked) v, with dropout on the weights (inner submodule)."""
@@ -57,7 +57,7 @@ class ScaledDotProduct(tnn.Module):
 
 
 class RefAttention(tnn.Module):
-    """Seed multi-head attention: Linear w_q/w_k/w_v/w_o (or W_*), heads split from D."""
+    """Tutorial multi-head attention: Linear w_q/w_k/w_v/w_o (or W_*), heads split from D."""
 
     def __init__(self, d_model, num_heads, dropout=0.0, capital=False, inner=False):
         super().__init__()
@@ -254,7 +254,7 @@ def check_parity(tmod, inputs, extra=(), *, like=None, overrides=None):
     return fmod, params
 
 
-def causal_keep(t):          # seed convention: 1 = may attend
+def causal_keep(t):          # the tutorial's convention: 1 = may attend
     return torch.tril(torch.ones(t, t))
 
 
@@ -262,11 +262,11 @@ def padding_keep(lengths, s):  # (B, 1, 1, S)
     return (torch.arange(s)[None, :] < torch.tensor(lengths)[:, None]).float()[:, None, None, :]
 
 
-# ============================================================================= seed modules
+# ============================================================================= tutorial modules
 
 @pytest.mark.parametrize("variant", ["plain", "capital_inner"])
 @pytest.mark.parametrize("masking", ["none", "causal", "padding", "causal_padding"])
-def test_seed_attention(variant, masking):
+def test_tutorial_attention(variant, masking):
     m = perturb(RefAttention(D, N, dropout=0.1, capital=variant != "plain",
                              inner=variant != "plain"))
     self_attn = masking in ("causal", "causal_padding")
@@ -278,20 +278,20 @@ def test_seed_attention(variant, masking):
     assert fmod.num_heads == N and fmod.dropout_rate == 0.1
 
 
-def test_seed_positional_encoding():
+def test_tutorial_positional_encoding():
     m = RefPositionalEncoding(D, max_len=64, dropout=0.1).eval()
     fmod, params = check_parity(m, [randn(B, T, D, seed=1)], like=m)
     assert params == {} and fmod.max_len == 64 and fmod.dropout_rate == 0.1
 
 
-def test_seed_positional_encoding_long_table_and_bad_buffer():
+def test_tutorial_positional_encoding_long_table_and_bad_buffer():
     from_torch(RefPositionalEncoding(D))                      # max_len 5000: within the fp32 bound
     with pytest.raises(ValueError, match="'pe'"):
         from_torch(RefPositionalEncoding(D, max_len=64, swap=True))
 
 
 @pytest.mark.parametrize("variant", ["net_gelu", "w12_relu", "sequential_gelu_tanh"])
-def test_seed_feed_forward(variant):
+def test_tutorial_feed_forward(variant):
     if variant == "net_gelu":
         m, act = RefFeedForwardNet(D, F, dropout=0.1), "gelu"
     elif variant == "w12_relu":
@@ -305,7 +305,7 @@ def test_seed_feed_forward(variant):
 
 
 @pytest.mark.parametrize("masking", ["none", "causal", "padding"])
-def test_seed_pre_norm_block(masking):
+def test_tutorial_pre_norm_block(masking):
     m = perturb(RefPreNormBlock(D, N, F, dropout=0.1))
     mask = {"none": None, "causal": causal_keep(T), "padding": padding_keep([T, 4], T)}[masking]
     fmod, _ = check_parity(m, [randn(B, T, D, seed=1)], () if mask is None else (mask,), like=m)
@@ -315,14 +315,14 @@ def test_seed_pre_norm_block(masking):
 @pytest.mark.parametrize("attn_name,w_ff,masking", [("attention", False, "causal"),
                                                     ("self_attn", True, "padding"),
                                                     ("attention", True, "none")])
-def test_seed_post_norm_block(attn_name, w_ff, masking):
+def test_tutorial_post_norm_block(attn_name, w_ff, masking):
     m = perturb(RefPostNormBlock(D, N, F, dropout=0.1, attn_name=attn_name, w_ff=w_ff))
     mask = {"none": None, "causal": causal_keep(T), "padding": padding_keep([T, 4], T)}[masking]
     fmod, _ = check_parity(m, [randn(B, T, D, seed=1)], () if mask is None else (mask,), like=m)
     assert not fmod.pre_norm and fmod.norm_eps == 1e-6
 
 
-def test_seed_block_norm_first_override():
+def test_tutorial_block_norm_first_override():
     m = perturb(RefPostNormBlock(D, N, F, compute_pre_norm=True))
     fmod, _ = check_parity(m, [randn(B, T, D, seed=1)], (causal_keep(T),), like=m,
                            overrides={"norm_first": True})
@@ -330,7 +330,7 @@ def test_seed_block_norm_first_override():
 
 
 @pytest.mark.parametrize("masking", ["none", "causal_padding"])
-def test_seed_decoder_layer(masking):
+def test_tutorial_decoder_layer(masking):
     m = perturb(RefDecoderLayer(D, N, F, dropout=0.1))
     x, enc = randn(B, T, D, seed=1), randn(B, S, D, seed=2)
     extra = () if masking == "none" else (padding_keep([S, 2], S), causal_keep(T))
@@ -526,7 +526,7 @@ def test_round_trip_builtin(kind):
     np.testing.assert_allclose(np.asarray(out), ref.numpy(), rtol=RTOL, atol=ATOL)
 
 
-def test_round_trip_seed_needs_like():
+def test_round_trip_tutorial_needs_like():
     m = perturb(RefDecoderLayer(D, N, F))
     fmod, params = from_torch(m)
     with pytest.raises(TypeError, match="like="):
@@ -623,6 +623,7 @@ def test_dropout_is_opt_in():
 
 def test_import_does_not_import_torch():
     code = ("import sys, transformer_jax, transformer_jax.interop.torch, "
-            "transformer_jax.interop.torch_modules, transformer_jax.interop._common; "
+            "transformer_jax.interop.tutorial.modules, transformer_jax.interop.torch_nn.modules, "
+            "transformer_jax.interop.common; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -15,7 +15,7 @@ from flax import linen as nn
 from flax import traverse_util
 
 from transformer_jax.errors import UserError
-from transformer_jax.interop._common import flatten_params
+from transformer_jax.interop.common import flatten_params
 from transformer_jax.layers import lora as lora_lib
 from transformer_jax.layers.lora import LoraConfig
 from transformer_jax.layers.stack import convert_layout

@@ -1,7 +1,7 @@
 """Prefix tuning (``GPTConfig.prefix_tokens``) against PEFT's ``PrefixTuningConfig``
 (``task_type="CAUSAL_LM"``, ``prefix_projection=False``) on a random tiny HF GPT-2 and
 Llama, given the same prefix tensors: logits, the prefix's gradient, greedy decoding
-through our KV cache, and the adapter files of ``interop.peft_prefix``.
+through our KV cache, and the adapter files of ``interop.peft.prefix``.
 
 What PEFT + transformers do (read from their source, checked here): the prefix is a
 length-P ``past_key_values``, so the real tokens are numbered from P (HF's forward: P +
@@ -20,7 +20,7 @@ import pytest
 
 from transformer_jax.decode import generate
 from transformer_jax.errors import UserError
-from transformer_jax.interop.peft_prefix import (prefix_embeddings, prefix_from_peft,
+from transformer_jax.interop.peft.prefix import (prefix_embeddings, prefix_from_peft,
                                                  prefix_to_peft, with_prefix_embeddings,
                                                  without_prefix)
 from transformer_jax.layers.stack import convert_layout

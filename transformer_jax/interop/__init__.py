@@ -3,14 +3,33 @@
 The public functions are loaded lazily, on first attribute access, so ``import
 transformer_jax.interop`` costs nothing and imports neither torch nor transformers:
 
-  * ``from_torch``, ``to_torch_state_dict`` (:mod:`transformer_jax.interop.torch`): the
-    tutorial modules and ``torch.nn``'s Transformer modules, both ways;
+  * ``from_torch``, ``to_torch_state_dict`` (:mod:`transformer_jax.interop.torch`): PyTorch
+    modules both ways -- ``torch.nn``'s Transformer modules (``MultiheadAttention``,
+    ``TransformerEncoderLayer`` ... ``Transformer``) and the tutorial's PyTorch modules
+    (attention, blocks, embeddings, the whole Transformer, BERT, GPT);
   * ``from_hf``, ``to_hf``, ``to_hf_numpy``, ``hf_config`` (:mod:`transformer_jax.interop.hf`):
     Hugging Face GPT-2, Llama, Mistral, BERT, T5, ViT and CLIP, dispatching on the HF
-    ``model_type`` (one file per family, ``hf_gpt2`` ... ``hf_clip``, over the shared
-    ``registry`` and ``_common``);
+    ``model_type``;
   * ``to_peft``, ``load_peft`` (:mod:`transformer_jax.interop.peft`): LoRA adapters as
     Hugging Face PEFT adapter directories, both ways (``from_hf(..., adapter=dir)`` too).
+
+Layout::
+
+    torch.py        from_torch, to_torch_state_dict: torch.nn's built-ins first, then the
+                    tutorial's modules
+    torch_nn/       torch.nn's Transformer modules: convert.py (converters and the torch
+                    readers both kinds share), modules.py (the Flax mirrors)
+    tutorial/       the tutorial's PyTorch modules: convert.py (the rules, in the order they
+                    are tried, and the whole models), layers.py, detect.py, modules.py (mirrors)
+    hf/             Hugging Face: convert.py (from_hf, to_hf, to_hf_numpy, hf_config),
+                    registry.py, one module per family: gpt2.py, llama.py, mistral.py,
+                    bert.py, t5.py, vit.py, clip.py
+    peft/           PEFT adapter directories: lora.py (LoRA save/load), sites.py (which HF
+                    module holds which Dense), prefix.py (prefix tuning)
+    common.py       the key tables (TensorMap) and the checked state-dict reader every
+                    converter uses
+    torch_train.py  PyTorch twins of a training run (model, loss, AdamW groups, schedule) for
+                    ``transformer-jax compare-torch``
 """
 from __future__ import annotations
 

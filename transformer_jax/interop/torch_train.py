@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from ..errors import UserError
-from ._common import flatten_params, unflatten_params
+from .common import flatten_params, unflatten_params
 
 __all__ = ["lr_lambda", "TorchRecipe", "hf_twin", "transformer_twin", "transformer_state_dict",
            "decayed_names", "mask_like", "cross_entropy_sum", "train_step"]
@@ -142,7 +142,7 @@ def _transformer_mirrors(config: Any):
     """The ``torch.nn.TransformerEncoder``/``Decoder`` mirrors of ``models.transformer``'s stacks."""
     import jax.numpy as jnp
 
-    from .torch_modules import TorchTransformerDecoder, TorchTransformerEncoder
+    from .torch_nn.modules import TorchTransformerDecoder, TorchTransformerEncoder
 
     stack = dict(num_heads=config.num_heads, mlp_dim=config.mlp_features,
                  activation=config.activation, pre_norm=config.pre_norm,

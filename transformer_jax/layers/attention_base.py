@@ -5,7 +5,7 @@ Shape legend (used in every einsum of the library):
   K key/value heads (grouped-query attention: N = K * G), G query heads per kv head,
   H head dim.
 
-Masks follow the seeds' convention (1/True = may attend). Blocked logits are set to
+Masks follow the PyTorch tutorial's convention (1/True = may attend). Blocked logits are set to
 ``NEG``, the most negative fp32 number, rather than -inf, so that a row whose keys are all
 blocked gives the mean of V instead of NaN (PyTorch gives NaN there).
 

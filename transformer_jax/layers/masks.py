@@ -1,6 +1,6 @@
 """Attention masks as pure functions.
 
-Convention (the seeds' convention): a mask entry of 1/True means *may attend*, 0/False
+Convention (the tutorial's convention): a mask entry of 1/True means *may attend*, 0/False
 means *blocked*. Every mask here is boolean and broadcastable to the attention logits'
 shape (B, N, T, S):
 

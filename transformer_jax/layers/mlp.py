@@ -39,7 +39,7 @@ class FeedForward(nn.Module):
     activation: str = "gelu"
     gated: bool = False
     use_bias: bool = True
-    dropout_rate: float = 0.0  # on the hidden activation, as in the seeds' feed-forward
+    dropout_rate: float = 0.0  # on the hidden activation, as in the tutorial's feed-forward
     out_features: int | None = None
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32

@@ -23,7 +23,7 @@ Pooling. The caption is read at its end-of-text token (:func:`pooled_positions`)
 largest id (OpenAI's code: its end-of-text token is the last id of its vocabulary). HF's
 ``CLIPTextTransformer`` chooses by the config's version: argmax for configs with
 ``eos_token_id == 2`` (written before transformers PR 24773, when the id was wrong), else
-the first eos; ``interop.hf_clip`` maps that rule to this field both ways. A row without
+the first eos; ``interop.hf.clip`` maps that rule to this field both ways. A row without
 the token pools at position 0, as in HF.
 
 Logit scale. One learned scalar ``logit_scale`` (init ``logit_scale_init`` = ln(1/0.07));

@@ -16,7 +16,7 @@ Parameter names (unscanned): ``wte``, ``wpe``, ``h_0`` ... ``h_{L-1}`` (each a
 when embeddings are untied, ``lm_head``. With ``scan_layers=True`` the blocks are one
 module ``h`` whose parameters carry a leading (L,) axis (logical axis ``layers``).
 Prefix tuning (``prefix_tokens`` = P > 0) adds ``prefix_key`` and ``prefix_value`` (P, K, H)
-to each ``self_attn`` (``interop.peft_prefix`` converts PEFT's saved prefix).
+to each ``self_attn`` (``interop.peft.prefix`` converts PEFT's saved prefix).
 """
 from __future__ import annotations
 

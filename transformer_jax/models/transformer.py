@@ -21,7 +21,7 @@ Parameter names: ``embed/embedding`` (V, D); ``encoder/layers_{i}`` (``self_attn
 (``self_attn``, ``norm1``, ``cross_attn``, ``norm2``, ``mlp``, ``norm3``) with biases, or
 one scanned ``layers`` module per stack with ``scan_layers=True``;
 ``encoder/norm``, ``decoder/norm`` when ``final_norm``; ``lm_head/kernel`` when untied. The
-stacks' trees are those of :class:`~transformer_jax.interop.torch_modules.TorchTransformer`,
+stacks' trees are those of :class:`~transformer_jax.interop.torch_nn.modules.TorchTransformer`,
 so weights of a ``torch.nn.Transformer`` (``final_norm=True``, ``norm_eps=1e-5``) convert
 through ``interop.from_torch``.
 

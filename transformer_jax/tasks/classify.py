@@ -286,7 +286,7 @@ class ClassifyTask(Task):
         path = self.options["pretrained"]
         if path is None:
             return params
-        from ..interop._common import flatten_params, unflatten_params  # only for this option
+        from ..interop.common import flatten_params, unflatten_params  # only for this option
 
         _, pre = load_params(path)
         if "bert" not in pre:

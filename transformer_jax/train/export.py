@@ -37,7 +37,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 def hf_architecture(config: Any) -> str:
     """The ``transformers`` class a model config exports as (``config.json``'s architectures)."""
-    from ..interop.registry import family_for_config
+    from ..interop.hf.registry import family_for_config
 
     family = family_for_config(config).name
     if family == "bert":
@@ -143,7 +143,7 @@ def export(workdir: str, out_dir: str, *, fmt: str = "hf", merge: bool = False) 
                 to_peft(model, params, staging, base_model_name_or_path=base,
                         modules_to_save=_trained_heads(model, run_config))
             elif prefix:
-                from ..interop.peft_prefix import prefix_to_peft
+                from ..interop.peft.prefix import prefix_to_peft
                 prefix_to_peft(model, params, staging, base_model_name_or_path=base)
             else:
                 raise UserError(f"{workdir} trained no adapters (no model.lora, no "

@@ -16,7 +16,7 @@ returns the module with ``config.lora`` set from ``adapter_config.json`` and the
 ``lora_a`` / ``lora_b`` filled. Torch is never imported.
 
 Which HF module is which Dense. Nothing here names a family's modules: the family's
-:class:`~transformer_jax.interop._common.TensorMap` table (``hf_<family>.<family>_tensor_maps``)
+:class:`~transformer_jax.interop.common.TensorMap` table (``hf/<family>.py``: ``<family>_tensor_maps``)
 does. A 2-D ``<module>.weight`` entry whose targets are Dense kernels is a LoRA site:
 ``nn.Linear`` (weight (out, in), ``transpose=True``) or GPT-2's ``Conv1D`` (weight (in, out);
 ``fan_in_fan_out``). A site may hold several of our Dense layers packed along its output
@@ -68,7 +68,6 @@ import importlib
 import json
 import math
 import os
-import pkgutil
 import re
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -76,11 +75,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..errors import UserError
-from ..layers.lora import ADAPTER_NAMES, LoraConfig
-from ._common import Path, TensorMap, flatten_params, unflatten_params
-from .registry import (HFFamily, family_for_config, plain_params, register_hf_family,
-                       to_layout, without_scan)
+from ...errors import UserError
+from ...layers.lora import ADAPTER_NAMES, LoraConfig
+from ..common import Path, TensorMap, flatten_params, unflatten_params
+from ..hf.registry import plain_params, to_layout, without_scan
+from .sites import (LoraSite, hf_family, lora_scale, lora_sites, match_sites, number, pattern_value,
+                    resolve, suffix_keys, targets_regex, tensor_maps)
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -109,137 +109,13 @@ _SEQ_CLS_HEADS = ("classifier", "score")
 _SAVE_AGAIN = "save the adapter again with PeftModel.save_pretrained(dir, safe_serialization=True)"
 
 
-# ============================================================================ families
-
-def _family(config: Any) -> HFFamily:
-    """The HF family of ``config``. ``interop.hf`` registers the families when imported;
-    where it was not (a model trained here, exported with ``to_peft``), every family file
-    (``hf_*.py``, each exporting ``FAMILY``) of this package is registered first."""
-    try:
-        return family_for_config(config)
-    except TypeError:
-        pass
-    for info in pkgutil.iter_modules([os.path.dirname(__file__)]):
-        if info.name.startswith("hf_"):
-            family = getattr(importlib.import_module(f"{__package__}.{info.name}"), "FAMILY", None)
-            if isinstance(family, HFFamily):
-                register_hf_family(family)
-    return family_for_config(config)
-
-
-def _family_module(config: Any):
-    name = _family(config).name
-    return name, importlib.import_module(f"{__package__}.hf_{name}")
-
-
-def tensor_maps(config: Any, **kwargs: Any) -> list[TensorMap]:
-    """The family table of ``config`` (unscanned), with the key names ``to_hf`` writes.
-
-    By the family files' convention: ``hf_<name>.<name>_tensor_maps(config, **kwargs)``;
-    BERT's also takes the key prefix of its HF class (none for ``BertModel``). ``kwargs``:
-    e.g. ViT's ``layout="legacy"`` (transformers 4 names).
-    """
-    name, family_module = _family_module(config)
-    table = getattr(family_module, f"{name}_tensor_maps", None)
-    if table is None:
-        raise UserError(f"the {name} converter has no tensor table ({family_module.__name__}."
-                        f"{name}_tensor_maps), so its LoRA adapters cannot be mapped to PEFT")
-    if name == "bert":
-        kwargs.setdefault("prefix", "" if config.head == "base" else "bert.")
-    return table(without_scan(config), **kwargs)
-
-
-# ============================================================================ sites
-
-@dataclasses.dataclass(frozen=True)
-class LoraSite:
-    """One HF ``nn.Linear`` / ``Conv1D`` and the Dense layer(s) whose kernel(s) it holds.
-
-    ``module``: its name in the HF model (``transformer.h.0.attn.c_attn``); ``paths``: our
-    Dense paths (unscanned), in the order packed along its output axis; ``in_features``;
-    ``out_each``: the output width of each packed Dense; ``fan_in_fan_out``: a ``Conv1D``.
-    """
-    module: str
-    paths: tuple[Path, ...]
-    in_features: int
-    out_each: int
-    fan_in_fan_out: bool
-
-
-def lora_sites(config: Any, maps: Sequence[TensorMap] | None = None) -> list[LoraSite]:
-    """Every HF module of ``config``'s family that PEFT can put a LoRA adapter on and that
-    holds Dense kernels of ours, from the family table."""
-    sites = []
-    for m in tensor_maps(config) if maps is None else maps:
-        if (m.constant is not None or len(m.shape) != 2 or not m.key.endswith(".weight")
-                or not all(path[-1] == "kernel" for path, _ in m.targets)):
-            continue
-        axes = m._axes()
-        if axes == (1, 0):
-            out_axis, conv1d = 0, False          # nn.Linear: (out, in)
-        elif axes is None:
-            out_axis, conv1d = 1, True           # Conv1D: (in, out)
-        else:
-            continue
-        n = len(m.targets)
-        if n > 1 and m.split_axis != out_axis:
-            continue                             # packed along the input: no per-Dense LoRA
-        sites.append(LoraSite(module=m.key[:-len(".weight")],
-                              paths=tuple(path[:-1] for path, _ in m.targets),
-                              in_features=m.shape[1 - out_axis],
-                              out_each=m.shape[out_axis] // n, fan_in_fan_out=conv1d))
-    return sites
-
-
-def _resolve(name: str, names: Sequence[str], exact: set[str]) -> str | None:
-    """The one table name that is ``name`` up to a leading prefix (an adapter saved from
-    ``GPT2Model`` names ``h.0.attn.c_attn``, the table ``transformer.h.0.attn.c_attn``;
-    from ``BertForMaskedLM`` ``bert.encoder...``, for a ``BertModel`` ``encoder...``)."""
-    if name in exact:
-        return name
-    hits = [t for t in names if t.endswith("." + name) or name.endswith("." + t)]
-    return hits[0] if len(hits) == 1 else None
-
-
-def _suffix_keys(selected: Iterable[str], universe: Iterable[str]) -> list[str]:
-    """For each name in ``selected``, its shortest dotted suffix that matches (PEFT's rule:
-    equal, or ending in ``"." + suffix``) only names in ``selected`` among ``universe``."""
-    selected, universe = set(selected), set(universe) | set(selected)
-    keys = set()
-    for name in selected:
-        parts = name.split(".")
-        for i in range(len(parts) - 1, -1, -1):
-            suffix = ".".join(parts[i:])
-            if all(u in selected for u in universe if u == suffix or u.endswith("." + suffix)):
-                keys.add(suffix)
-                break
-    return sorted(keys)
-
-
-def _pattern_value(patterns: Mapping[str, Any], name: str, default: Any) -> Any:
-    r"""PEFT's ``rank_pattern`` / ``alpha_pattern`` lookup (``utils.other.get_pattern_key``):
-    the first key ``k`` with ``re.match(rf"(.*\.)?({k})$", name)``."""
-    for key, value in patterns.items():
-        if re.match(rf"(.*\.)?({key})$", name):
-            return value
-    return default
-
-
-def _scale(alpha: float, rank: int, rslora: bool) -> float:
-    return alpha / (math.sqrt(rank) if rslora else rank)
-
-
-def _number(x: float) -> int | float:
-    return int(x) if float(x).is_integer() else float(x)
-
-
 # ============================================================================ ours -> PEFT
 
 def _task_type(config: Any) -> str | None:
     """PEFT's task type for the HF class ``to_hf`` targets."""
-    from ..models.bert import BertConfig
-    from ..models.gpt import GPTConfig
-    from ..models.t5 import T5Config
+    from ...models.bert import BertConfig
+    from ...models.gpt import GPTConfig
+    from ...models.t5 import T5Config
 
     if isinstance(config, GPTConfig):
         return "CAUSAL_LM"
@@ -316,7 +192,7 @@ def peft_adapter(module: Any, params: Any, *, modules_to_save: Sequence[str] | N
     unmapped = sorted("/".join(p) for p in set(adapters) - {p for s in sites for p in s.paths})
     if unmapped:
         raise UserError(f"to_peft: LoRA adapters on {unmapped}, which no Hugging Face "
-                        f"nn.Linear/Conv1D of the {_family(config).name} checkpoint holds; "
+                        f"nn.Linear/Conv1D of the {hf_family(config).name} checkpoint holds; "
                         "narrow LoraConfig.targets")
     tensors, ranks, conv1d = {}, {}, False
     for site in sites:
@@ -329,12 +205,12 @@ def peft_adapter(module: Any, params: Any, *, modules_to_save: Sequence[str] | N
 
     def alpha_for(rank):                 # the alpha that keeps our scale at this rank
         ratio = rank / lora.rank
-        return _number(lora.alpha * (math.sqrt(ratio) if lora.use_rslora else ratio))
+        return number(lora.alpha * (math.sqrt(ratio) if lora.use_rslora else ratio))
 
     default_r = collections.Counter(ranks.values()).most_common(1)[0][0]
     rank_pattern, alpha_pattern = {}, {}
     for rank in sorted(set(ranks.values()) - {default_r}):
-        for key in _suffix_keys([m for m, k in ranks.items() if k == rank], ranks):
+        for key in suffix_keys([m for m, k in ranks.items() if k == rank], ranks):
             rank_pattern[re.escape(key)], alpha_pattern[re.escape(key)] = rank, alpha_for(rank)
     if task_type == "auto":
         task_type = _task_type(config)
@@ -346,7 +222,7 @@ def peft_adapter(module: Any, params: Any, *, modules_to_save: Sequence[str] | N
         "peft_type": "LORA", "task_type": task_type,
         "base_model_name_or_path": base_model_name_or_path,
         "r": default_r, "lora_alpha": alpha_for(default_r), "lora_dropout": lora.dropout,
-        "target_modules": _suffix_keys(ranks, [s.module for s in sites]),
+        "target_modules": suffix_keys(ranks, [s.module for s in sites]),
         "fan_in_fan_out": conv1d, "use_rslora": lora.use_rslora,
         "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern,
         "modules_to_save": list(modules_to_save) or None,
@@ -494,51 +370,6 @@ def _split_tensors(tensors: Mapping[str, np.ndarray], weights: str):
     return lora_ab, extras
 
 
-def _match_sites(config: Any, names: Iterable[str], adapter_config: dict, where: str):
-    """``(table, {adapter module: site})``: the table with the key names ``to_hf`` writes,
-    else another key layout the family reads (ViT: transformers 4's names) in which every
-    adapted module has its site; a module with none is refused, named."""
-    names = list(names)
-    layouts = getattr(_family_module(config)[1], "LAYOUTS", ())
-    first = None
-    for variant in [{}] + [{"layout": layout} for layout in layouts]:
-        maps = tensor_maps(config, **variant)
-        by_module = {s.module: s for s in lora_sites(config, maps)}
-        site_names, exact = list(by_module), set(by_module)
-        hits = {name: _resolve(name, site_names, exact) for name in names}
-        missed = sorted(n for n, hit in hits.items() if hit is None)
-        first = first or (maps, missed)
-        if not missed:
-            if len(set(hits.values())) != len(hits):
-                raise UserError(f"{where}: several adapter modules map to one module: {hits}")
-            return maps, {name: by_module[hit] for name, hit in hits.items()}
-    raise UserError(f"{where}: the adapter targets Hugging Face module(s) with no LoRA-capable "
-                    f"Dense in transformer_jax's {_family(config).name} model: {first[1][:8]} "
-                    f"(target_modules={adapter_config.get('target_modules')!r}); such adapters "
-                    "cannot be loaded")
-
-
-def _targets_regex(paths: Iterable[Path], stacks: Sequence[tuple[Path, str, int]]) -> str:
-    """An anchored regex matching each Dense path in every layer of its stack, unrolled
-    (``h_0/self_attn/query``) and scanned (``h/self_attn/query``)."""
-    groups: dict[str, set[str]] = {}
-    for path in paths:
-        parts = []
-        for i, part in enumerate(path):
-            for parent, name, _ in stacks:
-                if tuple(path[:i]) == tuple(parent) and re.fullmatch(rf"{re.escape(name)}_\d+", part):
-                    parts.append(re.escape(name) + r"(?:_\d+)?")
-                    break
-            else:
-                parts.append(re.escape(part))
-        groups.setdefault("/".join(parts[:-1]), set()).add(parts[-1])
-    alternatives = []
-    for prefix, lasts in sorted(groups.items()):
-        last = next(iter(lasts)) if len(lasts) == 1 else "(?:" + "|".join(sorted(lasts)) + ")"
-        alternatives.append(f"{prefix}/{last}" if prefix else last)
-    return "^(?:" + "|".join(alternatives) + ")$"
-
-
 # ============================================================================ params
 
 def _init_params(module: Any) -> Any:
@@ -607,14 +438,14 @@ def _per_module(lora_ab, sites, adapter_config, weights):
     out = {}
     for name, ab in lora_ab.items():
         site, a, b = sites[name], ab["A"], ab["B"]
-        rank = int(_pattern_value(adapter_config.get("rank_pattern") or {}, name, r0))
+        rank = int(pattern_value(adapter_config.get("rank_pattern") or {}, name, r0))
         want_a, want_b = (rank, site.in_features), (site.out_each * len(site.paths), rank)
         if a.shape != want_a or b.shape != want_b:
             raise UserError(f"{weights}: shape mismatch at {name}: lora_A {a.shape}, lora_B "
                             f"{b.shape}; the base model and adapter_config.json (r={rank}) "
                             f"expect {want_a} and {want_b}: is the adapter for another model?")
-        alpha = float(_pattern_value(adapter_config.get("alpha_pattern") or {}, name, alpha0))
-        out[name] = (site, a, b, _scale(alpha, rank, rslora))
+        alpha = float(pattern_value(adapter_config.get("alpha_pattern") or {}, name, alpha0))
+        out[name] = (site, a, b, lora_scale(alpha, rank, rslora))
     return out
 
 
@@ -626,7 +457,7 @@ def _loaded_lora(old: LoraConfig | None, adapter_config: dict, big_r: int,
     ratio = big_r / r0
     alpha = alpha0 if big_r == r0 else alpha0 * (math.sqrt(ratio) if rslora else ratio)
     return dataclasses.replace(
-        old or LoraConfig(), rank=big_r, alpha=float(alpha), targets=_targets_regex(paths, stacks),
+        old or LoraConfig(), rank=big_r, alpha=float(alpha), targets=targets_regex(paths, stacks),
         dropout=float(adapter_config.get("lora_dropout") or 0.0), use_rslora=rslora)
 
 
@@ -655,7 +486,7 @@ def _extra_leaves(extras, maps, adapter_config, family: str, where: str, weights
     keys, exact = list(table), set(table)
     new, bad = {}, []
     for name, array in extras.items():
-        hit = _resolve(name, keys, exact)
+        hit = resolve(name, keys, exact)
         if hit is None:
             bad.append(name)
             continue
@@ -689,7 +520,7 @@ def load_peft(module: Any, params: Any, adapter_dir: str | os.PathLike) -> tuple
     weights = os.path.join(where, ADAPTER_WEIGHTS)
     config = module.config
     lora_ab, extras = _split_tensors(tensors, weights)
-    maps, sites = _match_sites(config, lora_ab, adapter_config, where)
+    maps, sites = match_sites(config, lora_ab, adapter_config, where)
     per_module = _per_module(lora_ab, sites, adapter_config, weights)
     # one rank R and one scale for all: pad to R, fold each module's scale into its B
     big_r = max(a.shape[0] for _, a, _, _ in per_module.values())
@@ -698,5 +529,5 @@ def load_peft(module: Any, params: Any, adapter_dir: str | os.PathLike) -> tuple
                         config.layer_stacks)
     module = module.clone(config=config.replace(lora=lora))
     new = _adapter_leaves(per_module, adapter_shapes(module), big_r, lora.scaling, where)
-    new.update(_extra_leaves(extras, maps, adapter_config, _family(config).name, where, weights))
+    new.update(_extra_leaves(extras, maps, adapter_config, hf_family(config).name, where, weights))
     return module, _finish(module, _base_flat(module, params), new)

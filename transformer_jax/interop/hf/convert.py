@@ -14,22 +14,22 @@ importing this module, and loading a ``save_pretrained`` directory (``config.jso
 ``model.safetensors`` or a sharded ``model.safetensors.index.json``), never import torch.
 
 Families. ``from_hf`` reads the HF config's ``model_type`` and dispatches through the
-registry (:mod:`transformer_jax.interop.registry`); ``to_hf``/``hf_config`` dispatch on the
+registry (:mod:`transformer_jax.interop.hf.registry`); ``to_hf``/``hf_config`` dispatch on the
 flax config's type (a ``GPTConfig`` with Llama's settings, ``position="rope"``, ``norm="rmsnorm"``,
 ``gated_mlp``, silu, no biases, goes to Llama, or to Mistral when it has an
-``attention_window``; any other to GPT-2). One file per family holds its key table and
+``attention_window``; any other to GPT-2). One module per family holds its key table and
 config mapping:
 
-    model_type   flax model   file
-    gpt2         GPT          hf_gpt2.py   GPT2LMHeadModel, GPT2Model
-    llama        GPT          hf_llama.py  LlamaForCausalLM, LlamaModel
-    mistral      GPT          hf_mistral.py  MistralForCausalLM, MistralModel (Llama's
-                                           table + sliding_window = attention_window)
-    bert         Bert         hf_bert.py   BertForPreTraining, BertForMaskedLM, BertModel,
-                                           BertForSequenceClassification
-    t5           T5           hf_t5.py     T5ForConditionalGeneration
-    vit          ViT          hf_vit.py    ViTForImageClassification, ViTModel
-    clip         CLIP         hf_clip.py   CLIPModel
+    model_type   flax model   module (hf/)   HF classes
+    gpt2         GPT          gpt2.py        GPT2LMHeadModel, GPT2Model
+    llama        GPT          llama.py       LlamaForCausalLM, LlamaModel
+    mistral      GPT          mistral.py     MistralForCausalLM, MistralModel (Llama's
+                                             table + sliding_window = attention_window)
+    bert         Bert         bert.py        BertForPreTraining, BertForMaskedLM, BertModel,
+                                             BertForSequenceClassification
+    t5           T5           t5.py          T5ForConditionalGeneration
+    vit          ViT          vit.py         ViTForImageClassification, ViTModel
+    clip         CLIP         clip.py        CLIPModel
 
 Each converts both parameter layouts: unrolled layers, or one scanned stack (``scan_layers``).
 Every key and shape is asserted; a mismatch raises ``ConversionError`` (a
@@ -43,13 +43,13 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
-from ..errors import UserError
-from . import hf_bert, hf_clip, hf_gpt2, hf_llama, hf_mistral, hf_t5, hf_vit
+from ...errors import UserError
+from . import bert, clip, gpt2, llama, mistral, t5, vit
 from .registry import (family_for_config, family_for_model_type, register_hf_family,
                        supported_model_types, torch_tensors)
 
-for _family in (hf_gpt2.FAMILY, hf_llama.FAMILY, hf_mistral.FAMILY, hf_bert.FAMILY, hf_t5.FAMILY,
-                hf_vit.FAMILY, hf_clip.FAMILY):
+for _family in (gpt2.FAMILY, llama.FAMILY, mistral.FAMILY, bert.FAMILY, t5.FAMILY,
+                vit.FAMILY, clip.FAMILY):
     register_hf_family(_family)
 
 
@@ -272,7 +272,7 @@ def from_hf(model_or_local_dir: Any, *, adapter: str | os.PathLike | None = None
     module, params = from_hf_state_dict(config, state_dict, **overrides)
     if adapter is None and lora is None:
         return module, params
-    from . import peft                       # lazy: hf <- peft
+    from .. import peft                       # lazy: hf <- peft
     if adapter is None:
         return peft.add_adapters(module, params, lora)
     if lora is not None:                     # its quantize settings stay; the rest is the adapter's

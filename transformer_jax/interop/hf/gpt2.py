@@ -47,9 +47,9 @@ from typing import Any, Mapping
 import jax.numpy as jnp
 import numpy as np
 
-from ..errors import UserError
-from ..models.gpt import GPT, GPTConfig
-from ._common import (ConversionError, Path, StateDictReader, TensorMap, attention_mismatches,
+from ...errors import UserError
+from ...models.gpt import GPT, GPTConfig
+from ..common import (ConversionError, Path, StateDictReader, TensorMap, attention_mismatches,
                       dump_state_dict, layer_norm, linear, load_params)
 from .registry import (OUR_ACTIVATIONS_TO_HF, HFFamily, activation_from_hf,
                        activation_to_hf, cast_params, check_table, plain_params, to_layout,

@@ -6,7 +6,7 @@ untied head: ``position="rope"``, ``norm="rmsnorm"``, ``gated_mlp=True``,
 ``activation="silu"``, ``use_bias=False`` (the ``llama-*`` presets of ``GPTConfig``).
 Since GPT-2 converts to the same ``GPTConfig``, ``to_hf``/``hf_config`` pick this family for
 a ``GPTConfig`` with exactly these settings and no sliding window (:func:`is_llama_config`),
-Mistral (:mod:`~transformer_jax.interop.hf_mistral`: this layout and table plus
+Mistral (:mod:`~transformer_jax.interop.hf.mistral`: this layout and table plus
 ``attention_window``) for these settings with a window, and GPT-2 otherwise. A linear or
 sparse ``attention`` is refused by name (HF runs full softmax attention).
 
@@ -58,11 +58,11 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ..errors import UserError
-from ..models.gpt import GPT, GPTConfig
-from ._common import (ConversionError, StateDictReader, TensorMap, attention_mismatches,
+from ...errors import UserError
+from ...models.gpt import GPT, GPTConfig
+from ..common import (ConversionError, StateDictReader, TensorMap, attention_mismatches,
                       layer_norm, linear)
-from .hf_gpt2 import causal_lm_from_state_dict, causal_lm_to_state_dict
+from .gpt2 import causal_lm_from_state_dict, causal_lm_to_state_dict
 from .registry import HFFamily, activation_from_hf
 
 #: HF config attribute <-> GPTConfig field, one table for both directions.

@@ -63,9 +63,9 @@ from typing import Any, Mapping
 import jax.numpy as jnp
 import numpy as np
 
-from ..errors import UserError
-from ..models.t5 import T5, T5Config
-from ._common import (ConversionError, StateDictReader, TensorMap, as_numpy, dump_state_dict,
+from ...errors import UserError
+from ...models.t5 import T5, T5Config
+from ..common import (ConversionError, StateDictReader, TensorMap, as_numpy, dump_state_dict,
                       linear, load_params)
 from .registry import (HF_ACTIVATIONS, HFFamily, activation_to_hf, cast_params,
                        check_table, plain_params, to_layout, torch_tensors, without_scan)

@@ -1,4 +1,4 @@
-# The seeds' own PyTorch code, kept verbatim as TEST DATA for tests/interop/test_torch_seeds.py.
+# The tutorial's own PyTorch code, kept verbatim as TEST DATA for tests/interop/test_torch_tutorial.py.
 #
 # Source: ../shared/seeds/transformer_architecture_applications.txt (TransformerConfig,
 # InputEmbedding, PositionalEncoding, ScaledDotProductAttention, MultiHeadAttention,
@@ -8,7 +8,7 @@
 # copied unchanged, bugs included: the converter is tested against what they compute. This is
 # not project code; nothing under transformer_jax/ may copy it.
 #
-# Only the module-level names the seed code uses without defining them are supplied here:
+# Only the module-level names the tutorial's code uses without defining them are supplied here:
 #   * ``F`` (torch.nn.functional): ScaledDotProductAttention calls F.softmax, but the
 #     applications text imports only torch, torch.nn and math;
 #   * ``max_seq_len`` and ``dropout``: InputEmbedding.__init__ reads these free names (they

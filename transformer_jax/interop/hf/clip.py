@@ -74,9 +74,9 @@ from typing import Any, Mapping
 import jax.numpy as jnp
 import numpy as np
 
-from ..errors import UserError
-from ..models.clip import CLIP, CLIPConfig, resize_params
-from ._common import (ConversionError, Path, StateDictReader, TensorMap, dump_state_dict,
+from ...errors import UserError
+from ...models.clip import CLIP, CLIPConfig, resize_params
+from ..common import (ConversionError, Path, StateDictReader, TensorMap, dump_state_dict,
                       layer_norm, linear, load_params, refuse_attention_options)
 from .registry import (HFFamily, activation_from_hf, activation_to_hf, cast_params,
                        check_table, plain_params, to_layout, without_scan)

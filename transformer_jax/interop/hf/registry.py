@@ -1,11 +1,12 @@
 """What every Hugging Face family converter shares: the registry, activations, shapes, layouts.
 
-The family files (``hf_gpt2``, ``hf_llama``, ``hf_mistral``, ``hf_bert``, ``hf_t5``, ``hf_vit``,
-``hf_clip``) each describe their checkpoint as one
-:class:`~transformer_jax.interop._common.TensorMap` table and export one :class:`HFFamily`; :mod:`transformer_jax.interop.hf` registers them and dispatches on
+The family modules of this package (``gpt2``, ``llama``, ``mistral``, ``bert``, ``t5``, ``vit``,
+``clip``) each describe their checkpoint as one
+:class:`~transformer_jax.interop.common.TensorMap` table and export one :class:`HFFamily`;
+:mod:`transformer_jax.interop.hf.convert` registers them and dispatches on
 the HF ``model_type`` (HF -> flax) or on the flax config (flax -> HF: its type, and for a type
 two families share, :attr:`HFFamily.matches`). Imports go one way:
-``_common`` <- ``registry`` <- family files <- ``hf``.
+``common`` <- ``registry`` <- family modules <- ``convert``.
 
 Every family converts the same way, with the helpers below:
 
@@ -25,9 +26,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..errors import UserError
-from ..layers.stack import convert_layout
-from ._common import ConversionError, Path, Shape, TensorMap, flatten_params
+from ...errors import UserError
+from ...layers.stack import convert_layout
+from ..common import ConversionError, Path, Shape, TensorMap, flatten_params
 
 # ============================================================================ registry
 

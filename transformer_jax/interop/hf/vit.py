@@ -57,9 +57,9 @@ from typing import Any, Mapping
 import jax.numpy as jnp
 import numpy as np
 
-from ..errors import UserError
-from ..models.vit import ViT, ViTConfig, resize_params
-from ._common import (ConversionError, StateDictReader, TensorMap, dump_state_dict, layer_norm,
+from ...errors import UserError
+from ...models.vit import ViT, ViTConfig, resize_params
+from ..common import (ConversionError, StateDictReader, TensorMap, dump_state_dict, layer_norm,
                       linear, load_params, refuse_attention_options)
 from .registry import (HFFamily, activation_from_hf, activation_to_hf, cast_params,
                        check_table, plain_params, to_layout, without_scan)
@@ -117,7 +117,7 @@ def vit_config_from_hf(config: Mapping[str, Any], **overrides: Any) -> ViTConfig
 
 def _refuse_clip_options(config: ViTConfig) -> None:
     """HF's ViT has a patch bias and no LayerNorm before the blocks (CLIP's vision tower,
-    ``interop.hf_clip``, has the other two)."""
+    ``interop.hf.clip``, has the other two)."""
     bad = [f"{name}={getattr(config, name)!r}" for name, plain in
            (("patch_bias", True), ("embedding_norm", False)) if getattr(config, name) != plain]
     if bad:

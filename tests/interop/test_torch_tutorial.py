@@ -1,4 +1,4 @@
-"""``from_torch`` on the tutorials' own PyTorch classes (``seed_classes.py``, kept verbatim).
+"""``from_torch`` on the tutorials' own PyTorch classes (``tutorial_classes.py``, kept verbatim).
 
 Each class is first run in PyTorch. Those that run convert, with fp32 forward parity
 (``RTOL``/``ATOL``), gradient parity w.r.t. every parameter for the grouped-query attention
@@ -20,7 +20,7 @@ tutorial's 1 = may attend) is reproduced as written; a subclass with a causal ma
 to the causal variant. Modules run in eval mode (dropout off) with autograd on.
 
 Sizes: B=2, S=7 source and T=5 target tokens, D=32, N=4 heads (K=2 key/value heads), F=64,
-V=50, 2 layers; the learned position table holds ``seed.max_seq_len`` = 16 positions and
+V=50, 2 layers; the learned position table holds ``tutorial.max_seq_len`` = 16 positions and
 the sinusoidal one 24.
 """
 import math
@@ -32,7 +32,7 @@ import pytest
 
 from transformer_jax.interop.torch import from_torch, to_torch_state_dict
 
-from . import seed_classes as seed
+from . import tutorial_classes as tutorial
 from .conftest import ATOL, RTOL, torch
 
 B, S, T, D, N, K, F, V, L = 2, 7, 5, 32, 4, 2, 64, 50, 2
@@ -43,12 +43,12 @@ def setup_module():
 
 
 def config(vocab_size=V):
-    return seed.TransformerConfig(vocab_size=vocab_size, d_model=D, n_heads=N, n_layers=L, d_ff=F,
+    return tutorial.TransformerConfig(vocab_size=vocab_size, d_model=D, n_heads=N, n_layers=L, d_ff=F,
                                   dropout=0.1, max_seq_len=24)
 
 
-class CompletedGQA(seed.GroupedQueryAttention):
-    """The seed's GroupedQueryAttention with the forward it lacks, written for this test:
+class CompletedGQA(tutorial.GroupedQueryAttention):
+    """The tutorial's GroupedQueryAttention with the forward it lacks, written for this test:
     batch-first inputs, key/value head k shared by query heads k*N/K ... (k+1)*N/K - 1."""
 
     def forward(self, query, key, value, mask=None):
@@ -65,8 +65,8 @@ class CompletedGQA(seed.GroupedQueryAttention):
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
 
 
-class CausalTransformer(seed.Transformer):
-    """The seed Transformer with generate_mask in the tutorial's own convention (1 = may attend)."""
+class CausalTransformer(tutorial.Transformer):
+    """The tutorial's Transformer with generate_mask in the tutorial's own convention (1 = may attend)."""
 
     def generate_mask(self, size):
         return torch.tril(torch.ones(size, size)).bool()
@@ -178,9 +178,9 @@ def assert_round_trip(tmod, fresh, inputs):
 def test_refused_classes_fail_in_pytorch_too():
     x = randn(B, S, D, seed_=1)
     with pytest.raises(NotImplementedError, match="forward"):
-        seed.GroupedQueryAttention(D, N, K)(x)
-    assert seed.SlidingWindowAttention(D, N, window_size=3)(x, x, x) is None
-    for cls in (seed.BERT, seed.GPT):
+        tutorial.GroupedQueryAttention(D, N, K)(x)
+    assert tutorial.SlidingWindowAttention(D, N, window_size=3)(x, x, x) is None
+    for cls in (tutorial.BERT, tutorial.GPT):
         with pytest.raises(RuntimeError, match="cannot be multiplied"):
             cls(config())(ids(B, S, seed_=2), torch.ones(B, S))
 
@@ -199,18 +199,18 @@ def test_grouped_query_attention():
 
 
 def test_input_embedding():
-    m = build(lambda: seed.InputEmbedding(V, D))
+    m = build(lambda: tutorial.InputEmbedding(V, D))
     tokens = ids(B, S, seed_=1)
     fmod, params, _ = assert_forward(m, [tokens])
-    assert (fmod.max_len, fmod.dropout_rate) == (seed.max_seq_len, seed.dropout)
-    assert params["position_embedding"].shape == (1, seed.max_seq_len, D)
-    assert_round_trip(m, seed.InputEmbedding(V, D).eval(), [tokens])
+    assert (fmod.max_len, fmod.dropout_rate) == (tutorial.max_seq_len, tutorial.dropout)
+    assert params["position_embedding"].shape == (1, tutorial.max_seq_len, D)
+    assert_round_trip(m, tutorial.InputEmbedding(V, D).eval(), [tokens])
     with pytest.raises(ValueError, match="exceeds the learned position table"):
-        fmod.apply({"params": params}, jnp.zeros((1, seed.max_seq_len + 1), jnp.int32))
+        fmod.apply({"params": params}, jnp.zeros((1, tutorial.max_seq_len + 1), jnp.int32))
 
 
 def test_scaled_dot_product_attention():
-    m = seed.ScaledDotProductAttention(dropout=0.1).eval()
+    m = tutorial.ScaledDotProductAttention(dropout=0.1).eval()
     h = D // N
     q, k, v = randn(B, N, T, h, seed_=1), randn(B, N, S, h, seed_=2), randn(B, N, S, h + 2, seed_=3)
     fmod, params, _ = assert_forward(m, [q, k, v])
@@ -223,31 +223,31 @@ def test_scaled_dot_product_attention():
     mask3[:, 0] = 0
     assert_forward(m, [q, k, v, mask3])
     assert_forward(m, [q[0], k[0], v[0], mask3])              # (N, T, H): no batch axis
-    assert_round_trip(m, seed.ScaledDotProductAttention(dropout=0.1).eval(), [q, k, v])
+    assert_round_trip(m, tutorial.ScaledDotProductAttention(dropout=0.1).eval(), [q, k, v])
 
 
 def test_patch_embed():
-    m = build(lambda: seed.PatchEmbed(img_size=16, patch=4, in_ch=3, d_model=D))
+    m = build(lambda: tutorial.PatchEmbed(img_size=16, patch=4, in_ch=3, d_model=D))
     images = randn(B, 3, 18, 16, seed_=1)          # 18 rows: the last 2 fill no patch
     fmod, params, _ = assert_forward(m, [images])
     assert fmod.patch_size == (4, 4) and params["proj"]["kernel"].shape == (4, 4, 3, D)
-    assert_round_trip(m, seed.PatchEmbed(img_size=16, patch=4, in_ch=3, d_model=D).eval(), [images])
+    assert_round_trip(m, tutorial.PatchEmbed(img_size=16, patch=4, in_ch=3, d_model=D).eval(), [images])
 
 
 def test_transformer_encoder_only():
-    m = build(lambda: seed.Transformer(config(), encoder_only=True))
+    m = build(lambda: tutorial.Transformer(config(), encoder_only=True))
     fmod, _, _ = assert_forward(m, [ids(B, S, seed_=1)])
     assert fmod.encoder_only and fmod.num_layers == L and not fmod.pre_norm
 
 
 def test_transformer_encoder_decoder():
     """Whole model: forward and gradients; the decoder mask is the tutorial's, as written."""
-    m = build(lambda: seed.Transformer(config()))
+    m = build(lambda: tutorial.Transformer(config()))
     inputs = [ids(B, S, seed_=1), ids(B, T, seed_=2)]
     fmod, _, _ = assert_forward_and_gradients(m, inputs)
     assert fmod.decoder_mask == "future" and fmod.num_decoder_layers == L
-    assert (fmod.max_len, fmod.pe_max_len, fmod.dropout_rate) == (seed.max_seq_len, 24, 0.1)
-    assert_round_trip(m, seed.Transformer(config()).eval(), inputs)
+    assert (fmod.max_len, fmod.pe_max_len, fmod.dropout_rate) == (tutorial.max_seq_len, 24, 0.1)
+    assert_round_trip(m, tutorial.Transformer(config()).eval(), inputs)
 
 
 def test_transformer_with_causal_generate_mask():
@@ -259,11 +259,11 @@ def test_transformer_with_causal_generate_mask():
 @pytest.mark.parametrize("cls", ["BERT", "GPT"])
 def test_bert_gpt_when_vocab_equals_width(cls):
     """vocab_size == d_model: the tutorial's classes run; converted as written."""
-    m = build(lambda: getattr(seed, cls)(config(vocab_size=D)))
+    m = build(lambda: getattr(tutorial, cls)(config(vocab_size=D)))
     inputs = [ids(B, S, seed_=1, vocab=D), torch.ones(B, S)]
     fmod, _, _ = assert_forward(m, inputs)
     assert fmod.encoder_only and fmod.vocab_size == D
-    assert_round_trip(m, getattr(seed, cls)(config(vocab_size=D)).eval(), inputs)
+    assert_round_trip(m, getattr(tutorial, cls)(config(vocab_size=D)).eval(), inputs)
 
 
 # ============================================================================= refused
@@ -271,24 +271,24 @@ def test_bert_gpt_when_vocab_equals_width(cls):
 def test_grouped_query_attention_as_written_is_refused():
     with pytest.raises(ValueError, match=r"(?s)GroupedQueryAttention has no forward\(\).*"
                                          r"subclass.*num_kv_heads"):
-        from_torch(seed.GroupedQueryAttention(D, N, K))
+        from_torch(tutorial.GroupedQueryAttention(D, N, K))
 
 
 def test_sliding_window_attention_is_refused():
     with pytest.raises(ValueError, match=r"(?s)SlidingWindowAttention.forward is a stub.*"
                                          r"attention_window.*sliding_window_mask"):
-        from_torch(seed.SlidingWindowAttention(D, N, window_size=3))
+        from_torch(tutorial.SlidingWindowAttention(D, N, window_size=3))
 
 
 @pytest.mark.parametrize("cls,head", [("BERT", "pooler"), ("GPT", "lm_head")])
 def test_bert_gpt_refused_when_vocab_differs_from_width(cls, head):
     with pytest.raises(ValueError, match=rf"(?s)tutorial's {cls} cannot run with vocab_size=50 != "
                                          rf"d_model=32.*{head}.*vocabulary logits"):
-        from_torch(getattr(seed, cls)(config()))
+        from_torch(getattr(tutorial, cls)(config()))
 
 
 def test_unsupported_generate_mask_is_refused():
-    m = seed.Transformer(config())
+    m = tutorial.Transformer(config())
     m.generate_mask = lambda size: torch.ones(size, size)
     with pytest.raises(ValueError, match="generate_mask.*triu"):
         from_torch(m)
@@ -299,13 +299,13 @@ def test_unsupported_generate_mask_is_refused():
 def test_dropout_is_opt_in():
     """Deterministic by default; ``deterministic=False`` with a dropout rng applies the rates read."""
     rngs = {"dropout": jax.random.PRNGKey(0)}
-    fmod, params = from_torch(seed.ScaledDotProductAttention(dropout=0.5))
+    fmod, params = from_torch(tutorial.ScaledDotProductAttention(dropout=0.5))
     q = jnp.ones((B, N, T, 8))
     out, weights = fmod.apply({}, q, q, q, deterministic=False, rngs=rngs)
     assert np.any(np.asarray(weights) == 0) and not np.allclose(out, fmod.apply({}, q, q, q)[0])
-    fmod, params = from_torch(seed.InputEmbedding(V, D))
+    fmod, params = from_torch(tutorial.InputEmbedding(V, D))
     x = jnp.asarray(ids(B, S, seed_=1).numpy())
     dropped = np.asarray(fmod.apply({"params": params}, x, deterministic=False, rngs=rngs))
-    assert fmod.dropout_rate == seed.dropout and np.any(dropped == 0)
-    np.testing.assert_allclose(dropped[dropped != 0] * (1 - seed.dropout),
+    assert fmod.dropout_rate == tutorial.dropout and np.any(dropped == 0)
+    np.testing.assert_allclose(dropped[dropped != 0] * (1 - tutorial.dropout),
                                np.asarray(fmod.apply({"params": params}, x))[dropped != 0], rtol=1e-6)

@@ -1,7 +1,7 @@
 """Hugging Face Mistral (``MistralForCausalLM``, ``MistralModel``) <-> :class:`~transformer_jax.models.gpt.GPT`.
 
 Reached through :mod:`transformer_jax.interop.hf` (``model_type="mistral"``). A Mistral
-checkpoint is a Llama checkpoint (:mod:`~transformer_jax.interop.hf_llama`: the same keys,
+checkpoint is a Llama checkpoint (:mod:`~transformer_jax.interop.hf.llama`: the same keys,
 shapes, RoPE, RMSNorm, SwiGLU and grouped-query attention; its tensor table and config
 mapping are reused here) plus a causal sliding window: HF's ``sliding_window`` W lets query
 i see keys j with ``i - W < j <= i`` (``masking_utils``' ``kv_idx > q_idx - sliding_window``),
@@ -29,10 +29,10 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ..errors import UserError
-from ..models.gpt import GPT, GPTConfig
-from .hf_gpt2 import causal_lm_from_state_dict, causal_lm_to_state_dict
-from .hf_llama import (LLAMA_HF_DEFAULTS, check_llama_layout, has_llama_layout,
+from ...errors import UserError
+from ...models.gpt import GPT, GPTConfig
+from .gpt2 import causal_lm_from_state_dict, causal_lm_to_state_dict
+from .llama import (LLAMA_HF_DEFAULTS, check_llama_layout, has_llama_layout,
                        llama_layout_config_from_hf, llama_layout_hf_values, llama_tensor_maps,
                        take_rope_buffers)
 from .registry import HFFamily
@@ -112,7 +112,7 @@ def _mistral_from_state_dict(config: Mapping[str, Any], state_dict: Mapping[str,
 
 def mistral_to_state_dict(module: GPT, params: Any) -> dict[str, np.ndarray]:
     """``(GPT, params)`` -> ``MistralForCausalLM`` state dict of numpy arrays (Llama's keys;
-    see :func:`~transformer_jax.interop.hf_llama.llama_to_state_dict`)."""
+    see :func:`~transformer_jax.interop.hf.llama.llama_to_state_dict`)."""
     return causal_lm_to_state_dict(module, params, _check_mistral_compatible, llama_tensor_maps,
                                    "model.embed_tokens.weight")
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import UserError
+from ...errors import UserError
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
