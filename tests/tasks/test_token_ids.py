@@ -129,7 +129,7 @@ def nothing_runs(monkeypatch):
     """The jitted loops fail the test if they are reached (traced, compiled or run)."""
     def fail(*args, **kwargs):
         raise AssertionError("a search ran")
-    for mod, name in ((decode_lib, "_generate"), (beam_lib, "_greedy"), (beam_lib, "_beam")):
+    for mod, name in ((decode_lib, "jitted_generate"), (beam_lib, "_greedy"), (beam_lib, "_beam")):
         monkeypatch.setattr(mod, name, fail)
 
 

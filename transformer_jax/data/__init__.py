@@ -15,16 +15,9 @@ Typical use::
     state = it.get_state()    # JSON-serialisable; it.set_state(state) resumes
 """
 
-from transformer_jax.data.pipeline import (
-    Batch,
-    LMIterator,
-    default_data_dir,
-    load_texts,
-    make_lm_iterator,
-    open_source,
-    pack_documents,
-    permutation,
-)
+from transformer_jax.data.pipeline import Batch, LMIterator, make_lm_iterator, pack_documents
+from transformer_jax.data.shuffle import permutation
+from transformer_jax.data.sources import default_data_dir, load_texts, open_source
 from transformer_jax.data.hf_tokenizer import HFTokenizer
 from transformer_jax.data.tokenizers import (
     ByteTokenizer,

@@ -54,7 +54,7 @@ from typing import Any
 import numpy as np
 
 from transformer_jax import storage
-from transformer_jax.data.tokenizer_base import Tokenizer, _ids_as_list
+from transformer_jax.data.tokenizer_base import Tokenizer, ids_as_list
 from transformer_jax.errors import UserError
 
 __all__ = ["HFTokenizer"]
@@ -490,7 +490,7 @@ class HFTokenizer(Tokenizer):
         """The text of ``ids``; special tokens (pad, eos, ...) skipped unless
         ``skip_special=False``; ids outside the vocabulary always dropped."""
         drop = self.all_special_ids if skip_special else frozenset()
-        kept = [i for i in _ids_as_list(ids) if 0 <= i < self._size and i not in drop]
+        kept = [i for i in ids_as_list(ids) if 0 <= i < self._size and i not in drop]
         if self.backend == "tokenizers":
             text = self._tok.decode(kept, skip_special_tokens=skip_special)
             if self.tokenizer_config.get("clean_up_tokenization_spaces") and \

@@ -30,7 +30,7 @@ Batches (``B = batch_size // process_count`` rows on each process)::
      "weights": float32 (B,)}          1.0, or 0.0 on rows that pad the last eval batch
 
 Order. Training iterates endlessly over epochs; epoch e visits the examples in the order
-``permutation(n, seed, e)`` (:func:`transformer_jax.data.pipeline.permutation`) and drops
+``permutation(n, seed, e)`` (:func:`transformer_jax.data.shuffle.permutation`) and drops
 its last ``n mod batch_size`` examples. Process p of P takes rows [p B/P, (p+1) B/P) of
 every global batch. The position is ``{"mode": "images", "epoch", "index"}``
 (:meth:`ImageIterator.get_state`); ``set_state`` resumes exactly. Evaluation is one
@@ -43,7 +43,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from transformer_jax.data.pipeline import _read, default_data_dir, open_source, permutation
+from transformer_jax.data.shuffle import permutation
+from transformer_jax.data.sources import default_data_dir, open_source, read_examples
 from transformer_jax.errors import UserError
 
 __all__ = ["DatasetInfo", "ImageIterator", "dataset_info", "digits_split", "load_digits_arrays",
@@ -245,7 +246,7 @@ class ImageIterator:
         labels = np.zeros((b,), np.int32)
         weights = np.zeros((b,), np.float32)
         extras: dict[str, np.ndarray] = {}
-        for row, (i, example) in enumerate(zip(ids, _read(self._source, ids))):
+        for row, (i, example) in enumerate(zip(ids, read_examples(self._source, ids))):
             rng = (np.random.default_rng([self.seed, self._epoch, int(i)])
                    if self.augment else None)
             image = preprocess_image(example["image"], s, max_value=self.max_value,

@@ -1,10 +1,7 @@
 """Language-model input pipeline: TFDS documents -> packed, sharded batches.
 
-Documents come from TensorFlow Datasets *data sources* (``tfds.data_source``,
-random access over the ``array_record`` file format; reading needs no
-TensorFlow), from the embedded ``python_stdlib`` dataset (built locally on
-first use, see :mod:`transformer_jax.data.stdlib_corpus`), or from any
-in-memory sequence of strings.
+Documents come from a source of :mod:`transformer_jax.data.sources` (a TFDS
+dataset, the embedded ``python_stdlib``, or any in-memory sequence of strings).
 
 Packing.  Every non-empty document is tokenized and followed by ``eos_id``;
 documents are concatenated, in order, into one token stream ``s`` of length
@@ -55,13 +52,12 @@ Two modes share one iterator API (:class:`LMIterator`):
 ``mode="auto"`` picks ``"memory"`` for splits of up to 1,000,000 documents and
 ``"stream"`` above.
 
-Shuffling uses a SplitMix64 hash of ``(seed, epoch, i)`` sorted with a stable
-sort, so orders are the same on every platform and NumPy version.
+Shuffling uses :func:`transformer_jax.data.shuffle.permutation`, the same on every
+platform and NumPy version.
 """
 
 from __future__ import annotations
 
-import abc
 import collections
 import dataclasses
 import hashlib
@@ -74,21 +70,16 @@ from typing import Any
 import numpy as np
 
 from transformer_jax import storage
+from transformer_jax.data.shuffle import RESUME_HINT, permutation
+from transformer_jax.data.sources import READ_CHUNK, default_data_dir, iter_texts, open_source
 from transformer_jax.data.tokenizers import Tokenizer, get_tokenizer
 from transformer_jax.errors import UserError
-
-_RESUME_HINT = (" The checkpoint's data position does not fit this data: resume with the "
-                "run's original dataset, split and batch settings.")
 
 __all__ = [
     "LMIterator",
     "Batch",
     "make_lm_iterator",
-    "load_texts",
-    "open_source",
     "pack_documents",
-    "permutation",
-    "default_data_dir",
 ]
 
 #: A batch: ``inputs``/``targets`` int32 (B, T), ``weights`` float32 (B, T).
@@ -96,227 +87,6 @@ Batch = dict[str, np.ndarray]
 
 #: ``mode="auto"`` packs splits with at most this many documents in memory.
 MAX_IN_MEMORY_DOCUMENTS = 1_000_000
-
-# Documents read per data-source call.
-_READ_CHUNK = 512
-
-_MASK64 = (1 << 64) - 1
-
-
-def default_data_dir() -> str:
-    """TFDS's default data directory: ``$TFDS_DATA_DIR`` or ``~/tensorflow_datasets``."""
-    return os.environ.get("TFDS_DATA_DIR") or os.path.expanduser("~/tensorflow_datasets")
-
-
-# --------------------------------------------------------------------------
-# Deterministic permutations.
-
-
-def _splitmix64(z: int) -> int:
-    z = (z + 0x9E3779B97F4A7C15) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return z ^ (z >> 31)
-
-
-def _splitmix64_array(z: np.ndarray) -> np.ndarray:
-    """SplitMix64 finaliser over a uint64 array (arithmetic wraps mod 2**64)."""
-    z = z + np.uint64(0x9E3779B97F4A7C15)
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
-
-
-def permutation(n: int, seed: int, epoch: int) -> np.ndarray:
-    """Returns a permutation of ``range(n)`` that depends only on (seed, epoch).
-
-    The order is the stable argsort of SplitMix64 hashes of ``(seed, epoch, i)``,
-    identical on every platform and NumPy version.  Shape ``(n,)``, int64.
-    """
-    key = _splitmix64(_splitmix64(seed & _MASK64) ^ (epoch & _MASK64))
-    hashes = _splitmix64_array(np.arange(n, dtype=np.uint64) + np.uint64(key))
-    return np.argsort(hashes, kind="stable")
-
-
-class EpochIterator(Iterator[dict]):
-    """Batches of ``n`` indexed examples: a fresh :func:`permutation` per epoch (``shuffle``)
-    and endless epochs (``repeat``, the last partial batch dropped), or one ordered pass
-    whose last batch is filled with invalid rows.
-
-    Process ``p`` of ``P`` yields rows ``[p B/P, (p+1) B/P)`` of every global batch of ``B``
-    rows. State ``{"epoch", "index"}`` (the process count does not enter: rows are global).
-    Subclasses turn row indices into arrays in :meth:`make_batch`.
-    """
-
-    kind = "epoch"     # names the iterator in state errors
-
-    def __init__(self, n: int, *, batch_size: int, seed: int, shuffle: bool, repeat: bool,
-                 process_index: int, process_count: int, describe: str):
-        if batch_size % process_count:
-            raise UserError(f"batch_size={batch_size} is not divisible by {process_count} processes")
-        self.n = n
-        self.global_batch, self.batch_size = batch_size, batch_size // process_count
-        self.seed, self.shuffle, self.repeat = seed, shuffle, repeat
-        self.process_index = process_index
-        if n == 0:
-            raise UserError(f"{describe} has no examples")
-        if repeat:
-            self.batches_per_epoch = n // batch_size
-            if self.batches_per_epoch == 0:
-                raise UserError(f"{describe} has {n} examples, fewer than one batch of "
-                                f"{batch_size}; lower batch_size")
-        else:
-            self.batches_per_epoch = -(-n // batch_size)
-        self.epoch = self.index = 0
-        self._order: tuple[int, np.ndarray] | None = None
-
-    @abc.abstractmethod
-    def make_batch(self, rows: np.ndarray, valid: np.ndarray) -> dict[str, np.ndarray]:
-        """``rows`` (B/P,) example indices (0 where not ``valid``) -> the batch arrays."""
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> dict[str, np.ndarray]:
-        if not self.repeat and self.index >= self.batches_per_epoch:
-            raise StopIteration
-        if self._order is None or self._order[0] != self.epoch:
-            order = permutation(self.n, self.seed, self.epoch) if self.shuffle else np.arange(self.n)
-            self._order = (self.epoch, order)
-        first = self.index * self.global_batch + self.process_index * self.batch_size
-        pos = np.arange(first, first + self.batch_size)
-        valid = pos < self.n
-        batch = self.make_batch(self._order[1][np.where(valid, pos, 0)], valid)
-        self.index += 1
-        if self.repeat and self.index == self.batches_per_epoch:
-            self.epoch, self.index = self.epoch + 1, 0
-        return batch
-
-    def get_state(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "index": self.index}
-
-    def set_state(self, state: dict) -> None:
-        if not isinstance(state, dict) or set(state) != {"epoch", "index"}:
-            raise UserError(f"not a {self.kind} iterator state: {state!r}.{_RESUME_HINT}")
-        if not 0 <= int(state["index"]) < max(self.batches_per_epoch, 1):
-            raise UserError(f"{self.kind} iterator state index {state['index']} is out of range "
-                            f"for {self.batches_per_epoch} batches per epoch.{_RESUME_HINT}")
-        self.epoch, self.index = int(state["epoch"]), int(state["index"])
-
-
-# --------------------------------------------------------------------------
-# Document sources.
-
-
-def open_source(dataset: Any, split: str, *, data_dir: str | None = None):
-    """Returns ``(source, name)``: a random-access document source and its name.
-
-    Args:
-      dataset: a TFDS dataset name (``"python_stdlib"``, ``"lm1b"``, optionally
-        with ``/config:version``), or an in-memory sequence of documents (str,
-        UTF-8 bytes, or dicts with a text field).
-      split: the split name, e.g. ``"train"``, ``"validation"``, ``"test"``.
-      data_dir: TFDS data directory (default :func:`default_data_dir`).
-
-    The source supports ``len()`` and indexing.  A TFDS dataset that is not
-    prepared yet is prepared first, in the ``array_record`` format:
-    ``python_stdlib`` locally, others by TFDS, which downloads them (and, for
-    ``lm1b``, needs TensorFlow to prepare it; reading needs none).  A dataset
-    already prepared in another format (TFRecord) must be prepared again with
-    ``tfds build NAME --file_format=array_record``.
-    """
-    if not isinstance(dataset, str):
-        if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
-            raise TypeError(
-                "dataset must be a TFDS name or a sequence of documents, got "
-                f"{type(dataset).__name__}."
-            )
-        return dataset, f"<in-memory {type(dataset).__name__}>"
-
-    import tensorflow_datasets as tfds
-
-    # Random access (and reading without TensorFlow) needs array_record files;
-    # TFDS only picks that format by itself when no data_dir is given.
-    kwargs: dict[str, Any] = {"builder_kwargs": {"file_format": "array_record"}}
-    if dataset.split("/")[0].split(":")[0] == "python_stdlib":
-        # Registers the builder with TFDS; it needs no download, nor GCS.
-        from transformer_jax.data import stdlib_corpus  # noqa: F401
-
-        kwargs["download_and_prepare_kwargs"] = {
-            "download_config": tfds.download.DownloadConfig(try_download_gcs=False)
-        }
-    try:
-        source = tfds.data_source(
-            dataset, split=split, data_dir=data_dir or default_data_dir(), **kwargs
-        )
-    except tfds.core.registered.DatasetNotFoundError as e:
-        raise UserError(
-            f"dataset {dataset!r} is not a TFDS dataset: use 'python_stdlib' (offline) or a "
-            "name from tfds.list_builders() such as 'lm1b'"
-        ) from e
-    except ValueError as e:
-        if "split" not in str(e).lower():
-            raise
-        raise UserError(f"dataset {dataset!r}: {e} Set eval_split (or the split) to one of them.") from e
-    return source, dataset
-
-
-def _document_text(example: Any, text_key: str) -> str:
-    if isinstance(example, dict):
-        if text_key not in example:
-            raise UserError(
-                f"document has no field {text_key!r} (fields: {sorted(example)}); "
-                "pass text_key=..."
-            )
-        example = example[text_key]
-    if isinstance(example, np.ndarray) and example.shape == ():
-        example = example.item()
-    if isinstance(example, (bytes, bytearray)):
-        return bytes(example).decode("utf-8", errors="replace")
-    if isinstance(example, str):
-        return example
-    raise UserError(f"document text must be str or bytes, got {type(example).__name__}")
-
-
-def _read(source: Any, indices: Sequence[int]) -> list[Any]:
-    """Reads the examples at ``indices``, in one call when the source allows."""
-    indices = [int(i) for i in indices]
-    if hasattr(source, "__getitems__"):
-        try:
-            return list(source.__getitems__(indices))
-        except TypeError:
-            # tfds.testing.mock_data's data source defines __getitems__ with a
-            # wrong signature; reading one record at a time gives the same
-            # examples (and re-raises any genuine error).
-            pass
-    return [source[i] for i in indices]
-
-
-def _iter_texts(source: Any, text_key: str, indices: Iterable[int] | None = None):
-    indices = range(len(source)) if indices is None else list(indices)
-    for start in range(0, len(indices), _READ_CHUNK):
-        for example in _read(source, indices[start : start + _READ_CHUNK]):
-            yield _document_text(example, text_key)
-
-
-def load_texts(
-    dataset: Any = "python_stdlib",
-    split: str = "train",
-    *,
-    data_dir: str | None = None,
-    text_key: str = "text",
-    max_documents: int | None = None,
-) -> list[str]:
-    """Returns the raw texts of a split, in the source's order.
-
-    Used to show samples, to seed generation, and to train a SentencePiece
-    model (:func:`transformer_jax.data.train_sentencepiece`).  ``dataset``,
-    ``split`` and ``data_dir`` are as in :func:`open_source`; ``text_key`` is
-    the text feature; ``max_documents`` limits how many are read.
-    """
-    source, _ = open_source(dataset, split, data_dir=data_dir)
-    n = len(source) if max_documents is None else min(len(source), max_documents)
-    return list(_iter_texts(source, text_key, range(n)))
 
 
 # --------------------------------------------------------------------------
@@ -428,12 +198,12 @@ def _cache_path(source: Any, name: str, split: str, tokenizer: Tokenizer,
 
 def _load_or_build_stream(source, name, split, tokenizer, text_key, data_dir, cache):
     if not cache:
-        return _token_stream(_iter_texts(source, text_key), tokenizer)
+        return _token_stream(iter_texts(source, text_key), tokenizer)
     path = _cache_path(source, name, split, tokenizer, text_key, data_dir)
     remote = storage.is_remote(path)   # a bucket cannot be memory-mapped: read it whole
     if storage.exists(path):
         return np.load(io.BytesIO(storage.read_bytes(path))) if remote else np.load(path, mmap_mode="r")
-    stream = _token_stream(_iter_texts(source, text_key), tokenizer)
+    stream = _token_stream(iter_texts(source, text_key), tokenizer)
     if remote:
         npy = io.BytesIO()
         np.save(npy, stream)
@@ -458,7 +228,7 @@ def _first_tokens(source, name, split, tokenizer, text_key, data_dir, cache,
         stream = _load_or_build_stream(source, name, split, tokenizer, text_key, data_dir, True)
     else:
         parts, count = [], 0
-        for text in _iter_texts(source, text_key):
+        for text in iter_texts(source, text_key):
             part = _token_stream([text], tokenizer)
             parts.append(part)
             count += len(part)
@@ -490,7 +260,7 @@ def _check_int(state: dict, key: str, minimum: int = 0) -> int:
     value = state.get(key)
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise UserError(f"iterator state field {key!r} must be an int >= {minimum}, got "
-                        f"{value!r}.{_RESUME_HINT}")
+                        f"{value!r}.{RESUME_HINT}")
     return value
 
 
@@ -639,10 +409,10 @@ class LMIterator(Iterator[Batch]):
             shard = self._shard(epoch)
             tokens_read = 0
             start_pos = doc_pos
-            for chunk_start in range(doc_pos, len(shard), _READ_CHUNK):
-                chunk = shard[chunk_start : chunk_start + _READ_CHUNK]
+            for chunk_start in range(doc_pos, len(shard), READ_CHUNK):
+                chunk = shard[chunk_start : chunk_start + READ_CHUNK]
                 for pos, text in enumerate(
-                    _iter_texts(self._source, self.text_key, chunk), chunk_start
+                    iter_texts(self._source, self.text_key, chunk), chunk_start
                 ):
                     ids = self.tokenizer.encode_array(text)
                     if not ids.size:
@@ -747,14 +517,14 @@ class LMIterator(Iterator[Batch]):
         """
         if not isinstance(state, dict) or state.get("mode") != self.mode:
             raise UserError(
-                f"cannot restore {state!r}: this iterator is in {self.mode!r} mode.{_RESUME_HINT}"
+                f"cannot restore {state!r}: this iterator is in {self.mode!r} mode.{RESUME_HINT}"
             )
         if self.mode == "memory":
             epoch, index = _check_int(state, "epoch"), _check_int(state, "index")
             if index > self.batches_per_epoch or (self.repeat and index == self.batches_per_epoch):
                 raise UserError(
                     f"iterator state index {index} is out of range for "
-                    f"{self.batches_per_epoch} batches per epoch.{_RESUME_HINT}"
+                    f"{self.batches_per_epoch} batches per epoch.{RESUME_HINT}"
                 )
             self._epoch, self._index = epoch, index
             return
@@ -771,7 +541,7 @@ class LMIterator(Iterator[Batch]):
         if doc_pos > self._shard_size:
             raise UserError(
                 f"iterator state doc_pos {doc_pos} is beyond this process's "
-                f"{self._shard_size} documents.{_RESUME_HINT}"
+                f"{self._shard_size} documents.{RESUME_HINT}"
             )
         self._seek(epoch, doc_pos, offset)
 

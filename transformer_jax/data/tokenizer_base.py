@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 
-def _ids_as_list(ids: Any) -> list[int]:
+def ids_as_list(ids: Any) -> list[int]:
     """Converts a list, tuple, NumPy or JAX array of ids into a flat list."""
     return np.asarray(ids, dtype=np.int64).reshape(-1).tolist()
 

@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from transformer_jax import storage
-from transformer_jax.data.tokenizer_base import Tokenizer, _ids_as_list
+from transformer_jax.data.tokenizer_base import Tokenizer, ids_as_list
 from transformer_jax.errors import UserError
 
 __all__ = [
@@ -94,7 +94,7 @@ class ByteTokenizer(Tokenizer):
     def decode(self, ids: Any) -> str:
         out = bytearray()
         replacement = "\ufffd".encode("utf-8")
-        for i in _ids_as_list(ids):
+        for i in ids_as_list(ids):
             if self.BYTE_OFFSET <= i < self.vocab_size:
                 out.append(i - self.BYTE_OFFSET)
             elif i == self.unk_id:
@@ -158,7 +158,7 @@ class SentencePieceTokenizer(Tokenizer):
     def decode(self, ids: Any) -> str:
         kept = [
             i
-            for i in _ids_as_list(ids)
+            for i in ids_as_list(ids)
             if 0 <= i < self.vocab_size and i not in (self.pad_id, self.eos_id)
         ]
         return self._processor.decode(kept)

@@ -1,0 +1,141 @@
+"""Deterministic orders: the SplitMix64 hash, the per-epoch :func:`permutation` of
+``range(n)`` that is a pure function of ``(seed, epoch)``, and :class:`EpochIterator`, the
+batches of ``n`` indexed examples over shuffled epochs that the example tasks build on
+(classification, seq2seq, pretraining pairs, images).
+
+Orders are the same on every platform and NumPy version.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from transformer_jax.errors import UserError
+
+__all__ = ["EpochIterator", "RESUME_HINT", "fold_key", "grid_hashes", "hash_uniform", "permutation",
+           "splitmix64", "splitmix64_array"]
+
+#: Appended to errors about a saved data position that does not fit the data.
+RESUME_HINT = (" The checkpoint's data position does not fit this data: resume with the "
+               "run's original dataset, split and batch settings.")
+
+MASK64 = (1 << 64) - 1
+
+
+def splitmix64(z: int) -> int:
+    """The SplitMix64 finaliser of one integer (arithmetic mod 2**64): a well-mixed 64-bit hash."""
+    z = (z + 0x9E3779B97F4A7C15) & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return z ^ (z >> 31)
+
+
+def splitmix64_array(z: np.ndarray) -> np.ndarray:
+    """SplitMix64 finaliser over a uint64 array (arithmetic wraps mod 2**64)."""
+    z = z + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def permutation(n: int, seed: int, epoch: int) -> np.ndarray:
+    """Returns a permutation of ``range(n)`` that depends only on (seed, epoch).
+
+    The order is the stable argsort of SplitMix64 hashes of ``(seed, epoch, i)``,
+    identical on every platform and NumPy version.  Shape ``(n,)``, int64.
+    """
+    key = splitmix64(splitmix64(seed & MASK64) ^ (epoch & MASK64))
+    hashes = splitmix64_array(np.arange(n, dtype=np.uint64) + np.uint64(key))
+    return np.argsort(hashes, kind="stable")
+
+
+class EpochIterator(Iterator[dict]):
+    """Batches of ``n`` indexed examples: a fresh :func:`permutation` per epoch (``shuffle``)
+    and endless epochs (``repeat``, the last partial batch dropped), or one ordered pass
+    whose last batch is filled with invalid rows.
+
+    Process ``p`` of ``P`` yields rows ``[p B/P, (p+1) B/P)`` of every global batch of ``B``
+    rows. State ``{"epoch", "index"}`` (the process count does not enter: rows are global).
+    Subclasses turn row indices into arrays in :meth:`make_batch`.
+    """
+
+    kind = "epoch"     # names the iterator in state errors
+
+    def __init__(self, n: int, *, batch_size: int, seed: int, shuffle: bool, repeat: bool,
+                 process_index: int, process_count: int, describe: str):
+        if batch_size % process_count:
+            raise UserError(f"batch_size={batch_size} is not divisible by {process_count} processes")
+        self.n = n
+        self.global_batch, self.batch_size = batch_size, batch_size // process_count
+        self.seed, self.shuffle, self.repeat = seed, shuffle, repeat
+        self.process_index = process_index
+        if n == 0:
+            raise UserError(f"{describe} has no examples")
+        if repeat:
+            self.batches_per_epoch = n // batch_size
+            if self.batches_per_epoch == 0:
+                raise UserError(f"{describe} has {n} examples, fewer than one batch of "
+                                f"{batch_size}; lower batch_size")
+        else:
+            self.batches_per_epoch = -(-n // batch_size)
+        self.epoch = self.index = 0
+        self._order: tuple[int, np.ndarray] | None = None
+
+    @abc.abstractmethod
+    def make_batch(self, rows: np.ndarray, valid: np.ndarray) -> dict[str, np.ndarray]:
+        """``rows`` (B/P,) example indices (0 where not ``valid``) -> the batch arrays."""
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        if not self.repeat and self.index >= self.batches_per_epoch:
+            raise StopIteration
+        if self._order is None or self._order[0] != self.epoch:
+            order = permutation(self.n, self.seed, self.epoch) if self.shuffle else np.arange(self.n)
+            self._order = (self.epoch, order)
+        first = self.index * self.global_batch + self.process_index * self.batch_size
+        pos = np.arange(first, first + self.batch_size)
+        valid = pos < self.n
+        batch = self.make_batch(self._order[1][np.where(valid, pos, 0)], valid)
+        self.index += 1
+        if self.repeat and self.index == self.batches_per_epoch:
+            self.epoch, self.index = self.epoch + 1, 0
+        return batch
+
+    def get_state(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def set_state(self, state: dict) -> None:
+        if not isinstance(state, dict) or set(state) != {"epoch", "index"}:
+            raise UserError(f"not a {self.kind} iterator state: {state!r}.{RESUME_HINT}")
+        if not 0 <= int(state["index"]) < max(self.batches_per_epoch, 1):
+            raise UserError(f"{self.kind} iterator state index {state['index']} is out of range "
+                            f"for {self.batches_per_epoch} batches per epoch.{RESUME_HINT}")
+        self.epoch, self.index = int(state["epoch"]), int(state["index"])
+
+
+# ----------------------------------------------------------------------------- keyed hashes
+
+def fold_key(seed: int | Sequence[int]) -> int:
+    """Fold an int or a sequence of ints into one 64-bit key."""
+    key = 0x5EED
+    for s in ([seed] if isinstance(seed, (int, np.integer)) else list(seed)):
+        key = splitmix64(key ^ (int(s) & MASK64))
+    return key
+
+
+def grid_hashes(key: int, stream: int, shape: tuple[int, int], row_offset: int) -> np.ndarray:
+    """uint64 (B, T): SplitMix64 of (key, stream, global row, position)."""
+    base = np.uint64(splitmix64(key ^ splitmix64(stream)))
+    rows = (np.arange(shape[0], dtype=np.uint64) + np.uint64(row_offset))[:, None]
+    cols = np.arange(shape[1], dtype=np.uint64)[None, :]
+    return splitmix64_array(base + (rows << np.uint64(32)) + cols)
+
+
+def hash_uniform(h: np.ndarray) -> np.ndarray:
+    """uint64 hashes -> float64 uniforms in [0, 1) (their top 53 bits)."""
+    return (h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
