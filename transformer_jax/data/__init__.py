@@ -15,7 +15,9 @@ Typical use::
     state = it.get_state()    # JSON-serialisable; it.set_state(state) resumes
 """
 
-from transformer_jax.data.pipeline import Batch, LMIterator, make_lm_iterator, pack_documents
+from transformer_jax.data.lm_iterators import LMIterator, MemoryLMIterator, StreamingLMIterator
+from transformer_jax.data.packing import Batch, pack_documents
+from transformer_jax.data.pipeline import make_lm_iterator
 from transformer_jax.data.shuffle import permutation
 from transformer_jax.data.sources import default_data_dir, load_texts, open_source
 from transformer_jax.data.hf_tokenizer import HFTokenizer
@@ -44,8 +46,10 @@ __all__ = [
     "ByteTokenizer",
     "HFTokenizer",
     "LMIterator",
+    "MemoryLMIterator",
     "SentencePieceTokenizer",
     "SpecialIdsView",
+    "StreamingLMIterator",
     "Tokenizer",
     "canonical_spec",
     "default_data_dir",
