@@ -49,6 +49,7 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -462,6 +463,16 @@ class HFTokenizer(Tokenizer):
     def encode_array(self, text: str | bytes, add_eos: bool = False, *,
                      add_special: bool = False) -> np.ndarray:
         return np.asarray(self.encode(text, add_eos, add_special=add_special), dtype=np.int32)
+
+    def encode_batch(self, texts: Sequence[str | bytes]) -> list[np.ndarray]:
+        """The ids of each text, as ``encode_array`` (no special tokens added): one
+        ``encode_batch`` call of ``tokenizers`` (its threads); a loop for SentencePiece."""
+        if self.backend != "tokenizers":
+            return super().encode_batch(texts)
+        texts = [bytes(t).decode("utf-8", errors="replace") if isinstance(t, (bytes, bytearray))
+                 else t for t in texts]
+        encodings = self._tok.encode_batch(texts, add_special_tokens=False) if texts else []
+        return [np.asarray(e.ids, dtype=np.int32) for e in encodings]
 
     def _encode_sentencepiece(self, text: str, add_special: bool) -> list[int]:
         pieces = self._split.split(text) if self._split is not None else [text]

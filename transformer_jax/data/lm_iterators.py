@@ -25,7 +25,7 @@ import numpy as np
 
 from transformer_jax.data.packing import Batch, batch_from_windows, gather_windows, num_windows
 from transformer_jax.data.shuffle import RESUME_HINT, permutation
-from transformer_jax.data.sources import READ_CHUNK, iter_texts
+from transformer_jax.data.sources import READ_CHUNK, iter_text_chunks
 from transformer_jax.data.tokenizers import Tokenizer
 from transformer_jax.errors import UserError
 
@@ -240,10 +240,9 @@ class StreamingLMIterator(LMIterator):
             start_pos = doc_pos
             for chunk_start in range(doc_pos, len(shard), READ_CHUNK):
                 chunk = shard[chunk_start : chunk_start + READ_CHUNK]
-                for pos, text in enumerate(
-                    iter_texts(self._source, self.text_key, chunk), chunk_start
-                ):
-                    ids = self.tokenizer.encode_array(text)
+                texts = [text for texts in iter_text_chunks(self._source, self.text_key, chunk)
+                         for text in texts]
+                for pos, ids in enumerate(self.tokenizer.encode_batch(texts), chunk_start):
                     if not ids.size:
                         continue
                     ids = np.concatenate([ids, eos])

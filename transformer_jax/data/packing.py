@@ -6,10 +6,12 @@ windows (B, T+1) into ``inputs``/``targets``/``weights`` (B, T).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from transformer_jax.data.sources import READ_CHUNK
 from transformer_jax.data.tokenizers import Tokenizer
 from transformer_jax.errors import UserError
 
@@ -21,13 +23,15 @@ Batch = dict[str, np.ndarray]
 
 
 def token_stream(texts: Iterable[str], tokenizer: Tokenizer) -> np.ndarray:
-    """Concatenates ``ids(doc) + [eos]`` over the non-empty documents; (N,) int32."""
+    """Concatenates ``ids(doc) + [eos]`` over the non-empty documents; (N,) int32.
+
+    The texts are encoded ``READ_CHUNK`` at a time with the tokenizer's ``encode_batch``."""
     eos = np.array([tokenizer.eos_id], dtype=np.int32)
-    parts = []
-    for text in texts:
-        ids = tokenizer.encode_array(text)
-        if ids.size:
-            parts.extend((ids, eos))
+    parts, texts = [], iter(texts)
+    while chunk := list(itertools.islice(texts, READ_CHUNK)):
+        for ids in tokenizer.encode_batch(chunk):
+            if ids.size:
+                parts.extend((ids, eos))
     if not parts:
         return np.zeros((0,), dtype=np.int32)
     return np.concatenate(parts).astype(np.int32, copy=False)

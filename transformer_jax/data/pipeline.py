@@ -70,7 +70,7 @@ import numpy as np
 from transformer_jax import storage
 from transformer_jax.data.lm_iterators import LMIterator, MemoryLMIterator, StreamingLMIterator
 from transformer_jax.data.packing import token_stream
-from transformer_jax.data.sources import default_data_dir, iter_texts, open_source
+from transformer_jax.data.sources import default_data_dir, iter_text_chunks, iter_texts, open_source
 from transformer_jax.data.tokenizers import Tokenizer, get_tokenizer
 from transformer_jax.errors import UserError
 
@@ -127,8 +127,8 @@ def _load_or_build_stream(source, name, split, tokenizer, text_key, data_dir, ca
 def _first_tokens(source, name, split, tokenizer, text_key, data_dir, cache,
                   max_tokens: int) -> np.ndarray:
     """The first ``max_tokens`` tokens of the split's stream: from the (cached) whole
-    stream of a split that fits in memory, else read document by document until there
-    are enough (the same tokens either way)."""
+    stream of a split that fits in memory, else read a chunk of documents at a time until
+    there are enough (the same tokens either way)."""
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) or max_tokens < 2:
         raise UserError(f"max_tokens={max_tokens!r} must be an int >= 2 (the training subset's "
                         "size in tokens), or None for the whole split")
@@ -136,8 +136,8 @@ def _first_tokens(source, name, split, tokenizer, text_key, data_dir, cache,
         stream = _load_or_build_stream(source, name, split, tokenizer, text_key, data_dir, True)
     else:
         parts, count = [], 0
-        for text in iter_texts(source, text_key):
-            part = token_stream([text], tokenizer)
+        for texts in iter_text_chunks(source, text_key):
+            part = token_stream(texts, tokenizer)
             parts.append(part)
             count += len(part)
             if count >= max_tokens:

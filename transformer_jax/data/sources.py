@@ -16,8 +16,8 @@ import numpy as np
 
 from transformer_jax.errors import UserError
 
-__all__ = ["READ_CHUNK", "default_data_dir", "document_text", "iter_texts", "load_texts",
-           "open_source", "read_examples"]
+__all__ = ["READ_CHUNK", "default_data_dir", "document_text", "iter_text_chunks", "iter_texts",
+           "load_texts", "open_source", "read_examples"]
 
 #: Documents read per data-source call.
 READ_CHUNK = 512
@@ -114,13 +114,20 @@ def read_examples(source: Any, indices: Sequence[int]) -> list[Any]:
     return [source[i] for i in indices]
 
 
+def iter_text_chunks(source: Any, text_key: str, indices: Iterable[int] | None = None):
+    """Yields the texts of the documents at ``indices`` (default: all, in order) as lists of
+    up to ``READ_CHUNK``, one read each (what a tokenizer's batch API encodes at once)."""
+    indices = range(len(source)) if indices is None else list(indices)
+    for start in range(0, len(indices), READ_CHUNK):
+        examples = read_examples(source, indices[start : start + READ_CHUNK])
+        yield [document_text(example, text_key) for example in examples]
+
+
 def iter_texts(source: Any, text_key: str, indices: Iterable[int] | None = None):
     """Yields the texts of the documents at ``indices`` (default: all, in order), read
     ``READ_CHUNK`` at a time."""
-    indices = range(len(source)) if indices is None else list(indices)
-    for start in range(0, len(indices), READ_CHUNK):
-        for example in read_examples(source, indices[start : start + READ_CHUNK]):
-            yield document_text(example, text_key)
+    for chunk in iter_text_chunks(source, text_key, indices):
+        yield from chunk
 
 
 def load_texts(
