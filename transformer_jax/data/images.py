@@ -43,7 +43,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from transformer_jax.data.shuffle import permutation
+from transformer_jax.data.shuffle import hash_order, shuffled
 from transformer_jax.data.sources import default_data_dir, open_source, read_examples
 from transformer_jax.errors import UserError
 
@@ -100,7 +100,7 @@ def digits_split(split: str, *, test_fraction: float = 0.2, split_seed: int = 0)
     if not 0.0 < test_fraction < 1.0:
         raise UserError(f"test_fraction must be in (0, 1), got {test_fraction}")
     images, labels = load_digits_arrays()
-    order = permutation(len(labels), split_seed, 0)
+    order = hash_order(len(labels), split_seed)
     n_test = int(round(test_fraction * len(labels)))
     rows = np.sort(order[:n_test] if split == "test" else order[n_test:])
     return ArraySource(images[rows], labels[rows])
@@ -223,14 +223,6 @@ class ImageIterator:
         else:
             self.batches_per_epoch = -(-self.num_examples // batch_size)
         self._epoch, self._index = 0, 0
-        self._order_cache: tuple[int, np.ndarray] | None = None
-
-    def _order(self, epoch: int) -> np.ndarray:
-        if self._order_cache is None or self._order_cache[0] != epoch:
-            order = (permutation(self.num_examples, self.seed, epoch) if self.shuffle
-                     else np.arange(self.num_examples))
-            self._order_cache = (epoch, order)
-        return self._order_cache[1]
 
     def __iter__(self) -> ImageIterator:
         return self
@@ -241,7 +233,8 @@ class ImageIterator:
         b, s = self.batch_size, self.image_size
         first = self._index * self.global_batch_size + self.process_index * b
         positions = np.arange(first, first + b)
-        ids = self._order(self._epoch)[positions[positions < self.num_examples]]
+        ids = positions[positions < self.num_examples]
+        ids = shuffled(ids, self.num_examples, self.seed, self._epoch) if self.shuffle else ids
         images = np.zeros((b, s, s, self.num_channels), np.float32)
         labels = np.zeros((b,), np.int32)
         weights = np.zeros((b,), np.float32)

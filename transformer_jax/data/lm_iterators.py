@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from transformer_jax.data.packing import Batch, batch_from_windows, gather_windows, num_windows
-from transformer_jax.data.shuffle import RESUME_HINT, permutation
+from transformer_jax.data.shuffle import RESUME_HINT, shuffled
 from transformer_jax.data.sources import READ_CHUNK, iter_text_chunks
 from transformer_jax.data.tokenizers import Tokenizer
 from transformer_jax.errors import UserError
@@ -76,7 +76,6 @@ class LMIterator(Iterator[Batch], abc.ABC):
         self.num_documents = num_documents
         self.num_windows: int | None = None
         self.batches_per_epoch: int | None = None
-        self._order_cache: tuple[int, np.ndarray] | None = None
         if num_documents == 0:
             raise UserError(
                 f"dataset {name!r} split {split!r} is empty (0 documents); "
@@ -86,12 +85,10 @@ class LMIterator(Iterator[Batch], abc.ABC):
     def _describe(self) -> str:
         return f"dataset {self.name!r} split {self.split!r}"
 
-    def _order(self, epoch: int, n: int) -> np.ndarray:
-        """The epoch's order of n items (windows or documents), cached."""
-        if self._order_cache is None or self._order_cache[0] != epoch:
-            order = permutation(n, self.seed, epoch) if self.shuffle else np.arange(n)
-            self._order_cache = (epoch, order)
-        return self._order_cache[1]
+    def _items(self, epoch: int, n: int, positions: np.ndarray) -> np.ndarray:
+        """The items (windows or documents) at ``positions`` of the epoch's order of ``n``:
+        looked up one by one (:func:`~transformer_jax.data.shuffle.shuffled`), O(1) each."""
+        return shuffled(positions, n, self.seed, epoch) if self.shuffle else positions
 
     def __iter__(self) -> LMIterator:
         return self
@@ -157,11 +154,11 @@ class MemoryLMIterator(LMIterator):
     def __next__(self) -> Batch:
         if not self.repeat and self._index >= self.batches_per_epoch:
             raise StopIteration
-        order = self._order(self._epoch, self.num_windows)
         b = self.batch_size
         first = self._index * self.global_batch_size + self.process_index * b
         positions = np.arange(first, first + b)
-        window_ids = order[positions[positions < self.num_windows]]
+        window_ids = self._items(self._epoch, self.num_windows,
+                                 positions[positions < self.num_windows])
         windows = np.full((b, self.seq_len + 1), self.tokenizer.pad_id, np.int32)
         windows[: len(window_ids)] = gather_windows(
             self._stream, window_ids, self.seq_len, self.tokenizer.pad_id
@@ -226,20 +223,21 @@ class StreamingLMIterator(LMIterator):
         self._head = (epoch, doc_pos, token_offset)
         self._reader = self._read_documents(epoch, doc_pos, token_offset)
 
-    def _shard(self, epoch: int) -> np.ndarray:
-        """Indices of this process's documents in the epoch, in reading order."""
-        order = self._order(epoch, self.num_documents)
-        return order[self.process_index :: self.process_count]
+    def _shard(self, epoch: int, start: int, stop: int) -> np.ndarray:
+        """Documents ``start:stop`` of this process's share of the epoch, in reading order
+        (the documents at permuted positions ``p, p+P, ...``)."""
+        stop = min(stop, self._shard_size)
+        positions = self.process_index + self.process_count * np.arange(start, max(start, stop))
+        return self._items(epoch, self.num_documents, positions)
 
     def _read_documents(self, epoch: int, doc_pos: int, token_offset: int):
         """Yields a _Segment per non-empty document from (epoch, doc_pos) on."""
         eos = np.array([self.tokenizer.eos_id], dtype=np.int32)
         while True:
-            shard = self._shard(epoch)
             tokens_read = 0
             start_pos = doc_pos
-            for chunk_start in range(doc_pos, len(shard), READ_CHUNK):
-                chunk = shard[chunk_start : chunk_start + READ_CHUNK]
+            for chunk_start in range(doc_pos, self._shard_size, READ_CHUNK):
+                chunk = self._shard(epoch, chunk_start, chunk_start + READ_CHUNK)
                 texts = [text for texts in iter_text_chunks(self._source, self.text_key, chunk)
                          for text in texts]
                 for pos, ids in enumerate(self.tokenizer.encode_batch(texts), chunk_start):
@@ -254,7 +252,7 @@ class StreamingLMIterator(LMIterator):
             if start_pos == 0 and tokens_read == 0:
                 raise UserError(
                     f"{self._describe()} is empty: process {self.process_index}'s "
-                    f"{len(shard)} documents hold no text. Use a dataset/split with text."
+                    f"{self._shard_size} documents hold no text. Use a dataset/split with text."
                 )
             epoch, doc_pos, token_offset = epoch + 1, 0, 0
 

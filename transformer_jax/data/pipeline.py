@@ -46,15 +46,16 @@ iterator API (:class:`~transformer_jax.data.lm_iterators.LMIterator`):
   boundaries, so no token is dropped.  The state is the position of the
   first token not yet consumed, ``{"mode", "epoch", "doc_pos",
   "token_offset", "process_index", "process_count"}``; restoring re-reads one
-  document, so it costs O(1) reads, plus one permutation (a sort of the
-  split's document count) per epoch.  In eval, processes may yield different
-  numbers of batches.
+  document, so it costs O(1) reads (each document's place in the epoch's
+  order is computed on its own, with no sort of the split).  In eval,
+  processes may yield different numbers of batches.
 
 ``mode="auto"`` picks ``"memory"`` for splits of up to 1,000,000 documents and
 ``"stream"`` above.
 
-Shuffling uses :func:`transformer_jax.data.shuffle.permutation`, the same on every
-platform and NumPy version.
+Shuffling looks each position up in a keyed bijection of ``(seed, epoch)``
+(:func:`transformer_jax.data.shuffle.shuffled`, O(1) per index, never an argsort
+of the split), the same on every platform and NumPy version.
 """
 
 from __future__ import annotations

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
 from transformer_jax.errors import UserError
 
-__all__ = ["EpochIterator", "RESUME_HINT", "fold_key", "grid_hashes", "hash_uniform", "permutation",
-           "splitmix64", "splitmix64_array"]
+__all__ = ["EpochIterator", "FEISTEL_ROUNDS", "RESUME_HINT", "fold_key", "grid_hashes", "hash_order",
+           "hash_uniform", "permutation", "shuffled", "splitmix64", "splitmix64_array"]
 
 #: Appended to errors about a saved data position that does not fit the data.
 RESUME_HINT = (" The checkpoint's data position does not fit this data: resume with the "
@@ -41,13 +42,66 @@ def splitmix64_array(z: np.ndarray) -> np.ndarray:
     return z ^ (z >> np.uint64(31))
 
 
-def permutation(n: int, seed: int, epoch: int) -> np.ndarray:
-    """Returns a permutation of ``range(n)`` that depends only on (seed, epoch).
+#: Feistel rounds of :func:`shuffled`; 4 make a pseudo-random permutation (Luby-Rackoff), a
+#: few more mix small domains better.
+FEISTEL_ROUNDS = 6
 
-    The order is the stable argsort of SplitMix64 hashes of ``(seed, epoch, i)``,
-    identical on every platform and NumPy version.  Shape ``(n,)``, int64.
-    """
+
+def _round_keys(seed: int, epoch: int) -> np.ndarray:
     key = splitmix64(splitmix64(seed & MASK64) ^ (epoch & MASK64))
+    return np.array([splitmix64(key ^ r) for r in range(FEISTEL_ROUNDS)], dtype=np.uint64)
+
+
+def _feistel(x: np.ndarray, keys: np.ndarray, half_bits: int) -> np.ndarray:
+    """One pass of the balanced Feistel network on uint64 ``x`` < 2**(2*half_bits): a
+    bijection of that domain (each round maps (L, R) to (R, L ^ F(R)))."""
+    mask = np.uint64((1 << half_bits) - 1)
+    left, right = x >> np.uint64(half_bits), x & mask
+    for k in keys:
+        left, right = right, left ^ (splitmix64_array(right + k) & mask)
+    return (left << np.uint64(half_bits)) | right
+
+
+def shuffled(positions: Any, n: int, seed: int, epoch: int) -> np.ndarray:
+    """The items at ``positions`` of the ``(seed, epoch)`` permutation of ``range(n)``: a
+    keyed bijection computed per index, O(1) each, never materialising the permutation.
+
+    The bijection is a balanced Feistel network (``FEISTEL_ROUNDS`` rounds of a SplitMix64
+    round function, keyed by ``(seed, epoch)``) on ``[0, 2**b)``, ``2**b`` the smallest even
+    power of two >= n (so < 4n); "cycle walking" applies it again to an output >= n until it
+    falls inside ``[0, n)``, which restricts the bijection to ``range(n)`` (on average
+    fewer than four passes). The same construction as grain's ``index_shuffle``, written
+    here in NumPy; identical on every platform and NumPy version.
+
+    ``positions``: ints in ``[0, n)``, any shape; returns int64 of the same shape.
+    """
+    positions = np.asarray(positions, dtype=np.int64)
+    if n < 1 or positions.size and (positions.min() < 0 or positions.max() >= n):
+        raise ValueError(f"positions must lie in [0, n) for n={n}")
+    half_bits = max(1, -(-(n - 1).bit_length() // 2))
+    keys = _round_keys(seed, epoch)
+    x = _feistel(positions.astype(np.uint64).reshape(-1), keys, half_bits)
+    outside = np.flatnonzero(x >= np.uint64(n))
+    while outside.size:
+        x[outside] = _feistel(x[outside], keys, half_bits)
+        outside = outside[x[outside] >= np.uint64(n)]
+    return x.astype(np.int64).reshape(positions.shape)
+
+
+def permutation(n: int, seed: int, epoch: int) -> np.ndarray:
+    """Returns the permutation of ``range(n)`` that depends only on (seed, epoch): item
+    ``permutation(...)[p]`` is at position ``p``; ``shuffled(range(n), n, seed, epoch)``.
+
+    For small ``n``; iterators look positions up with :func:`shuffled`. Shape ``(n,)``, int64.
+    """
+    return shuffled(np.arange(n), n, seed, epoch) if n else np.zeros((0,), np.int64)
+
+
+def hash_order(n: int, seed: int) -> np.ndarray:
+    """A fixed order of ``range(n)``: the stable argsort of SplitMix64 hashes of
+    ``(seed, i)``, O(n log n). What :func:`permutation` was before it became a per-index
+    bijection, kept for partitions that must not move (the digits test split)."""
+    key = splitmix64(splitmix64(seed & MASK64) ^ 0)
     hashes = splitmix64_array(np.arange(n, dtype=np.uint64) + np.uint64(key))
     return np.argsort(hashes, kind="stable")
 
@@ -82,7 +136,6 @@ class EpochIterator(Iterator[dict]):
         else:
             self.batches_per_epoch = -(-n // batch_size)
         self.epoch = self.index = 0
-        self._order: tuple[int, np.ndarray] | None = None
 
     @abc.abstractmethod
     def make_batch(self, rows: np.ndarray, valid: np.ndarray) -> dict[str, np.ndarray]:
@@ -94,13 +147,12 @@ class EpochIterator(Iterator[dict]):
     def __next__(self) -> dict[str, np.ndarray]:
         if not self.repeat and self.index >= self.batches_per_epoch:
             raise StopIteration
-        if self._order is None or self._order[0] != self.epoch:
-            order = permutation(self.n, self.seed, self.epoch) if self.shuffle else np.arange(self.n)
-            self._order = (self.epoch, order)
         first = self.index * self.global_batch + self.process_index * self.batch_size
         pos = np.arange(first, first + self.batch_size)
         valid = pos < self.n
-        batch = self.make_batch(self._order[1][np.where(valid, pos, 0)], valid)
+        pos = np.where(valid, pos, 0)
+        rows = shuffled(pos, self.n, self.seed, self.epoch) if self.shuffle else pos
+        batch = self.make_batch(rows, valid)
         self.index += 1
         if self.repeat and self.index == self.batches_per_epoch:
             self.epoch, self.index = self.epoch + 1, 0
