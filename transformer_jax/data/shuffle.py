@@ -34,12 +34,20 @@ def splitmix64(z: int) -> int:
     return z ^ (z >> 31)
 
 
+_GAMMA, _MUL1, _MUL2 = (np.uint64(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9,
+                                               0x94D049BB133111EB))
+_S27, _S30, _S31 = np.uint64(27), np.uint64(30), np.uint64(31)
+
+
 def splitmix64_array(z: np.ndarray) -> np.ndarray:
     """SplitMix64 finaliser over a uint64 array (arithmetic wraps mod 2**64)."""
-    z = z + np.uint64(0x9E3779B97F4A7C15)
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
+    z = z + _GAMMA
+    z ^= z >> _S30
+    z *= _MUL1
+    z ^= z >> _S27
+    z *= _MUL2
+    z ^= z >> _S31
+    return z
 
 
 #: Feistel rounds of :func:`shuffled`; 4 make a pseudo-random permutation (Luby-Rackoff), a
@@ -47,19 +55,25 @@ def splitmix64_array(z: np.ndarray) -> np.ndarray:
 FEISTEL_ROUNDS = 6
 
 
-def _round_keys(seed: int, epoch: int) -> np.ndarray:
+def _round_keys(seed: int, epoch: int) -> tuple[np.uint64, ...]:
     key = splitmix64(splitmix64(seed & MASK64) ^ (epoch & MASK64))
-    return np.array([splitmix64(key ^ r) for r in range(FEISTEL_ROUNDS)], dtype=np.uint64)
+    return tuple(np.uint64(splitmix64(key ^ r)) for r in range(FEISTEL_ROUNDS))
 
 
-def _feistel(x: np.ndarray, keys: np.ndarray, half_bits: int) -> np.ndarray:
+def _feistel(x: np.ndarray, keys: tuple[np.uint64, ...], half_bits: int) -> np.ndarray:
     """One pass of the balanced Feistel network on uint64 ``x`` < 2**(2*half_bits): a
     bijection of that domain (each round maps (L, R) to (R, L ^ F(R)))."""
+    shift = np.uint64(half_bits)
     mask = np.uint64((1 << half_bits) - 1)
-    left, right = x >> np.uint64(half_bits), x & mask
+    left, right = x >> shift, x & mask
     for k in keys:
-        left, right = right, left ^ (splitmix64_array(right + k) & mask)
-    return (left << np.uint64(half_bits)) | right
+        mixed = splitmix64_array(right + k)
+        mixed &= mask
+        mixed ^= left
+        left, right = right, mixed
+    left <<= shift
+    left |= right
+    return left
 
 
 def shuffled(positions: Any, n: int, seed: int, epoch: int) -> np.ndarray:
