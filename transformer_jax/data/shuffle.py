@@ -1,5 +1,6 @@
-"""Deterministic orders: the SplitMix64 hash, the per-epoch :func:`permutation` of
-``range(n)`` that is a pure function of ``(seed, epoch)``, and :class:`EpochIterator`, the
+"""Deterministic orders: the SplitMix64 hash, the per-epoch order of ``range(n)`` that is a
+pure function of ``(seed, epoch)`` (:func:`shuffled` looks positions up one by one, O(1)
+each; :func:`permutation` is the whole order), and :class:`EpochIterator`, the
 batches of ``n`` indexed examples over shuffled epochs that the example tasks build on
 (classification, seq2seq, pretraining pairs, images).
 
@@ -16,8 +17,9 @@ import numpy as np
 
 from transformer_jax.errors import UserError
 
-__all__ = ["EpochIterator", "FEISTEL_ROUNDS", "RESUME_HINT", "fold_key", "grid_hashes", "hash_order",
-           "hash_uniform", "permutation", "shuffled", "splitmix64", "splitmix64_array"]
+__all__ = ["EpochIterator", "FEISTEL_ROUNDS", "RESUME_HINT", "fold_key", "grid_hashes",
+           "hash_order", "hash_uniform", "permutation", "shuffled", "splitmix64",
+           "splitmix64_array"]
 
 #: Appended to errors about a saved data position that does not fit the data.
 RESUME_HINT = (" The checkpoint's data position does not fit this data: resume with the "
@@ -81,11 +83,12 @@ def shuffled(positions: Any, n: int, seed: int, epoch: int) -> np.ndarray:
     keyed bijection computed per index, O(1) each, never materialising the permutation.
 
     The bijection is a balanced Feistel network (``FEISTEL_ROUNDS`` rounds of a SplitMix64
-    round function, keyed by ``(seed, epoch)``) on ``[0, 2**b)``, ``2**b`` the smallest even
-    power of two >= n (so < 4n); "cycle walking" applies it again to an output >= n until it
-    falls inside ``[0, n)``, which restricts the bijection to ``range(n)`` (on average
-    fewer than four passes). The same construction as grain's ``index_shuffle``, written
-    here in NumPy; identical on every platform and NumPy version.
+    round function, keyed by ``(seed, epoch)``) on ``[0, 2**b)``, ``b`` the smallest even
+    number with ``2**b >= n`` (so ``2**b < 4n``); "cycle walking" applies it again to an
+    output >= n until it falls inside ``[0, n)``, which restricts the bijection to
+    ``range(n)`` (at most four passes on average). The kind of keyed index shuffle grain's
+    ``index_shuffle`` offers (grain is not a dependency), in NumPy; identical on every
+    platform and NumPy version.
 
     ``positions``: ints in ``[0, n)``, any shape; returns int64 of the same shape.
     """
