@@ -113,9 +113,9 @@ def bench_batch(module, params, model, batch: int, args, rng, bandwidth: float) 
 
     _, ours_first = common.timed(ours)            # compiles
     _, hf_first = common.timed(hf)
-    cache_before = decode._generate._cache_size()
+    cache_before = decode.jitted_generate._cache_size()
     times = common.alternate({"ours": ours, "hf": hf}, rounds=args.repeats, warmup=0)
-    recompiled = decode._generate._cache_size() != cache_before
+    recompiled = decode.jitted_generate._cache_size() != cache_before
     ours_s, hf_s = common.median(times["ours"]), common.median(times["hf"])
     need = step_bytes(module.config, params, batch, args.prompt_len, args.new_tokens)
     roofline_tps = batch * bandwidth / need["bytes"]

@@ -302,8 +302,10 @@ def run_case(case: Case, *, rounds: int, warmup: int, use_compile: bool,
 
 # ----------------------------------------------------------------------------- data pipeline
 
-def data_pipeline(batches: int = 30) -> dict[str, Any]:
-    """The default experiment's training iterator: seconds per batch (after the first)."""
+def data_pipeline(batches: int = 30, step_s: float = 0.005) -> dict[str, Any]:
+    """The default experiment's training iterator: seconds per batch (after the first), taken
+    back to back (how fast the background thread makes them), and the wait in ``next()``
+    after a ``step_s`` sleep standing in for a train step (what the loop waits)."""
     from transformer_jax.tasks import make_task
     from transformer_jax.train.config import ExperimentConfig
 
@@ -314,14 +316,20 @@ def data_pipeline(batches: int = 30) -> dict[str, Any]:
         it = task.train_iterator(0, 1)
         first = next(it)
         setup_s = time.perf_counter() - t0
-        times = []
+        times, waits = [], []
         for _ in range(batches):
             t0 = time.perf_counter()
             next(it)
             times.append(time.perf_counter() - t0)
+        for _ in range(batches):
+            time.sleep(step_s)
+            t0 = time.perf_counter()
+            next(it)
+            waits.append(time.perf_counter() - t0)
     shapes = {k: tuple(np.shape(v)) for k, v in first.items()}
     return {"experiment": cfg.name, "batch_shapes": shapes, "setup_and_first_batch_s": setup_s,
-            "batch_s_median": common.median(times), "batch_s_max": max(times)}
+            "batch_s_median": common.median(times), "batch_s_max": max(times),
+            "wait_after_step_s_median": common.median(waits), "sleep_step_s": step_s}
 
 
 # ----------------------------------------------------------------------------- report
@@ -365,6 +373,9 @@ def markdown(records: list[dict], peak: float, data: dict | None) -> str:
     if data:
         line = (f"Data pipeline ({data['experiment']}, batches {data['batch_shapes']}): "
                 f"{data['batch_s_median'] * 1e3:.2f} ms per batch (max {data['batch_s_max'] * 1e3:.2f} ms)")
+        if "wait_after_step_s_median" in data:
+            line += (f"; next() after a {data['sleep_step_s'] * 1e3:.0f} ms step waits "
+                     f"{data['wait_after_step_s_median'] * 1e3:.3f} ms (made on a thread)")
         if data.get("step_s"):
             line += (f" vs a train step of {data['step_s'] * 1e3:.0f} ms "
                      f"({data['batch_s_median'] / data['step_s']:.1%} of it)")

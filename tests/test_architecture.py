@@ -165,3 +165,37 @@ def _long_functions() -> list[str]:
 
 def test_functions_are_short_or_say_why():
     assert _long_functions() == []
+
+
+def _private_imports(name: str, path: Path) -> list[str]:
+    """``from <another transformer_jax module> import _name`` in module ``name``: a private
+    name used across modules (a module named with ``_`` is not a private name)."""
+    tree = ast.parse(path.read_text())
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        if node.level:
+            base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+            target = ".".join(base + ([node.module] if node.module else []))
+        else:
+            target = node.module or ""
+        if target.split(".")[0] != "transformer_jax" or target == name:
+            continue
+        out += [f"{name}: from {target} import {a.name}" for a in node.names
+                if a.name.startswith("_") and not a.name.startswith("__")
+                and f"{target}.{a.name}" not in MODULES]
+    return out
+
+
+def test_no_module_imports_another_modules_private_name():
+    found = [line for name, path in MODULES.items() for line in _private_imports(name, path)]
+    assert found == []
+
+
+def test_the_private_import_finder_finds_one(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("from .pipeline import _read, open_source\nfrom . import stdlib_corpus\n")
+    assert _private_imports("transformer_jax.data.m", path) == [
+        "transformer_jax.data.m: from transformer_jax.data.pipeline import _read"]

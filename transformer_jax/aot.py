@@ -310,7 +310,7 @@ def _whole_param_shardings(abstract, shardings, split):
 def _decode_step(cfg, task, model, params, param_sh, mesh, new_tokens: int):
     """The decode loop of ``generate`` (prefill + ``new_tokens`` sampled tokens) for a
     batch of ``batch_size`` prompts of half the model's length."""
-    from .decode import _generate
+    from .decode import jitted_generate
 
     if cfg.task != "lm":
         raise UserError(f"--what decode compiles the KV-cache loop of a language model; "
@@ -326,8 +326,8 @@ def _decode_step(cfg, task, model, params, param_sh, mesh, new_tokens: int):
 
     def decode(p, ids, rng):
         mask = jax.numpy.ones_like(ids)
-        return _generate(model, p, ids, mask, rng, 1.0, 1.0, max_new_tokens=new_tokens,
-                         greedy=False, top_k=40, use_top_p=False, eos_id=None, pad_id=0)
+        return jitted_generate(model, p, ids, mask, rng, 1.0, 1.0, max_new_tokens=new_tokens,
+                               greedy=False, top_k=40, use_top_p=False, eos_id=None, pad_id=0)
 
     key = jax.ShapeDtypeStruct((2,), "uint32", sharding=rep)
     fn = jax.jit(decode, in_shardings=(param_sh, batch_sh, rep), out_shardings=batch_sh)

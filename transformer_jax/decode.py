@@ -118,8 +118,9 @@ def init_cache(module, batch_size: int, max_len: int) -> Any:
 
 @functools.partial(jax.jit, static_argnames=("module", "max_new_tokens", "greedy", "top_k",
                                              "use_top_p", "eos_id", "pad_id"))
-def _generate(module, params, prompt, prompt_mask, rng, temperature, top_p, *, max_new_tokens,
-              greedy, top_k, use_top_p, eos_id, pad_id):
+def jitted_generate(module, params, prompt, prompt_mask, rng, temperature, top_p, *,
+                    max_new_tokens, greedy, top_k, use_top_p, eos_id, pad_id):
+    """The compiled decoding loop behind :func:`generate` (its arguments already checked)."""
     b, t0 = prompt.shape
     total = t0 + max_new_tokens
     cache = init_cache(module, b, total)
@@ -224,12 +225,12 @@ def generate(module, params, prompt_ids: Array | Sequence[Sequence[int]], *, max
         raise UserError(f"prompt length {prompt.shape[1]} + max_new_tokens {max_new_tokens} exceeds "
                         f"the model's max_len={max_len}")
 
-    out = _generate(module, params, prompt, prompt_mask,
-                    rng if rng is not None else jax.random.PRNGKey(0),
-                    jnp.float32(temperature if not greedy else 1.0),
-                    jnp.float32(top_p if top_p is not None else 1.0),
-                    max_new_tokens=max_new_tokens, greedy=greedy, top_k=top_k,
-                    use_top_p=top_p is not None, eos_id=eos_id, pad_id=pad_id)
+    out = jitted_generate(module, params, prompt, prompt_mask,
+                              rng if rng is not None else jax.random.PRNGKey(0),
+                              jnp.float32(temperature if not greedy else 1.0),
+                              jnp.float32(top_p if top_p is not None else 1.0),
+                              max_new_tokens=max_new_tokens, greedy=greedy, top_k=top_k,
+                              use_top_p=top_p is not None, eos_id=eos_id, pad_id=pad_id)
     if not ragged:
         return out
     result = []

@@ -98,6 +98,20 @@ def test_ids_equal_the_transformers_tokenizer(name, dirs, hf, ours):
             ref(text, add_special_tokens=False)["input_ids"] + [ref.eos_token_id]
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_encode_batch_equals_one_by_one(name, ours):
+    """One encode_batch call (tokenizers' batch API; a loop for SentencePiece) gives each
+    text's encode_array ids."""
+    tok = ours[name]
+    texts = [*TEXTS, TEXTS[2].encode("utf-8")]
+    batch = tok.encode_batch(texts)
+    assert len(batch) == len(texts)
+    for got, text in zip(batch, texts):
+        np.testing.assert_array_equal(got, tok.encode_array(text))
+        assert got.dtype == np.int32
+    assert tok.encode_batch([]) == []
+
+
 def test_special_token_forms(ours, hf):
     """BERT adds [CLS] ... [SEP], GPT-2 nothing, T5 </s>."""
     text = "x = 1"

@@ -125,9 +125,9 @@ def test_generate_greedy_equals_uncached_loop_without_recompiling(tiny):
     prompt = ids(5, (3, 6))
     out = generate(model, params, prompt, max_new_tokens=10)
     np.testing.assert_array_equal(out, greedy_without_cache(model, params, prompt, 10))
-    before = decode._generate._cache_size()
+    before = decode.jitted_generate._cache_size()
     out2 = generate(model, params, ids(6, (3, 6)), max_new_tokens=10)
-    assert decode._generate._cache_size() == before   # new prompt values: no new compilation
+    assert decode.jitted_generate._cache_size() == before   # new prompt values: no new compilation
     np.testing.assert_array_equal(out2[:, :6], ids(6, (3, 6)))
 
 

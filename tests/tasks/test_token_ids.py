@@ -73,7 +73,8 @@ def test_a_train_batch_is_checked_against_a_too_small_vocab_size_override(tmp_pa
 def test_checked_batches_are_the_iterators_batches_and_keep_its_state(tmp_path):
     task = lm_task(tmp_path, seed=3)
     it, plain = task.train_iterator(0, 1), task.make_iterator("train", 0, 1, train=True)
-    assert type(it).__name__ == "CheckedBatches"
+    assert type(it).__name__ == "Background"                 # made on a thread,
+    assert type(it.iterator).__name__ == "CheckedBatches"    # checked there
     for _ in range(4):
         a, b = next(it), next(plain)
         assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
@@ -129,7 +130,7 @@ def nothing_runs(monkeypatch):
     """The jitted loops fail the test if they are reached (traced, compiled or run)."""
     def fail(*args, **kwargs):
         raise AssertionError("a search ran")
-    for mod, name in ((decode_lib, "_generate"), (beam_lib, "_greedy"), (beam_lib, "_beam")):
+    for mod, name in ((decode_lib, "jitted_generate"), (beam_lib, "_greedy"), (beam_lib, "_beam")):
         monkeypatch.setattr(mod, name, fail)
 
 

@@ -15,16 +15,11 @@ Typical use::
     state = it.get_state()    # JSON-serialisable; it.set_state(state) resumes
 """
 
-from transformer_jax.data.pipeline import (
-    Batch,
-    LMIterator,
-    default_data_dir,
-    load_texts,
-    make_lm_iterator,
-    open_source,
-    pack_documents,
-    permutation,
-)
+from transformer_jax.data.lm_iterators import LMIterator, MemoryLMIterator, StreamingLMIterator
+from transformer_jax.data.packing import Batch, pack_documents
+from transformer_jax.data.pipeline import make_lm_iterator
+from transformer_jax.data.shuffle import permutation
+from transformer_jax.data.sources import default_data_dir, load_texts, open_source
 from transformer_jax.data.hf_tokenizer import HFTokenizer
 from transformer_jax.data.tokenizers import (
     ByteTokenizer,
@@ -51,8 +46,10 @@ __all__ = [
     "ByteTokenizer",
     "HFTokenizer",
     "LMIterator",
+    "MemoryLMIterator",
     "SentencePieceTokenizer",
     "SpecialIdsView",
+    "StreamingLMIterator",
     "Tokenizer",
     "canonical_spec",
     "default_data_dir",

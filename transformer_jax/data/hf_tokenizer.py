@@ -49,12 +49,13 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from transformer_jax import storage
-from transformer_jax.data.tokenizer_base import Tokenizer, _ids_as_list
+from transformer_jax.data.tokenizer_base import Tokenizer, ids_as_list
 from transformer_jax.errors import UserError
 
 __all__ = ["HFTokenizer"]
@@ -463,6 +464,16 @@ class HFTokenizer(Tokenizer):
                      add_special: bool = False) -> np.ndarray:
         return np.asarray(self.encode(text, add_eos, add_special=add_special), dtype=np.int32)
 
+    def encode_batch(self, texts: Sequence[str | bytes]) -> list[np.ndarray]:
+        """The ids of each text, as ``encode_array`` (no special tokens added): one
+        ``encode_batch`` call of ``tokenizers`` (its threads); a loop for SentencePiece."""
+        if self.backend != "tokenizers":
+            return super().encode_batch(texts)
+        texts = [bytes(t).decode("utf-8", errors="replace") if isinstance(t, (bytes, bytearray))
+                 else t for t in texts]
+        encodings = self._tok.encode_batch(texts, add_special_tokens=False) if texts else []
+        return [np.asarray(e.ids, dtype=np.int32) for e in encodings]
+
     def _encode_sentencepiece(self, text: str, add_special: bool) -> list[int]:
         pieces = self._split.split(text) if self._split is not None else [text]
         ids: list[int] = []
@@ -490,7 +501,7 @@ class HFTokenizer(Tokenizer):
         """The text of ``ids``; special tokens (pad, eos, ...) skipped unless
         ``skip_special=False``; ids outside the vocabulary always dropped."""
         drop = self.all_special_ids if skip_special else frozenset()
-        kept = [i for i in _ids_as_list(ids) if 0 <= i < self._size and i not in drop]
+        kept = [i for i in ids_as_list(ids) if 0 <= i < self._size and i not in drop]
         if self.backend == "tokenizers":
             text = self._tok.decode(kept, skip_special_tokens=skip_special)
             if self.tokenizer_config.get("clean_up_tokenization_spaces") and \

@@ -30,7 +30,7 @@ Batches (``B = batch_size // process_count`` rows on each process)::
      "weights": float32 (B,)}          1.0, or 0.0 on rows that pad the last eval batch
 
 Order. Training iterates endlessly over epochs; epoch e visits the examples in the order
-``permutation(n, seed, e)`` (:func:`transformer_jax.data.pipeline.permutation`) and drops
+``permutation(n, seed, e)`` (:func:`transformer_jax.data.shuffle.permutation`) and drops
 its last ``n mod batch_size`` examples. Process p of P takes rows [p B/P, (p+1) B/P) of
 every global batch. The position is ``{"mode": "images", "epoch", "index"}``
 (:meth:`ImageIterator.get_state`); ``set_state`` resumes exactly. Evaluation is one
@@ -43,7 +43,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from transformer_jax.data.pipeline import _read, default_data_dir, open_source, permutation
+from transformer_jax.data.shuffle import hash_order, shuffled
+from transformer_jax.data.sources import default_data_dir, open_source, read_examples
 from transformer_jax.errors import UserError
 
 __all__ = ["DatasetInfo", "ImageIterator", "dataset_info", "digits_split", "load_digits_arrays",
@@ -99,7 +100,7 @@ def digits_split(split: str, *, test_fraction: float = 0.2, split_seed: int = 0)
     if not 0.0 < test_fraction < 1.0:
         raise UserError(f"test_fraction must be in (0, 1), got {test_fraction}")
     images, labels = load_digits_arrays()
-    order = permutation(len(labels), split_seed, 0)
+    order = hash_order(len(labels), split_seed)
     n_test = int(round(test_fraction * len(labels)))
     rows = np.sort(order[:n_test] if split == "test" else order[n_test:])
     return ArraySource(images[rows], labels[rows])
@@ -222,14 +223,6 @@ class ImageIterator:
         else:
             self.batches_per_epoch = -(-self.num_examples // batch_size)
         self._epoch, self._index = 0, 0
-        self._order_cache: tuple[int, np.ndarray] | None = None
-
-    def _order(self, epoch: int) -> np.ndarray:
-        if self._order_cache is None or self._order_cache[0] != epoch:
-            order = (permutation(self.num_examples, self.seed, epoch) if self.shuffle
-                     else np.arange(self.num_examples))
-            self._order_cache = (epoch, order)
-        return self._order_cache[1]
 
     def __iter__(self) -> ImageIterator:
         return self
@@ -240,12 +233,13 @@ class ImageIterator:
         b, s = self.batch_size, self.image_size
         first = self._index * self.global_batch_size + self.process_index * b
         positions = np.arange(first, first + b)
-        ids = self._order(self._epoch)[positions[positions < self.num_examples]]
+        ids = positions[positions < self.num_examples]
+        ids = shuffled(ids, self.num_examples, self.seed, self._epoch) if self.shuffle else ids
         images = np.zeros((b, s, s, self.num_channels), np.float32)
         labels = np.zeros((b,), np.int32)
         weights = np.zeros((b,), np.float32)
         extras: dict[str, np.ndarray] = {}
-        for row, (i, example) in enumerate(zip(ids, _read(self._source, ids))):
+        for row, (i, example) in enumerate(zip(ids, read_examples(self._source, ids))):
             rng = (np.random.default_rng([self.seed, self._epoch, int(i)])
                    if self.augment else None)
             image = preprocess_image(example["image"], s, max_value=self.max_value,

@@ -1,10 +1,7 @@
 """Language-model input pipeline: TFDS documents -> packed, sharded batches.
 
-Documents come from TensorFlow Datasets *data sources* (``tfds.data_source``,
-random access over the ``array_record`` file format; reading needs no
-TensorFlow), from the embedded ``python_stdlib`` dataset (built locally on
-first use, see :mod:`transformer_jax.data.stdlib_corpus`), or from any
-in-memory sequence of strings.
+Documents come from a source of :mod:`transformer_jax.data.sources` (a TFDS
+dataset, the embedded ``python_stdlib``, or any in-memory sequence of strings).
 
 Packing.  Every non-empty document is tokenized and followed by ``eos_id``;
 documents are concatenated, in order, into one token stream ``s`` of length
@@ -22,7 +19,8 @@ nothing: the last partial window is padded with ``pad_id`` and the last partial
 batch is filled with all-padding rows; padding has weight 0.  Attention is not
 masked between packed documents; ``eos`` marks where one ends.
 
-Two modes share one iterator API (:class:`LMIterator`):
+Two modes, one iterator class each (:mod:`transformer_jax.data.lm_iterators`), share one
+iterator API (:class:`~transformer_jax.data.lm_iterators.LMIterator`):
 
 * ``"memory"``: the whole split is tokenized once into an int32 token stream,
   cached as ``.npy`` under ``<data_dir>/transformer_jax_cache/`` (keyed by
@@ -48,358 +46,39 @@ Two modes share one iterator API (:class:`LMIterator`):
   boundaries, so no token is dropped.  The state is the position of the
   first token not yet consumed, ``{"mode", "epoch", "doc_pos",
   "token_offset", "process_index", "process_count"}``; restoring re-reads one
-  document, so it costs O(1) reads, plus one permutation (a sort of the
-  split's document count) per epoch.  In eval, processes may yield different
-  numbers of batches.
+  document, so it costs O(1) reads (each document's place in the epoch's
+  order is computed on its own, with no sort of the split).  In eval,
+  processes may yield different numbers of batches.
 
 ``mode="auto"`` picks ``"memory"`` for splits of up to 1,000,000 documents and
 ``"stream"`` above.
 
-Shuffling uses a SplitMix64 hash of ``(seed, epoch, i)`` sorted with a stable
-sort, so orders are the same on every platform and NumPy version.
+Shuffling looks each position up in a keyed bijection of ``(seed, epoch)``
+(:func:`transformer_jax.data.shuffle.shuffled`, O(1) per index, never an argsort
+of the split), the same on every platform and NumPy version.
 """
 
 from __future__ import annotations
 
-import abc
-import collections
-import dataclasses
 import hashlib
 import io
 import os
 import re
-from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
 from transformer_jax import storage
+from transformer_jax.data.lm_iterators import LMIterator, MemoryLMIterator, StreamingLMIterator
+from transformer_jax.data.packing import token_stream
+from transformer_jax.data.sources import default_data_dir, iter_text_chunks, iter_texts, open_source
 from transformer_jax.data.tokenizers import Tokenizer, get_tokenizer
 from transformer_jax.errors import UserError
 
-_RESUME_HINT = (" The checkpoint's data position does not fit this data: resume with the "
-                "run's original dataset, split and batch settings.")
-
-__all__ = [
-    "LMIterator",
-    "Batch",
-    "make_lm_iterator",
-    "load_texts",
-    "open_source",
-    "pack_documents",
-    "permutation",
-    "default_data_dir",
-]
-
-#: A batch: ``inputs``/``targets`` int32 (B, T), ``weights`` float32 (B, T).
-Batch = dict[str, np.ndarray]
+__all__ = ["MAX_IN_MEMORY_DOCUMENTS", "make_lm_iterator"]
 
 #: ``mode="auto"`` packs splits with at most this many documents in memory.
 MAX_IN_MEMORY_DOCUMENTS = 1_000_000
-
-# Documents read per data-source call.
-_READ_CHUNK = 512
-
-_MASK64 = (1 << 64) - 1
-
-
-def default_data_dir() -> str:
-    """TFDS's default data directory: ``$TFDS_DATA_DIR`` or ``~/tensorflow_datasets``."""
-    return os.environ.get("TFDS_DATA_DIR") or os.path.expanduser("~/tensorflow_datasets")
-
-
-# --------------------------------------------------------------------------
-# Deterministic permutations.
-
-
-def _splitmix64(z: int) -> int:
-    z = (z + 0x9E3779B97F4A7C15) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return z ^ (z >> 31)
-
-
-def _splitmix64_array(z: np.ndarray) -> np.ndarray:
-    """SplitMix64 finaliser over a uint64 array (arithmetic wraps mod 2**64)."""
-    z = z + np.uint64(0x9E3779B97F4A7C15)
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
-
-
-def permutation(n: int, seed: int, epoch: int) -> np.ndarray:
-    """Returns a permutation of ``range(n)`` that depends only on (seed, epoch).
-
-    The order is the stable argsort of SplitMix64 hashes of ``(seed, epoch, i)``,
-    identical on every platform and NumPy version.  Shape ``(n,)``, int64.
-    """
-    key = _splitmix64(_splitmix64(seed & _MASK64) ^ (epoch & _MASK64))
-    hashes = _splitmix64_array(np.arange(n, dtype=np.uint64) + np.uint64(key))
-    return np.argsort(hashes, kind="stable")
-
-
-class EpochIterator(Iterator[dict]):
-    """Batches of ``n`` indexed examples: a fresh :func:`permutation` per epoch (``shuffle``)
-    and endless epochs (``repeat``, the last partial batch dropped), or one ordered pass
-    whose last batch is filled with invalid rows.
-
-    Process ``p`` of ``P`` yields rows ``[p B/P, (p+1) B/P)`` of every global batch of ``B``
-    rows. State ``{"epoch", "index"}`` (the process count does not enter: rows are global).
-    Subclasses turn row indices into arrays in :meth:`make_batch`.
-    """
-
-    kind = "epoch"     # names the iterator in state errors
-
-    def __init__(self, n: int, *, batch_size: int, seed: int, shuffle: bool, repeat: bool,
-                 process_index: int, process_count: int, describe: str):
-        if batch_size % process_count:
-            raise UserError(f"batch_size={batch_size} is not divisible by {process_count} processes")
-        self.n = n
-        self.global_batch, self.batch_size = batch_size, batch_size // process_count
-        self.seed, self.shuffle, self.repeat = seed, shuffle, repeat
-        self.process_index = process_index
-        if n == 0:
-            raise UserError(f"{describe} has no examples")
-        if repeat:
-            self.batches_per_epoch = n // batch_size
-            if self.batches_per_epoch == 0:
-                raise UserError(f"{describe} has {n} examples, fewer than one batch of "
-                                f"{batch_size}; lower batch_size")
-        else:
-            self.batches_per_epoch = -(-n // batch_size)
-        self.epoch = self.index = 0
-        self._order: tuple[int, np.ndarray] | None = None
-
-    @abc.abstractmethod
-    def make_batch(self, rows: np.ndarray, valid: np.ndarray) -> dict[str, np.ndarray]:
-        """``rows`` (B/P,) example indices (0 where not ``valid``) -> the batch arrays."""
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> dict[str, np.ndarray]:
-        if not self.repeat and self.index >= self.batches_per_epoch:
-            raise StopIteration
-        if self._order is None or self._order[0] != self.epoch:
-            order = permutation(self.n, self.seed, self.epoch) if self.shuffle else np.arange(self.n)
-            self._order = (self.epoch, order)
-        first = self.index * self.global_batch + self.process_index * self.batch_size
-        pos = np.arange(first, first + self.batch_size)
-        valid = pos < self.n
-        batch = self.make_batch(self._order[1][np.where(valid, pos, 0)], valid)
-        self.index += 1
-        if self.repeat and self.index == self.batches_per_epoch:
-            self.epoch, self.index = self.epoch + 1, 0
-        return batch
-
-    def get_state(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "index": self.index}
-
-    def set_state(self, state: dict) -> None:
-        if not isinstance(state, dict) or set(state) != {"epoch", "index"}:
-            raise UserError(f"not a {self.kind} iterator state: {state!r}.{_RESUME_HINT}")
-        if not 0 <= int(state["index"]) < max(self.batches_per_epoch, 1):
-            raise UserError(f"{self.kind} iterator state index {state['index']} is out of range "
-                            f"for {self.batches_per_epoch} batches per epoch.{_RESUME_HINT}")
-        self.epoch, self.index = int(state["epoch"]), int(state["index"])
-
-
-# --------------------------------------------------------------------------
-# Document sources.
-
-
-def open_source(dataset: Any, split: str, *, data_dir: str | None = None):
-    """Returns ``(source, name)``: a random-access document source and its name.
-
-    Args:
-      dataset: a TFDS dataset name (``"python_stdlib"``, ``"lm1b"``, optionally
-        with ``/config:version``), or an in-memory sequence of documents (str,
-        UTF-8 bytes, or dicts with a text field).
-      split: the split name, e.g. ``"train"``, ``"validation"``, ``"test"``.
-      data_dir: TFDS data directory (default :func:`default_data_dir`).
-
-    The source supports ``len()`` and indexing.  A TFDS dataset that is not
-    prepared yet is prepared first, in the ``array_record`` format:
-    ``python_stdlib`` locally, others by TFDS, which downloads them (and, for
-    ``lm1b``, needs TensorFlow to prepare it; reading needs none).  A dataset
-    already prepared in another format (TFRecord) must be prepared again with
-    ``tfds build NAME --file_format=array_record``.
-    """
-    if not isinstance(dataset, str):
-        if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
-            raise TypeError(
-                "dataset must be a TFDS name or a sequence of documents, got "
-                f"{type(dataset).__name__}."
-            )
-        return dataset, f"<in-memory {type(dataset).__name__}>"
-
-    import tensorflow_datasets as tfds
-
-    # Random access (and reading without TensorFlow) needs array_record files;
-    # TFDS only picks that format by itself when no data_dir is given.
-    kwargs: dict[str, Any] = {"builder_kwargs": {"file_format": "array_record"}}
-    if dataset.split("/")[0].split(":")[0] == "python_stdlib":
-        # Registers the builder with TFDS; it needs no download, nor GCS.
-        from transformer_jax.data import stdlib_corpus  # noqa: F401
-
-        kwargs["download_and_prepare_kwargs"] = {
-            "download_config": tfds.download.DownloadConfig(try_download_gcs=False)
-        }
-    try:
-        source = tfds.data_source(
-            dataset, split=split, data_dir=data_dir or default_data_dir(), **kwargs
-        )
-    except tfds.core.registered.DatasetNotFoundError as e:
-        raise UserError(
-            f"dataset {dataset!r} is not a TFDS dataset: use 'python_stdlib' (offline) or a "
-            "name from tfds.list_builders() such as 'lm1b'"
-        ) from e
-    except ValueError as e:
-        if "split" not in str(e).lower():
-            raise
-        raise UserError(f"dataset {dataset!r}: {e} Set eval_split (or the split) to one of them.") from e
-    return source, dataset
-
-
-def _document_text(example: Any, text_key: str) -> str:
-    if isinstance(example, dict):
-        if text_key not in example:
-            raise UserError(
-                f"document has no field {text_key!r} (fields: {sorted(example)}); "
-                "pass text_key=..."
-            )
-        example = example[text_key]
-    if isinstance(example, np.ndarray) and example.shape == ():
-        example = example.item()
-    if isinstance(example, (bytes, bytearray)):
-        return bytes(example).decode("utf-8", errors="replace")
-    if isinstance(example, str):
-        return example
-    raise UserError(f"document text must be str or bytes, got {type(example).__name__}")
-
-
-def _read(source: Any, indices: Sequence[int]) -> list[Any]:
-    """Reads the examples at ``indices``, in one call when the source allows."""
-    indices = [int(i) for i in indices]
-    if hasattr(source, "__getitems__"):
-        try:
-            return list(source.__getitems__(indices))
-        except TypeError:
-            # tfds.testing.mock_data's data source defines __getitems__ with a
-            # wrong signature; reading one record at a time gives the same
-            # examples (and re-raises any genuine error).
-            pass
-    return [source[i] for i in indices]
-
-
-def _iter_texts(source: Any, text_key: str, indices: Iterable[int] | None = None):
-    indices = range(len(source)) if indices is None else list(indices)
-    for start in range(0, len(indices), _READ_CHUNK):
-        for example in _read(source, indices[start : start + _READ_CHUNK]):
-            yield _document_text(example, text_key)
-
-
-def load_texts(
-    dataset: Any = "python_stdlib",
-    split: str = "train",
-    *,
-    data_dir: str | None = None,
-    text_key: str = "text",
-    max_documents: int | None = None,
-) -> list[str]:
-    """Returns the raw texts of a split, in the source's order.
-
-    Used to show samples, to seed generation, and to train a SentencePiece
-    model (:func:`transformer_jax.data.train_sentencepiece`).  ``dataset``,
-    ``split`` and ``data_dir`` are as in :func:`open_source`; ``text_key`` is
-    the text feature; ``max_documents`` limits how many are read.
-    """
-    source, _ = open_source(dataset, split, data_dir=data_dir)
-    n = len(source) if max_documents is None else min(len(source), max_documents)
-    return list(_iter_texts(source, text_key, range(n)))
-
-
-# --------------------------------------------------------------------------
-# Packing.
-
-
-def _token_stream(texts: Iterable[str], tokenizer: Tokenizer) -> np.ndarray:
-    """Concatenates ``ids(doc) + [eos]`` over the non-empty documents; (N,) int32."""
-    eos = np.array([tokenizer.eos_id], dtype=np.int32)
-    parts = []
-    for text in texts:
-        ids = tokenizer.encode_array(text)
-        if ids.size:
-            parts.extend((ids, eos))
-    if not parts:
-        return np.zeros((0,), dtype=np.int32)
-    return np.concatenate(parts).astype(np.int32, copy=False)
-
-
-def _num_windows(num_tokens: int, seq_len: int, pad_final: bool) -> int:
-    if num_tokens < 2:
-        return 0
-    full, rest = divmod(num_tokens - 1, seq_len)
-    return full + int(pad_final and rest > 0)
-
-
-def _gather_windows(
-    stream: np.ndarray, window_ids: np.ndarray, seq_len: int, pad_id: int
-) -> np.ndarray:
-    """Rows ``stream[k*T : k*T+T+1]`` for each k in window_ids, padded past the end.
-
-    Returns int32 (len(window_ids), T+1).
-    """
-    positions = np.asarray(window_ids, dtype=np.int64)[:, None] * seq_len + np.arange(
-        seq_len + 1
-    )
-    inside = positions < len(stream)
-    rows = np.asarray(stream)[np.where(inside, positions, 0)].astype(np.int32)
-    rows[~inside] = pad_id
-    return rows
-
-
-def pack_documents(
-    token_docs: Iterable[Sequence[int]],
-    seq_len: int,
-    *,
-    eos_id: int = 1,
-    pad_id: int = 0,
-    pad_final: bool = False,
-) -> np.ndarray:
-    """Packs tokenized documents into windows of ``seq_len + 1`` tokens.
-
-    Each non-empty document is followed by ``eos_id`` and all are concatenated
-    into a stream ``s``; window ``k`` is ``s[k*T : k*T+T+1]``.  With
-    ``pad_final`` the last partial window is kept, padded with ``pad_id``;
-    otherwise it is dropped.
-
-    Returns:
-      int32 array (W, T+1); ``W = (N-1) // T`` (or ``ceil((N-1) / T)`` with
-      ``pad_final``) for a stream of ``N`` tokens.
-    """
-    if seq_len < 1:
-        raise UserError(f"seq_len must be >= 1, got {seq_len}")
-    eos = np.array([eos_id], dtype=np.int32)
-    parts = []
-    for doc in token_docs:
-        ids = np.asarray(doc, dtype=np.int32).reshape(-1)
-        if ids.size:
-            parts.extend((ids, eos))
-    stream = np.concatenate(parts) if parts else np.zeros((0,), np.int32)
-    count = _num_windows(len(stream), seq_len, pad_final)
-    return _gather_windows(stream, np.arange(count), seq_len, pad_id)
-
-
-def _batch_from_windows(windows: np.ndarray, pad_id: int) -> Batch:
-    """Splits windows (B, T+1) into inputs/targets/weights, each (B, T)."""
-    inputs = np.ascontiguousarray(windows[:, :-1], dtype=np.int32)
-    targets = np.ascontiguousarray(windows[:, 1:], dtype=np.int32)
-    return {
-        "inputs": inputs,
-        "targets": targets,
-        "weights": (targets != pad_id).astype(np.float32),
-    }
 
 
 # --------------------------------------------------------------------------
@@ -428,12 +107,12 @@ def _cache_path(source: Any, name: str, split: str, tokenizer: Tokenizer,
 
 def _load_or_build_stream(source, name, split, tokenizer, text_key, data_dir, cache):
     if not cache:
-        return _token_stream(_iter_texts(source, text_key), tokenizer)
+        return token_stream(iter_texts(source, text_key), tokenizer)
     path = _cache_path(source, name, split, tokenizer, text_key, data_dir)
     remote = storage.is_remote(path)   # a bucket cannot be memory-mapped: read it whole
     if storage.exists(path):
         return np.load(io.BytesIO(storage.read_bytes(path))) if remote else np.load(path, mmap_mode="r")
-    stream = _token_stream(_iter_texts(source, text_key), tokenizer)
+    stream = token_stream(iter_texts(source, text_key), tokenizer)
     if remote:
         npy = io.BytesIO()
         np.save(npy, stream)
@@ -449,8 +128,8 @@ def _load_or_build_stream(source, name, split, tokenizer, text_key, data_dir, ca
 def _first_tokens(source, name, split, tokenizer, text_key, data_dir, cache,
                   max_tokens: int) -> np.ndarray:
     """The first ``max_tokens`` tokens of the split's stream: from the (cached) whole
-    stream of a split that fits in memory, else read document by document until there
-    are enough (the same tokens either way)."""
+    stream of a split that fits in memory, else read a chunk of documents at a time until
+    there are enough (the same tokens either way)."""
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) or max_tokens < 2:
         raise UserError(f"max_tokens={max_tokens!r} must be an int >= 2 (the training subset's "
                         "size in tokens), or None for the whole split")
@@ -458,8 +137,8 @@ def _first_tokens(source, name, split, tokenizer, text_key, data_dir, cache,
         stream = _load_or_build_stream(source, name, split, tokenizer, text_key, data_dir, True)
     else:
         parts, count = [], 0
-        for text in _iter_texts(source, text_key):
-            part = _token_stream([text], tokenizer)
+        for texts in iter_text_chunks(source, text_key):
+            part = token_stream(texts, tokenizer)
             parts.append(part)
             count += len(part)
             if count >= max_tokens:
@@ -470,310 +149,6 @@ def _first_tokens(source, name, split, tokenizer, text_key, data_dir, cache,
                         f"the {max_tokens} asked for; lower the subset size (task.train_tokens) "
                         "or use a larger dataset")
     return np.array(stream[:max_tokens], dtype=np.int32)
-
-
-# --------------------------------------------------------------------------
-# The iterator.
-
-
-@dataclasses.dataclass
-class _Segment:
-    """Unconsumed tokens of one document: its (epoch, doc_pos) and offset."""
-
-    epoch: int
-    doc_pos: int
-    offset: int
-    tokens: np.ndarray
-
-
-def _check_int(state: dict, key: str, minimum: int = 0) -> int:
-    value = state.get(key)
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise UserError(f"iterator state field {key!r} must be an int >= {minimum}, got "
-                        f"{value!r}.{_RESUME_HINT}")
-    return value
-
-
-class LMIterator(Iterator[Batch]):
-    """Iterator of packed LM batches with a saveable position.
-
-    Build it with :func:`make_lm_iterator`.  ``next(it)`` returns a dict with
-    ``inputs`` and ``targets`` int32 (B, T) and ``weights`` float32 (B, T),
-    where B = ``batch_size`` (this process's rows) and T = ``seq_len``.
-
-    ``get_state()`` returns a JSON-serialisable dict; after ``set_state(s)``
-    the iterator yields exactly the batches that followed when ``s`` was
-    taken.  See the module docstring for the two modes.
-
-    Attributes:
-      batch_size: rows per batch on this process (global batch / process_count).
-      global_batch_size: rows per batch over all processes.
-      seq_len: T.
-      mode: ``"memory"`` or ``"stream"``.
-      num_documents: documents in the split.
-      num_windows: windows per epoch (memory mode; None in stream mode).
-      batches_per_epoch: batches per epoch, or per pass in eval (memory mode;
-        None in stream mode).
-    """
-
-    def __init__(
-        self,
-        source: Any,
-        *,
-        name: str,
-        split: str,
-        tokenizer: Tokenizer,
-        seq_len: int,
-        batch_size: int,
-        seed: int,
-        shuffle: bool,
-        repeat: bool,
-        process_index: int,
-        process_count: int,
-        text_key: str,
-        mode: str,
-        stream: np.ndarray | None = None,
-    ):
-        self.name, self.split = name, split
-        self.tokenizer = tokenizer
-        self.seq_len = seq_len
-        self.global_batch_size = batch_size
-        self.batch_size = batch_size // process_count
-        self.seed, self.shuffle, self.repeat = seed, shuffle, repeat
-        self.process_index, self.process_count = process_index, process_count
-        self.text_key = text_key
-        self.mode = mode
-        self.num_documents = len(source)
-        self._source = source
-        self._order_cache: tuple[int, np.ndarray] | None = None
-        self.num_windows: int | None = None
-        self.batches_per_epoch: int | None = None
-        if self.num_documents == 0:
-            raise UserError(
-                f"dataset {name!r} split {split!r} is empty (0 documents); "
-                "prepare the dataset again or choose another dataset/split."
-            )
-        if mode == "memory":
-            self._init_memory(stream)
-        else:
-            self._init_stream()
-
-    def _describe(self) -> str:
-        return f"dataset {self.name!r} split {self.split!r}"
-
-    def _order(self, epoch: int, n: int) -> np.ndarray:
-        """The epoch's order of n items (windows or documents), cached."""
-        if self._order_cache is None or self._order_cache[0] != epoch:
-            order = permutation(n, self.seed, epoch) if self.shuffle else np.arange(n)
-            self._order_cache = (epoch, order)
-        return self._order_cache[1]
-
-    # ---- memory mode -----------------------------------------------------
-
-    def _init_memory(self, stream: np.ndarray) -> None:
-        self._stream = stream
-        if len(stream) < 2:
-            raise UserError(
-                f"{self._describe()} is empty: its {self.num_documents} documents "
-                "hold no text. Use a dataset/split with text."
-            )
-        self.num_windows = _num_windows(len(stream), self.seq_len, not self.repeat)
-        if self.repeat:
-            self.batches_per_epoch = self.num_windows // self.global_batch_size
-            if self.batches_per_epoch == 0:
-                raise UserError(
-                    f"{self._describe()} is too small: its {len(stream)} tokens pack "
-                    f"into {self.num_windows} windows of seq_len+1={self.seq_len + 1} "
-                    f"tokens, fewer than one batch of {self.global_batch_size}. Use a "
-                    "smaller seq_len or batch_size, or a larger dataset/split."
-                )
-        else:
-            self.batches_per_epoch = -(-self.num_windows // self.global_batch_size)
-        self._epoch = 0
-        self._index = 0
-
-    def _next_memory(self) -> Batch:
-        if not self.repeat and self._index >= self.batches_per_epoch:
-            raise StopIteration
-        order = self._order(self._epoch, self.num_windows)
-        b = self.batch_size
-        first = self._index * self.global_batch_size + self.process_index * b
-        positions = np.arange(first, first + b)
-        window_ids = order[positions[positions < self.num_windows]]
-        windows = np.full((b, self.seq_len + 1), self.tokenizer.pad_id, np.int32)
-        windows[: len(window_ids)] = _gather_windows(
-            self._stream, window_ids, self.seq_len, self.tokenizer.pad_id
-        )
-        self._index += 1
-        if self.repeat and self._index == self.batches_per_epoch:
-            self._epoch, self._index = self._epoch + 1, 0
-        return _batch_from_windows(windows, self.tokenizer.pad_id)
-
-    # ---- stream mode -----------------------------------------------------
-
-    def _init_stream(self) -> None:
-        self._shard_size = len(range(self.process_index, self.num_documents, self.process_count))
-        if self._shard_size == 0:
-            raise UserError(
-                f"{self._describe()} has {self.num_documents} documents, too few to "
-                f"give process {self.process_index} of {self.process_count} any; use "
-                "fewer processes or mode='memory'."
-            )
-        self._seek(0, 0, 0)
-
-    def _seek(self, epoch: int, doc_pos: int, token_offset: int) -> None:
-        self._segments: collections.deque[_Segment] = collections.deque()
-        self._buffered = 0
-        self._head = (epoch, doc_pos, token_offset)
-        self._reader = self._read_documents(epoch, doc_pos, token_offset)
-
-    def _shard(self, epoch: int) -> np.ndarray:
-        """Indices of this process's documents in the epoch, in reading order."""
-        order = self._order(epoch, self.num_documents)
-        return order[self.process_index :: self.process_count]
-
-    def _read_documents(self, epoch: int, doc_pos: int, token_offset: int):
-        """Yields a _Segment per non-empty document from (epoch, doc_pos) on."""
-        eos = np.array([self.tokenizer.eos_id], dtype=np.int32)
-        while True:
-            shard = self._shard(epoch)
-            tokens_read = 0
-            start_pos = doc_pos
-            for chunk_start in range(doc_pos, len(shard), _READ_CHUNK):
-                chunk = shard[chunk_start : chunk_start + _READ_CHUNK]
-                for pos, text in enumerate(
-                    _iter_texts(self._source, self.text_key, chunk), chunk_start
-                ):
-                    ids = self.tokenizer.encode_array(text)
-                    if not ids.size:
-                        continue
-                    ids = np.concatenate([ids, eos])
-                    offset = token_offset if pos == start_pos else 0
-                    tokens_read += len(ids) - offset
-                    yield _Segment(epoch, pos, offset, ids[offset:])
-            if not self.repeat:
-                return
-            if start_pos == 0 and tokens_read == 0:
-                raise UserError(
-                    f"{self._describe()} is empty: process {self.process_index}'s "
-                    f"{len(shard)} documents hold no text. Use a dataset/split with text."
-                )
-            epoch, doc_pos, token_offset = epoch + 1, 0, 0
-
-    def _fill(self, count: int) -> None:
-        while self._buffered < count:
-            segment = next(self._reader, None)
-            if segment is None:
-                return
-            self._segments.append(segment)
-            self._buffered += len(segment.tokens)
-
-    def _take(self, count: int, consume: int) -> np.ndarray:
-        """Returns the first ``count`` buffered tokens and drops ``consume`` of them."""
-        parts, needed = [], count
-        for segment in self._segments:
-            parts.append(segment.tokens[:needed])
-            needed -= len(parts[-1])
-            if needed == 0:
-                break
-        last = self._segments[0]
-        while consume:
-            segment = self._segments[0]
-            if len(segment.tokens) <= consume:
-                consume -= len(segment.tokens)
-                self._buffered -= len(segment.tokens)
-                last = self._segments.popleft()
-            else:
-                segment.tokens = segment.tokens[consume:]
-                segment.offset += consume
-                self._buffered -= consume
-                consume = 0
-        if self._segments:
-            first = self._segments[0]
-            self._head = (first.epoch, first.doc_pos, first.offset)
-        else:
-            self._head = (last.epoch, last.doc_pos + 1, 0)
-        return np.concatenate(parts)
-
-    def _next_stream(self) -> Batch:
-        b, t = self.batch_size, self.seq_len
-        needed = b * t + 1
-        self._fill(needed)
-        if self._buffered >= needed:
-            tokens = self._take(needed, b * t)
-        elif not self.repeat and self._buffered >= 2:
-            tokens = np.full((needed,), self.tokenizer.pad_id, np.int32)
-            rest = self._take(self._buffered, self._buffered)
-            tokens[: len(rest)] = rest
-        else:
-            if self._head == (0, 0, 0) and self._buffered == 0:
-                raise UserError(
-                    f"{self._describe()} is empty: process {self.process_index}'s "
-                    "documents hold no text. Use a dataset/split with text."
-                )
-            raise StopIteration
-        windows = np.lib.stride_tricks.sliding_window_view(tokens, t + 1)[::t]
-        return _batch_from_windows(windows, self.tokenizer.pad_id)
-
-    # ---- public API --------------------------------------------------------
-
-    def __iter__(self) -> LMIterator:
-        return self
-
-    def __next__(self) -> Batch:
-        if self.mode == "memory":
-            return self._next_memory()
-        return self._next_stream()
-
-    def get_state(self) -> dict[str, Any]:
-        """Returns the position of the next batch as a JSON-serialisable dict."""
-        if self.mode == "memory":
-            return {"mode": "memory", "epoch": self._epoch, "index": self._index}
-        epoch, doc_pos, offset = self._head
-        return {
-            "mode": "stream",
-            "epoch": int(epoch),
-            "doc_pos": int(doc_pos),
-            "token_offset": int(offset),
-            "process_index": self.process_index,
-            "process_count": self.process_count,
-        }
-
-    def set_state(self, state: dict[str, Any]) -> None:
-        """Moves to a position returned by :meth:`get_state`.
-
-        Raises UserError if the state belongs to another mode or, in stream
-        mode, to another process layout.
-        """
-        if not isinstance(state, dict) or state.get("mode") != self.mode:
-            raise UserError(
-                f"cannot restore {state!r}: this iterator is in {self.mode!r} mode.{_RESUME_HINT}"
-            )
-        if self.mode == "memory":
-            epoch, index = _check_int(state, "epoch"), _check_int(state, "index")
-            if index > self.batches_per_epoch or (self.repeat and index == self.batches_per_epoch):
-                raise UserError(
-                    f"iterator state index {index} is out of range for "
-                    f"{self.batches_per_epoch} batches per epoch.{_RESUME_HINT}"
-                )
-            self._epoch, self._index = epoch, index
-            return
-        if (state.get("process_index"), state.get("process_count")) != (
-            self.process_index, self.process_count
-        ):
-            raise UserError(
-                "stream-mode state was saved by process "
-                f"{state.get('process_index')} of {state.get('process_count')}, "
-                f"but this is process {self.process_index} of {self.process_count}."
-            )
-        epoch, doc_pos = _check_int(state, "epoch"), _check_int(state, "doc_pos")
-        offset = _check_int(state, "token_offset")
-        if doc_pos > self._shard_size:
-            raise UserError(
-                f"iterator state doc_pos {doc_pos} is beyond this process's "
-                f"{self._shard_size} documents.{_RESUME_HINT}"
-            )
-        self._seek(epoch, doc_pos, offset)
 
 
 def make_lm_iterator(
@@ -851,19 +226,9 @@ def make_lm_iterator(
         mode = "memory"
     elif mode == "memory" and len(source):
         stream = _load_or_build_stream(source, name, split, tokenizer, text_key, data_dir, cache)
-    return LMIterator(
-        source,
-        name=name,
-        split=split,
-        tokenizer=tokenizer,
-        seq_len=seq_len,
-        batch_size=batch_size,
-        seed=seed,
-        shuffle=shuffle,
-        repeat=repeat,
-        process_index=process_index,
-        process_count=process_count,
-        text_key=text_key,
-        mode=mode,
-        stream=stream,
-    )
+    settings = dict(name=name, split=split, tokenizer=tokenizer, seq_len=seq_len,
+                    batch_size=batch_size, seed=seed, shuffle=shuffle, repeat=repeat,
+                    process_index=process_index, process_count=process_count)
+    if mode == "memory":
+        return MemoryLMIterator(stream, num_documents=len(source), **settings)
+    return StreamingLMIterator(source, text_key=text_key, **settings)

@@ -4,12 +4,13 @@ spec parser (``tokenizers.get_tokenizer``) import it without importing each othe
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 
-def _ids_as_list(ids: Any) -> list[int]:
+def ids_as_list(ids: Any) -> list[int]:
     """Converts a list, tuple, NumPy or JAX array of ids into a flat list."""
     return np.asarray(ids, dtype=np.int64).reshape(-1).tolist()
 
@@ -48,6 +49,12 @@ class Tokenizer(abc.ABC):
     def encode_array(self, text: str | bytes, add_eos: bool = False) -> np.ndarray:
         """Returns ``encode(text, add_eos)`` as a 1-D int32 array."""
         return np.asarray(self.encode(text, add_eos=add_eos), dtype=np.int32)
+
+    def encode_batch(self, texts: Sequence[str | bytes]) -> list[np.ndarray]:
+        """Returns ``[encode_array(t) for t in texts]``: the same ids, which a tokenizer with a
+        batch API (SentencePiece's threads, ``tokenizers``' ``encode_batch``) computes in one
+        call. This default is the loop."""
+        return [self.encode_array(text) for text in texts]
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(vocab_size={self.vocab_size})"

@@ -6,6 +6,8 @@ Every tokenizer has:
   ``bytes`` holding UTF-8); an eos id is appended only if ``add_eos``.
 * ``encode_array(text, add_eos=False) -> np.ndarray``: the same ids as a 1-D
   int32 array (fast path used by the data pipeline).
+* ``encode_batch(texts) -> list[np.ndarray]``: ``encode_array`` of each text, in one call
+  of the tokenizer's batch API where it has one (SentencePiece, ``tokenizers``).
 * ``decode(ids) -> str``: the text of a sequence of ids (a list, a NumPy or a
   JAX array).  Pad and eos ids are dropped, as are ids outside the vocabulary,
   so a padded or packed row can be decoded as it is.
@@ -36,16 +38,17 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
 from transformer_jax import storage
-from transformer_jax.data.tokenizer_base import Tokenizer, _ids_as_list
+from transformer_jax.data.tokenizer_base import Tokenizer, ids_as_list
 from transformer_jax.errors import UserError
 
 __all__ = [
+    "ENCODE_THREADS",
     "Tokenizer",
     "ByteTokenizer",
     "SentencePieceTokenizer",
@@ -55,6 +58,10 @@ __all__ = [
     "train_sentencepiece",
     "with_special_ids",
 ]
+
+#: Threads a batch API may encode with (SentencePiece's ``num_threads``); the ids do not
+#: depend on it.
+ENCODE_THREADS = min(8, os.cpu_count() or 1)
 
 
 class ByteTokenizer(Tokenizer):
@@ -94,7 +101,7 @@ class ByteTokenizer(Tokenizer):
     def decode(self, ids: Any) -> str:
         out = bytearray()
         replacement = "\ufffd".encode("utf-8")
-        for i in _ids_as_list(ids):
+        for i in ids_as_list(ids):
             if self.BYTE_OFFSET <= i < self.vocab_size:
                 out.append(i - self.BYTE_OFFSET)
             elif i == self.unk_id:
@@ -155,10 +162,20 @@ class SentencePieceTokenizer(Tokenizer):
             ids.append(self.eos_id)
         return ids
 
+    def encode_batch(self, texts: Sequence[str | bytes]) -> list[np.ndarray]:
+        """The ids of each text, as ``encode_array``; SentencePiece encodes the list on
+        ``ENCODE_THREADS`` threads."""
+        texts = [bytes(t).decode("utf-8", errors="replace") if isinstance(t, (bytes, bytearray))
+                 else t for t in texts]
+        if not texts:
+            return []
+        batch = self._processor.encode(texts, out_type=int, num_threads=ENCODE_THREADS)
+        return [np.asarray(ids, dtype=np.int32) for ids in batch]
+
     def decode(self, ids: Any) -> str:
         kept = [
             i
-            for i in _ids_as_list(ids)
+            for i in ids_as_list(ids)
             if 0 <= i < self.vocab_size and i not in (self.pad_id, self.eos_id)
         ]
         return self._processor.decode(kept)
@@ -307,6 +324,9 @@ class SpecialIdsView(Tokenizer):
     def encode_array(self, text: str | bytes, add_eos: bool = False) -> np.ndarray:
         ids = self.base.encode_array(text)
         return np.append(ids, np.int32(self.eos_id)).astype(np.int32) if add_eos else ids
+
+    def encode_batch(self, texts: Sequence[str | bytes]) -> list[np.ndarray]:
+        return self.base.encode_batch(texts)
 
     def decode(self, ids: Any) -> str:
         return self.base.decode(ids)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Iterable
 
 from .. import storage
+from ..data.background import Background
 from ..errors import UserError
 from ..losses import LossFn
 from ..models import FAMILIES
@@ -74,6 +75,9 @@ class Task(abc.ABC):
     #: before the batch reaches a device): an id outside is a UserError naming the
     #: dataset, split, batch key, position, id and table size.
     ID_FIELDS: ClassVar[dict[str, str]] = {}
+    #: train batches made this many ahead on a background thread, overlapping the step
+    #: (0: made when asked for, on the caller's thread)
+    BACKGROUND_DEPTH: ClassVar[int] = 2
 
     def __init__(self, cfg, workdir: str | Path, *, spec: dict | None = None):
         self.cfg = cfg
@@ -106,9 +110,11 @@ class Task(abc.ABC):
 
     def train_iterator(self, process_index: int, process_count: int):
         """Endless iterator of numpy batches with ``get_state()`` / ``set_state()``, their
-        ids checked (``ID_FIELDS``)."""
-        return self.checked_batches(
+        ids checked (``ID_FIELDS``), made ``BACKGROUND_DEPTH`` batches ahead on a background
+        thread (:class:`~transformer_jax.data.background.Background`)."""
+        batches = self.checked_batches(
             self.make_iterator("train", process_index, process_count, train=True), "train")
+        return Background(batches, self.BACKGROUND_DEPTH) if self.BACKGROUND_DEPTH else batches
 
     def eval_batches(self, process_index: int, process_count: int) -> Iterable[dict]:
         """A finite iterable of eval batches (at most ``cfg.eval_batches`` are used), their

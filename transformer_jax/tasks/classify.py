@@ -43,7 +43,8 @@ import numpy as np
 
 from .. import data as data_lib
 from .. import storage
-from ..data.pipeline import EpochIterator, _document_text, _read, open_source, permutation
+from ..data.shuffle import EpochIterator, permutation
+from ..data.sources import document_text, open_source, read_examples
 from ..errors import UserError
 from ..losses import token_loss
 from ..train.checkpoint import load_params
@@ -129,7 +130,7 @@ def encode_example(vocab: MLMVocab, a: list[int], b: list[int] | None, seq_len: 
 
 class ExampleIterator(EpochIterator):
     """Batches of pre-encoded examples in the order of
-    :class:`~transformer_jax.data.pipeline.EpochIterator` (a fresh permutation per epoch, or
+    :class:`~transformer_jax.data.shuffle.EpochIterator` (a fresh permutation per epoch, or
     one pass). ``next`` -> ``{"input_ids", "token_type_ids", "attention_mask", "labels":
     int32, "weights": float32 (B,)}``; the last eval batch is filled with weight-0 rows.
     """
@@ -231,12 +232,12 @@ class ClassifyTask(Task):
         source, name = self._source(split)
         a_key, b_key, label_key = (self.options[k] for k in ("text_key", "text_b_key", "label_key"))
         for start in range(0, len(source), 512):
-            for ex in _read(source, range(start, min(start + 512, len(source)))):
+            for ex in read_examples(source, range(start, min(start + 512, len(source)))):
                 if label_key not in ex:
                     raise UserError(f"{name!r} examples have no field {label_key!r} (fields: "
                                     f"{sorted(ex)}); set task.label_key")
-                yield (_document_text(ex, a_key),
-                       None if b_key is None else _document_text(ex, b_key),
+                yield (document_text(ex, a_key),
+                       None if b_key is None else document_text(ex, b_key),
                        int(np.asarray(ex[label_key])))
 
     def encoded(self, split: str) -> dict[str, np.ndarray]:

@@ -65,7 +65,7 @@ import numpy as np
 from .. import data as data_lib
 from ..data import images as image_data
 from ..data.hf_tokenizer import HFTokenizer
-from ..data.pipeline import _splitmix64
+from ..data.shuffle import splitmix64
 from ..errors import UserError
 from ..models.clip import l2_normalize
 from .base import Task, register_task
@@ -188,7 +188,7 @@ def class_names(info: image_data.DatasetInfo) -> tuple[str, ...]:
 
 def _draw(seed: int, epoch: int, index: int, n: int) -> int:
     """A deterministic choice among ``n``, a hash of (seed, epoch, index)."""
-    h = _splitmix64(_splitmix64(_splitmix64(0xC11F ^ seed) ^ epoch) ^ index)
+    h = splitmix64(splitmix64(splitmix64(0xC11F ^ seed) ^ epoch) ^ index)
     return h % n
 
 
@@ -362,7 +362,7 @@ class ContrastiveTask(Task):
             return image_data.dataset_info("digits"), None
         import tensorflow_datasets as tfds
 
-        from ..data.pipeline import default_data_dir
+        from ..data.sources import default_data_dir
         try:
             features = tfds.builder(cfg.dataset, data_dir=cfg.data_dir or
                                     default_data_dir()).info.features

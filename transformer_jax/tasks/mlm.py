@@ -48,12 +48,10 @@ import numpy as np
 
 from .. import data as data_lib
 from .. import storage
-from ..data.pipeline import _splitmix64, _splitmix64_array
+from ..data.shuffle import MASK64, fold_key, grid_hashes, hash_uniform
 from ..errors import UserError
 from ..losses import token_loss
 from .base import Task, register_task
-
-_MASK64 = (1 << 64) - 1
 
 
 # ----------------------------------------------------------------------------- vocabulary
@@ -174,27 +172,6 @@ def build_tokenizer(cfg, workdir: str | Path, spec: Mapping[str, Any] | None):
 
 # ----------------------------------------------------------------------------- masking
 
-def _key(seed: int | Sequence[int]) -> int:
-    """Fold an int or a sequence of ints into one 64-bit key."""
-    key = 0x5EED
-    for s in ([seed] if isinstance(seed, (int, np.integer)) else list(seed)):
-        key = _splitmix64(key ^ (int(s) & _MASK64))
-    return key
-
-
-def _hashes(key: int, stream: int, shape: tuple[int, int], row_offset: int) -> np.ndarray:
-    """uint64 (B, T): SplitMix64 of (key, stream, global row, position)."""
-    base = np.uint64(_splitmix64(key ^ _splitmix64(stream)))
-    rows = (np.arange(shape[0], dtype=np.uint64) + np.uint64(row_offset))[:, None]
-    cols = np.arange(shape[1], dtype=np.uint64)[None, :]
-    return _splitmix64_array(base + (rows << np.uint64(32)) + cols)
-
-
-def _uniform(h: np.ndarray) -> np.ndarray:
-    """uint64 hashes -> float64 uniforms in [0, 1) (their top 53 bits)."""
-    return (h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
-
-
 def mask_tokens(ids: np.ndarray, seed: int | Sequence[int], *, mask_id: int,
                 random_range: tuple[int, int], special_ids: Sequence[int] = (),
                 mask_prob: float = 0.15, mask_token_prob: float = 0.8,
@@ -230,7 +207,7 @@ def mask_tokens(ids: np.ndarray, seed: int | Sequence[int], *, mask_id: int,
     low, high = random_range
     if not 0 <= low < high:
         raise UserError(f"random_range must be [low, high) with 0 <= low < high, got {random_range}")
-    key = _key(seed)
+    key = fold_key(seed)
     shape = ids.shape
     candidate = ~np.isin(ids, np.asarray(list(special_ids), dtype=ids.dtype))
     n = candidate.sum(axis=1)
@@ -238,15 +215,15 @@ def mask_tokens(ids: np.ndarray, seed: int | Sequence[int], *, mask_id: int,
     if mask_prob > 0:
         k = np.maximum(k, np.minimum(n, 1))
     # A uniformly random subset of k candidates per row: the k smallest hashes.
-    order_key = np.where(candidate, _hashes(key, 1, shape, row_offset), np.uint64(_MASK64))
+    order_key = np.where(candidate, grid_hashes(key, 1, shape, row_offset), np.uint64(MASK64))
     rank = np.empty(shape, np.int64)
     np.put_along_axis(rank, np.argsort(order_key, axis=1, kind="stable"),
                       np.arange(shape[1])[None, :].repeat(shape[0], 0), axis=1)
     selected = candidate & (rank < k[:, None])
-    fate = _uniform(_hashes(key, 2, shape, row_offset))
+    fate = hash_uniform(grid_hashes(key, 2, shape, row_offset))
     to_mask = selected & (fate < mask_token_prob)
     to_random = selected & (fate >= mask_token_prob) & (fate < mask_token_prob + random_token_prob)
-    random_ids = low + (_hashes(key, 3, shape, row_offset) % np.uint64(high - low)).astype(np.int64)
+    random_ids = low + (grid_hashes(key, 3, shape, row_offset) % np.uint64(high - low)).astype(np.int64)
     corrupted = np.where(to_mask, mask_id, np.where(to_random, random_ids, ids))
     return {"input_ids": corrupted.astype(np.int32),
             "targets": np.where(selected, ids, 0).astype(np.int32),

@@ -22,7 +22,7 @@ masking (:func:`~transformer_jax.tasks.mlm.mask_tokens`, 15% of the non-special 
 :class:`~transformer_jax.tasks.mlm.MLMVocab`'s (bytes: 262 ids).
 
 Order and draws. Train: the examples in a fresh permutation per epoch, endless
-(:class:`~transformer_jax.data.pipeline.EpochIterator`); eval: the held-out split
+(:class:`~transformer_jax.data.shuffle.EpochIterator`); eval: the held-out split
 (``eval_split``: python_stdlib's 14 validation modules) in one fixed shuffled pass, its
 last batch filled with empty rows (``nsp_labels`` -100, weight 0). The label, the random
 B and the masks are SplitMix64 hashes of (seed, train/eval, batch number, global row), so
@@ -55,12 +55,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import data as data_lib
-from ..data.pipeline import EpochIterator
+from ..data.shuffle import EpochIterator
 from ..errors import UserError
 from ..losses import mean_loss, token_loss
 from .base import Task, register_task
 from .classify import encode_example
-from .mlm import MLMVocab, _hashes, _key, _uniform, build_tokenizer, check_bert, jitted_apply
+from ..data.shuffle import fold_key, grid_hashes, hash_uniform
+from .mlm import MLMVocab, build_tokenizer, check_bert, jitted_apply
 from .mlm import check_masking_options, mask_tokens
 
 IS_NEXT, NOT_NEXT, NO_PAIR = 0, 1, -100
@@ -152,9 +153,9 @@ class PairIterator(EpochIterator):
     def make_batch(self, rows, valid):
         corpus, vocab, b = self.corpus, self.vocab, len(rows)
         row_offset = self.process_index * self.batch_size
-        key = _key((self.seed, self.stream, self.count))
-        is_next = _uniform(_hashes(key, _LABEL_STREAM, (b, 1), row_offset))[:, 0] < self.next_prob
-        other = corpus.random_next(rows, _hashes(key, _RANDOM_STREAM, (b, 1), row_offset)[:, 0])
+        key = fold_key((self.seed, self.stream, self.count))
+        is_next = hash_uniform(grid_hashes(key, _LABEL_STREAM, (b, 1), row_offset))[:, 0] < self.next_prob
+        other = corpus.random_next(rows, grid_hashes(key, _RANDOM_STREAM, (b, 1), row_offset)[:, 0])
         a = corpus.examples[rows]
         b_chunk = np.where(is_next, a + 1, other)
         ids = np.full((b, self.seq_len), vocab.pad_id, np.int32)

@@ -62,7 +62,8 @@ import numpy as np
 
 from .. import data as data_lib
 from ..beam_search import beam_search, greedy_search
-from ..data.pipeline import EpochIterator, _read, open_source
+from ..data.shuffle import EpochIterator
+from ..data.sources import open_source, read_examples
 from ..errors import UserError
 from ..losses import token_loss
 from ..models import FAMILIES
@@ -140,7 +141,7 @@ class _TFDSPairs:
 
     def get(self, indices: Sequence[int]) -> list[tuple[str, str]]:
         out = []
-        for example in _read(self.source, indices):
+        for example in read_examples(self.source, indices):
             texts = []
             for key in self.keys:
                 if key not in example:
@@ -211,7 +212,7 @@ def encode_pairs(tokenizer, pairs: Sequence[tuple[str, str]], valid: np.ndarray,
 
 class PairIterator(EpochIterator):
     """Batches of encoded pairs (:func:`encode_pairs`) in the order of
-    :class:`~transformer_jax.data.pipeline.EpochIterator`: a fresh permutation per epoch
+    :class:`~transformer_jax.data.shuffle.EpochIterator`: a fresh permutation per epoch
     (train) or one ordered pass, whose last batch has weight-0 rows (eval)."""
 
     kind = "seq2seq"

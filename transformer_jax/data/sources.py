@@ -1,0 +1,150 @@
+"""Document sources: TensorFlow Datasets *data sources* (``tfds.data_source``, random access
+over the ``array_record`` file format; reading needs no TensorFlow), the embedded
+``python_stdlib`` dataset (built locally on first use, see
+:mod:`transformer_jax.data.stdlib_corpus`), or any in-memory sequence of documents; and
+reading them: :func:`read_examples` (in one call where the source allows),
+:func:`document_text`, :func:`iter_texts`, :func:`load_texts`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from transformer_jax.errors import UserError
+
+__all__ = ["READ_CHUNK", "default_data_dir", "document_text", "iter_text_chunks", "iter_texts",
+           "load_texts", "open_source", "read_examples"]
+
+#: Documents read per data-source call.
+READ_CHUNK = 512
+
+
+def default_data_dir() -> str:
+    """TFDS's default data directory: ``$TFDS_DATA_DIR`` or ``~/tensorflow_datasets``."""
+    return os.environ.get("TFDS_DATA_DIR") or os.path.expanduser("~/tensorflow_datasets")
+
+
+def open_source(dataset: Any, split: str, *, data_dir: str | None = None):
+    """Returns ``(source, name)``: a random-access document source and its name.
+
+    Args:
+      dataset: a TFDS dataset name (``"python_stdlib"``, ``"lm1b"``, optionally
+        with ``/config:version``), or an in-memory sequence of documents (str,
+        UTF-8 bytes, or dicts with a text field).
+      split: the split name, e.g. ``"train"``, ``"validation"``, ``"test"``.
+      data_dir: TFDS data directory (default :func:`default_data_dir`).
+
+    The source supports ``len()`` and indexing.  A TFDS dataset that is not
+    prepared yet is prepared first, in the ``array_record`` format:
+    ``python_stdlib`` locally, others by TFDS, which downloads them (and, for
+    ``lm1b``, needs TensorFlow to prepare it; reading needs none).  A dataset
+    already prepared in another format (TFRecord) must be prepared again with
+    ``tfds build NAME --file_format=array_record``.
+    """
+    if not isinstance(dataset, str):
+        if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
+            raise TypeError(
+                "dataset must be a TFDS name or a sequence of documents, got "
+                f"{type(dataset).__name__}."
+            )
+        return dataset, f"<in-memory {type(dataset).__name__}>"
+
+    import tensorflow_datasets as tfds
+
+    # Random access (and reading without TensorFlow) needs array_record files;
+    # TFDS only picks that format by itself when no data_dir is given.
+    kwargs: dict[str, Any] = {"builder_kwargs": {"file_format": "array_record"}}
+    if dataset.split("/")[0].split(":")[0] == "python_stdlib":
+        # Registers the builder with TFDS; it needs no download, nor GCS.
+        from transformer_jax.data import stdlib_corpus  # noqa: F401
+
+        kwargs["download_and_prepare_kwargs"] = {
+            "download_config": tfds.download.DownloadConfig(try_download_gcs=False)
+        }
+    try:
+        source = tfds.data_source(
+            dataset, split=split, data_dir=data_dir or default_data_dir(), **kwargs
+        )
+    except tfds.core.registered.DatasetNotFoundError as e:
+        raise UserError(
+            f"dataset {dataset!r} is not a TFDS dataset: use 'python_stdlib' (offline) or a "
+            "name from tfds.list_builders() such as 'lm1b'"
+        ) from e
+    except ValueError as e:
+        if "split" not in str(e).lower():
+            raise
+        raise UserError(f"dataset {dataset!r}: {e} Set eval_split (or the split) to one of them.") from e
+    return source, dataset
+
+
+def document_text(example: Any, text_key: str) -> str:
+    """The text of one example: the example itself (str or UTF-8 bytes) or its ``text_key``
+    field (a dict's); a clear error for anything else."""
+    if isinstance(example, dict):
+        if text_key not in example:
+            raise UserError(
+                f"document has no field {text_key!r} (fields: {sorted(example)}); "
+                "pass text_key=..."
+            )
+        example = example[text_key]
+    if isinstance(example, np.ndarray) and example.shape == ():
+        example = example.item()
+    if isinstance(example, (bytes, bytearray)):
+        return bytes(example).decode("utf-8", errors="replace")
+    if isinstance(example, str):
+        return example
+    raise UserError(f"document text must be str or bytes, got {type(example).__name__}")
+
+
+def read_examples(source: Any, indices: Sequence[int]) -> list[Any]:
+    """Reads the examples at ``indices``, in one call when the source allows."""
+    indices = [int(i) for i in indices]
+    if hasattr(source, "__getitems__"):
+        try:
+            return list(source.__getitems__(indices))
+        except TypeError:
+            # tfds.testing.mock_data's data source defines __getitems__ with a
+            # wrong signature; reading one record at a time gives the same
+            # examples (and re-raises any genuine error).
+            pass
+    return [source[i] for i in indices]
+
+
+def iter_text_chunks(source: Any, text_key: str, indices: Iterable[int] | None = None):
+    """Yields the texts of the documents at ``indices`` (default: all, in order) as lists of
+    up to ``READ_CHUNK``, one read each (what a tokenizer's batch API encodes at once)."""
+    indices = range(len(source)) if indices is None else list(indices)
+    for start in range(0, len(indices), READ_CHUNK):
+        examples = read_examples(source, indices[start : start + READ_CHUNK])
+        yield [document_text(example, text_key) for example in examples]
+
+
+def iter_texts(source: Any, text_key: str, indices: Iterable[int] | None = None):
+    """Yields the texts of the documents at ``indices`` (default: all, in order), read
+    ``READ_CHUNK`` at a time."""
+    for chunk in iter_text_chunks(source, text_key, indices):
+        yield from chunk
+
+
+def load_texts(
+    dataset: Any = "python_stdlib",
+    split: str = "train",
+    *,
+    data_dir: str | None = None,
+    text_key: str = "text",
+    max_documents: int | None = None,
+) -> list[str]:
+    """Returns the raw texts of a split, in the source's order.
+
+    Used to show samples, to seed generation, and to train a SentencePiece
+    model (:func:`transformer_jax.data.train_sentencepiece`).  ``dataset``,
+    ``split`` and ``data_dir`` are as in :func:`open_source`; ``text_key`` is
+    the text feature; ``max_documents`` limits how many are read.
+    """
+    source, _ = open_source(dataset, split, data_dir=data_dir)
+    n = len(source) if max_documents is None else min(len(source), max_documents)
+    return list(iter_texts(source, text_key, range(n)))
