@@ -153,7 +153,7 @@ def _add_compile_parser(sub) -> None:
 
 
 def _add_compare_parser(sub) -> None:
-    from .train.compare_torch import DEFAULT_GRAD_TOLERANCE, DEFAULT_TOLERANCE
+    from .compare_torch import DEFAULT_GRAD_TOLERANCE, DEFAULT_TOLERANCE
 
     c = sub.add_parser("compare-torch", help="train an experiment here and in PyTorch from the "
                                              "same weights on the same batches; compare the "
@@ -178,7 +178,7 @@ def _add_compare_parser(sub) -> None:
 
 
 def _compare_torch(args) -> int:
-    from .train.compare_torch import compare, describe
+    from .compare_torch import compare, describe
     from .train.config import apply_overrides, load_experiment
 
     cfg = apply_overrides(load_experiment(args.experiment), list(args.overrides))
@@ -319,7 +319,7 @@ def _export(args) -> int:
 def _sweep(args) -> int:
     from .train import distributed
     from .train.config import experiment_path
-    from .train.sweep import SweepInterrupted, run_sweep
+    from .sweep import SweepInterrupted, run_sweep
 
     distributed.initialize(None, None, None)
     workdir = args.workdir or os.path.join("runs", experiment_path(args.experiment).stem)
