@@ -310,7 +310,7 @@ def _generate(args) -> int:
 
 
 def _export(args) -> int:
-    from .train.export import export
+    from .export import export
 
     print(json.dumps(export(args.workdir, args.out, fmt=args.format, merge=args.merge), indent=2))
     return 0

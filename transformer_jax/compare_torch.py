@@ -243,7 +243,7 @@ def torch_twin(module, params):
         return (torch_train.transformer_twin(module, params),
                 torch_train.transformer_state_dict(module, mask))
     from .interop.hf import to_hf_numpy
-    from .train.export import hf_architecture
+    from .export import hf_architecture
 
     return torch_train.hf_twin(module, params, hf_architecture(module.config)), \
         to_hf_numpy(module, mask)

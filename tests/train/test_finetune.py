@@ -21,7 +21,7 @@ from transformer_jax.layers import lora as lora_lib
 from transformer_jax.layers.lora import LoraConfig
 from transformer_jax.train import finetune
 from transformer_jax.train.config import apply_overrides
-from transformer_jax.train.export import export
+from transformer_jax.export import export
 from transformer_jax.train.loop import load_run, setup, train
 from transformer_jax.train.step import full_params
 
