@@ -76,7 +76,7 @@ from .distributed import (Placement, any_process, broadcast_json, gather_data_st
 from .health import LossWatch, last_good_step
 from .monitor import MetricsWriter, peak_flops_per_device, plot_loss
 from .optim import make_optimizer, make_schedule
-from .step import LossScale, create_train_state, eval_step, make_train_step
+from .step import LossScale, compile_train_step, create_train_state, eval_step, make_train_step
 
 # Fields that must not change when resuming: they fix the model and the data stream.
 _RESUME_FIXED = ("task", "task_options", "model", "model_preset", "dataset", "tokenizer", "seq_len",
@@ -403,7 +403,7 @@ def setup(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
     if is_main():
         _write_config(workdir, run_config)
     ckpt = CheckpointManager(workdir / "checkpoints", save_every=cfg.save_every, keep=cfg.keep)
-    train_step = placement.compile(make_train_step(
+    train_step = compile_train_step(placement, make_train_step(
         loss_fn=task.loss_fn, label_smoothing=cfg.label_smoothing, accum_steps=cfg.accum_steps,
         schedule=schedule, axis_name=placement.axis_name))
     resumed = restored is not None
