@@ -185,7 +185,7 @@ def parity() -> dict:
 
 def curves(root: str, data_dir: str) -> dict:
     from transformer_jax.train.config import ExperimentConfig, apply_overrides
-    from transformer_jax.train.loop import train
+    from transformer_jax.run import train
     from transformer_jax.train.monitor import read_metrics
 
     overrides = json.loads(os.environ["SHARDING_TEST_OVERRIDES"]) + [f"data_dir={data_dir}"]

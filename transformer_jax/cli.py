@@ -16,9 +16,10 @@
                                 [--init-from DIR] [--tolerance T] [--grad-tolerance G] [--float64-reference]
   transformer-jax experiments
 
-This module only parses flags; the work happens in ``transformer_jax.train.loop``. A
+This module parses flags and reports errors; the work happens in ``transformer_jax.run``
+(``train``) and the modules it names. A
 ``train --resume`` (or ``--resume-from``) starts from the settings of the run in ``--workdir``
-(its ``config.json``, :func:`~transformer_jax.train.loop.resume_settings`), not from the
+(its ``config.json``, :func:`~transformer_jax.train.resume.resume_settings`), not from the
 experiment's: ``--set`` and ``--steps`` apply on top of them.
 User mistakes (:class:`~transformer_jax.errors.UserError`: a bad flag, config or workdir,
 an empty dataset) and file errors the user fixes (a full, read-only or forbidden disk) are
@@ -195,7 +196,8 @@ def _compare_torch(args) -> int:
 def _train(args) -> int:
     from .train import distributed
     from .train.config import apply_overrides, load_experiment
-    from .train.loop import resume_settings, train
+    from .train.resume import resume_settings
+    from .run import train
 
     # before anything touches the devices
     distributed.initialize(args.coordinator, args.num_processes, args.process_id)
@@ -250,7 +252,7 @@ def _eval(args) -> int:
                     if value is not None]
     if harness_only:
         raise UserError(f"{', '.join(harness_only)} go with --tasks (the lm-evaluation-harness)")
-    from .train.loop import evaluate_workdir
+    from .workdir import evaluate_workdir
 
     print(json.dumps(evaluate_workdir(args.workdir, batches=args.batches), indent=2))
     return 0
@@ -298,7 +300,7 @@ def _harness(args) -> int:
 
 
 def _generate(args) -> int:
-    from .train.loop import load_run
+    from .workdir import load_run
 
     _, model, params, task = load_run(args.workdir)
     print(task.generate_text(model, params, args.prompt, max_new_tokens=args.max_new_tokens,

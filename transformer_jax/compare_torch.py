@@ -1,7 +1,7 @@
 """``transformer-jax compare-torch``: one experiment trained twice, here and in PyTorch, from the
 same weights on the same batches, and the two loss curves compared step by step.
 
-The JAX side is the run ``train`` would make (:func:`~transformer_jax.train.loop.setup`:
+The JAX side is the run ``train`` would make (:func:`~transformer_jax.run.setup`:
 the task, the model, ``--init-from``, the compiled train step). The PyTorch side is what a
 PyTorch user writes (:mod:`transformer_jax.interop.torch_train`): the family's
 ``transformers`` model (GPT-2, Llama, Mistral, BERT with the run's head, T5, ViT), or the
@@ -98,7 +98,7 @@ def _model_settings(cfg) -> tuple[str, dict[str, Any]]:
     the experiment's ``model.*`` overrides."""
     if cfg.init_from is not None:
         from .train.finetune import load_source
-        from .train.loop import check_task
+        from .run import check_task
 
         source = load_source(cfg.init_from)
         check_task(cfg, source)                  # e.g. a BERT checkpoint for a GPT experiment
@@ -195,7 +195,8 @@ def run_jax(cfg, workdir, steps: int):
     weights and its decay mask (:func:`torch_twin`), numpy batches, rows)``; rows hold
     ``loss``, ``grad_norm``, ``lr`` and ``ms`` per step. The twin is built before the run
     trains, so that a model PyTorch cannot express is refused first."""
-    from .train.loop import fetch, setup
+    from .train.loop import fetch
+    from .run import setup
     from .train.step import full_params
 
     with jax.default_matmul_precision("highest"):

@@ -116,7 +116,7 @@ def export(workdir: str, out_dir: str, *, fmt: str = "hf", merge: bool = False) 
     """Export the latest checkpoint of ``workdir`` to ``out_dir`` (see the module docstring);
     returns a summary (the files written, the architecture)."""
     from .layers import lora as lora_lib
-    from .train.loop import load_run
+    from .workdir import load_run
 
     if fmt not in FORMATS:
         raise UserError(f"--format {fmt!r} is unknown; choose one of {list(FORMATS)}")

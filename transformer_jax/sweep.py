@@ -134,7 +134,7 @@ def member_config(base: ExperimentConfig, common: list[str], member: Member) -> 
 def member_row(member: Member, cfg: ExperimentConfig, workdir: Path) -> dict[str, Any]:
     """The results row of a finished member, from its workdir (config.json, metrics.jsonl).
     FLOPs are the task's ``flops_per_step`` (GPT: 6 N + 12 L D T per token) x steps."""
-    from .train.loop import run_costs
+    from .workdir import run_costs
     from .train.monitor import read_metrics
 
     costs = run_costs(workdir)
@@ -169,7 +169,7 @@ def _has_checkpoint(workdir: Path) -> bool:
 
 
 def _run_here(cfg: ExperimentConfig, workdir: Path, progress: bool) -> None:
-    from .train.loop import train
+    from .run import train
 
     summary = train(cfg, workdir, resume=_has_checkpoint(workdir), progress=progress)
     if summary.get("interrupted"):

@@ -31,6 +31,7 @@ from __future__ import annotations
 import abc
 import json
 import os
+import sys
 from typing import Any, Callable
 
 import jax
@@ -122,6 +123,12 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
 
 def is_main() -> bool:
     return jax.process_index() == 0
+
+
+def warn(message: str) -> None:
+    """``warning: message`` on stderr, from process 0 only."""
+    if is_main():
+        print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 def barrier(name: str) -> None:
