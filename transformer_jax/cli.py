@@ -430,19 +430,9 @@ def _quiet_background_errors() -> None:
     line: orbax's own ERROR logs of it (with tracebacks) and those of its abandoned writer
     coroutines at exit are not shown; the exception that reaches the CLI says it all.
     Orbax's warnings, and everything else, still show."""
-    import logging
+    from .train.orbax_logs import hide_orbax_errors
 
-    class _NoOrbaxErrors(logging.Filter):
-        """orbax's ERROR records (absl), and asyncio's "Task exception was never retrieved"
-        for the sibling reads or writes of orbax's that failed with the one reported."""
-
-        def filter(self, record):
-            if record.levelno < logging.ERROR:
-                return True
-            return not ("orbax" in record.pathname or "orbax" in record.getMessage())
-
-    for name in ("absl", "asyncio"):
-        logging.getLogger(name).addFilter(_NoOrbaxErrors())
+    hide_orbax_errors()
     default_unraisable, default_except = sys.unraisablehook, sys.excepthook
 
     def unraisable(record):   # a failed write's coroutines, and its callbacks into the
