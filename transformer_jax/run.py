@@ -73,6 +73,7 @@ def _vocab_message(cfg: ExperimentConfig, size: int, vocab: int) -> str:
 
 
 def make_tx(cfg: ExperimentConfig, model_cfg):
+    """``(optimizer, learning-rate schedule)`` of the run (``d_model`` sets the Noam schedule's scale)."""
     schedule = make_schedule(cfg.schedule, **cfg.schedule_kwargs(model_cfg.d_model))
     tx = make_optimizer(schedule=schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                         weight_decay=cfg.weight_decay, clip_norm=cfg.clip_norm)
