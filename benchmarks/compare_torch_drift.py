@@ -48,7 +48,7 @@ def llama_dir(path: Path) -> str:
 
 
 def run(steps: list[int], only: list[str], out: Path, f64_steps: list[int]) -> dict:
-    from transformer_jax.train.compare_torch import compare, describe
+    from transformer_jax.compare_torch import compare, describe
     from transformer_jax.train.config import apply_overrides, load_experiment
 
     rows = []

@@ -4,7 +4,7 @@ For each method the train state is built as a fine-tuning run builds it
 (``create_train_state(..., partition=ParamSplit(...).split)``: the adapters train, the rest
 is ``TrainState.frozen``, stored NF4 under QLoRA), abstractly (``jax.eval_shape``: nothing
 is allocated for the sizes), and the train step is compiled with the state donated, as the
-training loop compiles it (``Placement.compile``: ``jax.jit(step, donate_argnums=(0,))``;
+training loop compiles it (``train/step.py``'s ``compile_train_step``: ``jax.jit(step, donate_argnums=(0,))``;
 one device, so no shardings). Reported per method:
 
 * trainable parameters (the leaves of ``state.params``);

@@ -162,7 +162,7 @@ def finished(workdir: str | Path) -> bool:
 
 def pretrain(workdir: Path, steps: int | None) -> dict:
     """``stdlib_gpt`` into ``workdir`` unless it is finished there already."""
-    from transformer_jax.train.loop import train
+    from transformer_jax.run import train
 
     if finished(workdir):
         print(f"pretrained model: reusing the finished run in {workdir}", flush=True)
@@ -204,7 +204,7 @@ def state_sizes(cfg: ExperimentConfig) -> dict:
     import jax
     import numpy as np
 
-    from transformer_jax.train.loop import setup
+    from transformer_jax.run import setup
 
     with tempfile.TemporaryDirectory(prefix="finetune_setup_") as scratch:
         run = setup(cfg, Path(scratch) / "run", progress=False)
@@ -220,7 +220,7 @@ def state_sizes(cfg: ExperimentConfig) -> dict:
 
 
 def run_method(method: str, cfg: ExperimentConfig, workdir: Path) -> dict:
-    from transformer_jax.train.loop import train
+    from transformer_jax.run import train
 
     if workdir.exists():
         shutil.rmtree(workdir)

@@ -115,7 +115,7 @@ def step_memory(cfg: ExperimentConfig, seq_len: int) -> dict:
 
 
 def run_variant(name: str, cfg: ExperimentConfig, workdir: Path) -> dict:
-    from transformer_jax.train.loop import train
+    from transformer_jax.run import train
 
     if workdir.exists():
         shutil.rmtree(workdir)

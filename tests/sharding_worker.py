@@ -35,7 +35,7 @@ from transformer_jax.tasks.pretrain import pretraining_loss  # noqa: E402
 from transformer_jax.train.distributed import JitPlacement, PmapPlacement  # noqa: E402
 from transformer_jax.losses import lm_loss, token_loss  # noqa: E402
 from transformer_jax.train.finetune import ParamSplit  # noqa: E402
-from transformer_jax.train.step import create_train_state, make_train_step  # noqa: E402
+from transformer_jax.train.step import compile_train_step, create_train_state, make_train_step  # noqa: E402
 
 MESHES = ["data=8", "data=2,fsdp=4", "data=2,fsdp=2,tensor=2", "tensor=8", "fsdp=8"]
 CURVE_MESHES = ["data=8", "fsdp=8", "data=2,fsdp=2,tensor=2", "tensor=8"]
@@ -163,7 +163,7 @@ def parity() -> dict:
                 # this mesh; train() covers Placement.init_state
                 host = jax.device_get(fresh)
                 state = sh.pmap_replicate(host) if spec == "pmap" else sh.put_global(host, place._shardings)
-                state, m = place.compile(fn)(state, batch)
+                state, m = compile_train_step(place, fn)(state, batch)
                 if spec == "pmap":
                     state = sh.pmap_to_global(state, place.mesh)
                 ref_s, ref_mm = (ref_state, ref_m)
@@ -185,7 +185,7 @@ def parity() -> dict:
 
 def curves(root: str, data_dir: str) -> dict:
     from transformer_jax.train.config import ExperimentConfig, apply_overrides
-    from transformer_jax.train.loop import train
+    from transformer_jax.run import train
     from transformer_jax.train.monitor import read_metrics
 
     overrides = json.loads(os.environ["SHARDING_TEST_OVERRIDES"]) + [f"data_dir={data_dir}"]

@@ -1,5 +1,12 @@
-"""The package's shape: no import cycle, layers below models, the training stack
-(``losses`` -> ``train`` -> ``tasks`` -> ``cli``) pointing down, short functions.
+"""The package's shape: no import cycle, layers below models, the training stack pointing
+down, short functions.
+
+The training stack, from the bottom: ``losses``; ``train/`` (config, optimizer, step and
+its compile, checkpoints, resuming, the loop; it takes a task as a value); ``tasks/``
+(which may read ``train/``: a finished run's parameters, the config); ``run``,
+``workdir`` and the other modules that wire a task into the loop or read a run back
+(``export``, ``compare_torch``, ``sweep``, ``aot``); ``cli`` on top. Each imports only
+from below it.
 
 Read from the source with ``ast`` (nothing is imported): every import between
 transformer_jax modules, at module level or inside a function (a late import is still a
@@ -127,22 +134,29 @@ def _reachable(start: str) -> set[str]:
     return seen
 
 
+# the modules above ``tasks/`` that wire a task into the loop, or read a finished run back
+WIRING = ("transformer_jax.run", "transformer_jax.workdir", "transformer_jax.export",
+          "transformer_jax.compare_torch", "transformer_jax.sweep", "transformer_jax.aot")
+
+
 def test_the_training_stack_depends_downward_only():
-    """``train/loop.py`` builds the task, so it alone in ``train/`` imports ``tasks``; tasks
-    read a finished run through ``train/checkpoint.py`` and never reach the loop; nothing
-    imports the CLI; ``losses`` needs only ``errors``."""
+    """train -> tasks -> run/workdir -> cli. Nothing in ``train/`` imports ``tasks/`` (no
+    exception), nor a wiring module; tasks read a finished run through
+    ``train/checkpoint.py`` and never reach the loop or the wiring; nothing imports the
+    CLI; ``losses`` needs only ``errors``."""
     assert "transformer_jax.train.checkpoint" in GRAPH["transformer_jax.tasks.classify"]
-    assert "transformer_jax.tasks" in GRAPH["transformer_jax.train.loop"]
+    assert "transformer_jax.tasks" in GRAPH["transformer_jax.run"]
+    for name in _under("transformer_jax.train"):
+        assert not any(d.startswith("transformer_jax.tasks") for d in GRAPH[name]), name
+        assert not _reachable(name) & (set(_under("transformer_jax.tasks")) | set(WIRING)), name
     for name in _under("transformer_jax.tasks"):
         up = {d for d in GRAPH[name] if d.startswith("transformer_jax.train")}
         assert up <= {"transformer_jax.train.checkpoint"}, (name, up)
-    for name in _under("transformer_jax.train"):
-        if name != "transformer_jax.train.loop":
-            assert not any(d.startswith("transformer_jax.tasks") for d in GRAPH[name]), name
+        assert not _reachable(name) & set(WIRING), name
     assert not any("transformer_jax.cli" in deps for deps in GRAPH.values())
     assert GRAPH["transformer_jax.losses"] <= {"transformer_jax.errors"}
     above = set(_under("transformer_jax.tasks")) | set(_under("transformer_jax.models")) | {
-        "transformer_jax.train.loop", "transformer_jax.cli"}
+        "transformer_jax.train.loop", "transformer_jax.cli", *WIRING}
     assert not _reachable("transformer_jax.train.checkpoint") & above
 
 

@@ -16,7 +16,8 @@ from transformer_jax.tasks.seq2seq import (PairIterator, _ListPairs, corpus_bleu
                                            encode_pairs, identifier_pairs, reverse, snake_to_camel)
 from transformer_jax.data import ByteTokenizer
 from transformer_jax.train.config import ExperimentConfig, apply_overrides, load_experiment
-from transformer_jax.train.loop import load_run, train
+from transformer_jax.workdir import load_run
+from transformer_jax.run import train
 
 MODELS = {
     "t5": T5(T5Config(vocab_size=8, d_model=32, num_heads=4, head_dim=8, mlp_dim=48, num_layers=1,

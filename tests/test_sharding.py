@@ -25,7 +25,7 @@ from jax.sharding import AbstractMesh, PartitionSpec as P
 
 from transformer_jax import sharding as sh
 from transformer_jax.train.config import ExperimentConfig, apply_overrides
-from transformer_jax.train.loop import train
+from transformer_jax.run import train
 from transformer_jax.train.monitor import read_metrics
 
 HERE = Path(__file__).resolve().parent

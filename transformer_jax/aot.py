@@ -36,7 +36,7 @@ from .tasks import make_task
 from .tpu import GIB, TpuSlice
 from .train import finetune
 from .train.config import ExperimentConfig
-from .train.loop import build, make_loss_scale, make_tx
+from .run import build, make_loss_scale, make_tx
 from .train.step import create_train_state, eval_step, make_train_step
 
 WHAT = ("train", "eval", "decode")

@@ -16,9 +16,10 @@
                                 [--init-from DIR] [--tolerance T] [--grad-tolerance G] [--float64-reference]
   transformer-jax experiments
 
-This module only parses flags; the work happens in ``transformer_jax.train.loop``. A
+This module parses flags and reports errors; the work happens in ``transformer_jax.run``
+(``train``) and the modules it names. A
 ``train --resume`` (or ``--resume-from``) starts from the settings of the run in ``--workdir``
-(its ``config.json``, :func:`~transformer_jax.train.loop.resume_settings`), not from the
+(its ``config.json``, :func:`~transformer_jax.train.resume.resume_settings`), not from the
 experiment's: ``--set`` and ``--steps`` apply on top of them.
 User mistakes (:class:`~transformer_jax.errors.UserError`: a bad flag, config or workdir,
 an empty dataset) and file errors the user fixes (a full, read-only or forbidden disk) are
@@ -153,7 +154,7 @@ def _add_compile_parser(sub) -> None:
 
 
 def _add_compare_parser(sub) -> None:
-    from .train.compare_torch import DEFAULT_GRAD_TOLERANCE, DEFAULT_TOLERANCE
+    from .compare_torch import DEFAULT_GRAD_TOLERANCE, DEFAULT_TOLERANCE
 
     c = sub.add_parser("compare-torch", help="train an experiment here and in PyTorch from the "
                                              "same weights on the same batches; compare the "
@@ -178,7 +179,7 @@ def _add_compare_parser(sub) -> None:
 
 
 def _compare_torch(args) -> int:
-    from .train.compare_torch import compare, describe
+    from .compare_torch import compare, describe
     from .train.config import apply_overrides, load_experiment
 
     cfg = apply_overrides(load_experiment(args.experiment), list(args.overrides))
@@ -195,7 +196,8 @@ def _compare_torch(args) -> int:
 def _train(args) -> int:
     from .train import distributed
     from .train.config import apply_overrides, load_experiment
-    from .train.loop import resume_settings, train
+    from .train.resume import resume_settings
+    from .run import train
 
     # before anything touches the devices
     distributed.initialize(args.coordinator, args.num_processes, args.process_id)
@@ -250,7 +252,7 @@ def _eval(args) -> int:
                     if value is not None]
     if harness_only:
         raise UserError(f"{', '.join(harness_only)} go with --tasks (the lm-evaluation-harness)")
-    from .train.loop import evaluate_workdir
+    from .workdir import evaluate_workdir
 
     print(json.dumps(evaluate_workdir(args.workdir, batches=args.batches), indent=2))
     return 0
@@ -298,7 +300,7 @@ def _harness(args) -> int:
 
 
 def _generate(args) -> int:
-    from .train.loop import load_run
+    from .workdir import load_run
 
     _, model, params, task = load_run(args.workdir)
     print(task.generate_text(model, params, args.prompt, max_new_tokens=args.max_new_tokens,
@@ -310,7 +312,7 @@ def _generate(args) -> int:
 
 
 def _export(args) -> int:
-    from .train.export import export
+    from .export import export
 
     print(json.dumps(export(args.workdir, args.out, fmt=args.format, merge=args.merge), indent=2))
     return 0
@@ -319,7 +321,7 @@ def _export(args) -> int:
 def _sweep(args) -> int:
     from .train import distributed
     from .train.config import experiment_path
-    from .train.sweep import SweepInterrupted, run_sweep
+    from .sweep import SweepInterrupted, run_sweep
 
     distributed.initialize(None, None, None)
     workdir = args.workdir or os.path.join("runs", experiment_path(args.experiment).stem)
@@ -428,19 +430,9 @@ def _quiet_background_errors() -> None:
     line: orbax's own ERROR logs of it (with tracebacks) and those of its abandoned writer
     coroutines at exit are not shown; the exception that reaches the CLI says it all.
     Orbax's warnings, and everything else, still show."""
-    import logging
+    from .train.orbax_logs import hide_orbax_errors
 
-    class _NoOrbaxErrors(logging.Filter):
-        """orbax's ERROR records (absl), and asyncio's "Task exception was never retrieved"
-        for the sibling reads or writes of orbax's that failed with the one reported."""
-
-        def filter(self, record):
-            if record.levelno < logging.ERROR:
-                return True
-            return not ("orbax" in record.pathname or "orbax" in record.getMessage())
-
-    for name in ("absl", "asyncio"):
-        logging.getLogger(name).addFilter(_NoOrbaxErrors())
+    hide_orbax_errors()
     default_unraisable, default_except = sys.unraisablehook, sys.excepthook
 
     def unraisable(record):   # a failed write's coroutines, and its callbacks into the

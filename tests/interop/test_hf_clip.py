@@ -169,9 +169,9 @@ def test_round_trip_strict_load(tiny):
 
 
 def test_export_dir_loads_in_hf_with_our_logits(tiny, tmp_path):
-    """``train.export.write_hf``: flax -> model.safetensors + config.json (CLIPModel) ->
+    """``export.write_hf``: flax -> model.safetensors + config.json (CLIPModel) ->
     ``from_pretrained`` (no missing or unexpected key) -> our logits; and back."""
-    from transformer_jax.train.export import write_hf
+    from transformer_jax.export import write_hf
 
     hf, (module, params) = tiny
     ids, mask, pixels = inputs(hf.config, seed=4)

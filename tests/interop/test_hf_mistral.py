@@ -160,7 +160,7 @@ def test_round_trip_strict_load(mistral):
 def test_exported_dir_is_a_mistral(mistral, tmp_path):
     """``export --format hf``'s writer: config.json says mistral with the window,
     ``AutoModelForCausalLM`` loads it, and ``from_hf`` reads it back unchanged."""
-    from transformer_jax.train.export import write_hf
+    from transformer_jax.export import write_hf
 
     hf_model, module, params = mistral
     write_hf(module, params, str(tmp_path))

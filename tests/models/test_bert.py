@@ -21,7 +21,8 @@ from transformer_jax.tasks import make_task
 from transformer_jax.tasks.classify import LINE_CLASSES, encode_example, line_roles
 from transformer_jax.tasks.mlm import MLMIterator, MLMVocab, frame, mask_tokens
 from transformer_jax.train.config import ExperimentConfig, apply_overrides
-from transformer_jax.train.loop import load_run, train
+from transformer_jax.workdir import load_run
+from transformer_jax.run import train
 from transformer_jax.train.monitor import read_metrics
 
 CFG = BertConfig.preset("tiny", vocab_size=50, max_len=16, num_layers=2, d_model=32,
@@ -456,7 +457,7 @@ def test_bad_task_options_raise(data_dir, tmp_path):
 def test_experiment_files_build(tmp_path):
     """The experiments' models are what their docstrings say (parameter counts quoted there)."""
     from transformer_jax.train.config import load_experiment
-    from transformer_jax.train.loop import build
+    from transformer_jax.run import build
 
     for name, head, count in (("bert_mlm_stdlib", "mlm", 860_550),
                               ("bert_classify_stdlib", "classification", 860_419)):

@@ -380,7 +380,8 @@ def test_image_task_trains_on_mock_cifar10(tmp_path):
     import tensorflow_datasets as tfds
 
     from transformer_jax.tasks import make_task
-    from transformer_jax.train.loop import load_run, train
+    from transformer_jax.workdir import load_run
+    from transformer_jax.run import train
     from transformer_jax.train.monitor import read_metrics
 
     cfg = apply_overrides(ExperimentConfig(model_overrides={}), TASK_SETS + [

@@ -203,7 +203,7 @@ def test_caption_datasets_pick_a_caption_per_epoch(tmp_path):
 
 
 def test_train_logs_zero_shot_and_retrieval(tmp_path):
-    from transformer_jax.train.loop import train
+    from transformer_jax.run import train
     from transformer_jax.train.monitor import read_metrics
 
     cfg = apply_overrides(ExperimentConfig(model_overrides={}), SETS)
@@ -232,7 +232,7 @@ def test_init_from_a_clip_directory_with_its_tokenizer_then_export(tmp_path):
 
     from tests.helpers import cli
     from tests.tokenizer_dirs import gpt2_dir
-    from transformer_jax.train.loop import load_run
+    from transformer_jax.workdir import load_run
 
     src, run, out = tmp_path / "clip", tmp_path / "run", tmp_path / "export"
     gpt2_dir(src)                                  # the tokenizer (its config.json is replaced)

@@ -287,7 +287,7 @@ def test_the_experiment_builds_the_model_its_docstring_describes(tmp_path):
     from pathlib import Path
 
     from transformer_jax.train.config import load_experiment
-    from transformer_jax.train.loop import build
+    from transformer_jax.run import build
 
     cfg = load_experiment("bert_pretrain_stdlib")
     model_cfg, _ = build(cfg, make_task(cfg, tmp_path).model_overrides())

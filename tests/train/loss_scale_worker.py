@@ -27,7 +27,7 @@ from transformer_jax import sharding as sh  # noqa: E402
 from transformer_jax.models import GPT, GPTConfig  # noqa: E402
 from transformer_jax.train.distributed import JitPlacement, PmapPlacement  # noqa: E402
 import optax  # noqa: E402
-from transformer_jax.train.step import LossScale, create_train_state, make_train_step  # noqa: E402
+from transformer_jax.train.step import LossScale, compile_train_step, create_train_state, make_train_step  # noqa: E402
 
 
 def setup():
@@ -53,7 +53,7 @@ def run(place, model, tx, batch, scale, steps):
     else:
         place.setup(create, lambda: model.init(rng, *init_args))
         state = place.init_state(create, tx, lambda p: p)
-        step = place.compile(make_train_step(axis_name=place.axis_name))
+        step = compile_train_step(place, make_train_step(axis_name=place.axis_name))
     out = []
     for _ in range(steps):
         state, metrics = step(state, batch)

@@ -9,7 +9,7 @@ import pytest
 
 from transformer_jax.cli import main as cli_main
 from transformer_jax.errors import UserError
-from transformer_jax.train import loop
+from transformer_jax import run as run_module
 
 
 def run(capsys, *args):
@@ -60,13 +60,13 @@ def test_a_bug_is_not_caught(capsys, tmp_path, monkeypatch):
     inside, propagates with its traceback."""
     def boom(*args, **kwargs):
         raise RuntimeError("an internal bug")
-    monkeypatch.setattr(loop, "setup", boom)
+    monkeypatch.setattr(run_module, "setup", boom)
     with pytest.raises(RuntimeError, match="an internal bug"):
         cli_main(["train", "--workdir", str(tmp_path), "--no-progress"])
 
     def value_bug(*args, **kwargs):
         raise ValueError("shapes (3,) and (4,) disagree")
-    monkeypatch.setattr(loop, "setup", value_bug)
+    monkeypatch.setattr(run_module, "setup", value_bug)
     with pytest.raises(ValueError, match="disagree") as info:
         cli_main(["train", "--workdir", str(tmp_path), "--no-progress"])
     assert not isinstance(info.value, UserError)
@@ -76,10 +76,10 @@ def test_a_bug_prints_its_traceback_from_the_command_line(tmp_path):
     """The same from a real process: exit status 1 and Python's traceback on stderr."""
     script = textwrap.dedent(f"""
         import sys
-        from transformer_jax.train import loop
+        from transformer_jax import run
         def boom(*args, **kwargs):
             raise RuntimeError("an internal bug")
-        loop.setup = boom
+        run.setup = boom
         from transformer_jax.cli import main
         sys.exit(main(["train", "--workdir", {str(tmp_path)!r}, "--no-progress"]))
     """)

@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 from transformer_jax.cli import main as cli_main  # noqa: E402
 from transformer_jax.errors import UserError  # noqa: E402
-from transformer_jax.train.compare_torch import (  # noqa: E402
+from transformer_jax.compare_torch import (  # noqa: E402
     COLUMNS, DEFAULT_GRAD_TOLERANCE, DEFAULT_TOLERANCE, LR_TOLERANCE, compare, relative,
     summarize)
 from transformer_jax.train.config import apply_overrides, load_experiment  # noqa: E402

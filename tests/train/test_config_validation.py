@@ -16,7 +16,8 @@ import pytest
 from transformer_jax.cli import main as cli_main
 from transformer_jax.errors import UserError
 from transformer_jax.models.base import RelationError
-from transformer_jax.train import loop, optim
+from transformer_jax import run as run_module
+from transformer_jax.train import optim
 from transformer_jax.train.config import TASK_MODEL_FIELDS, ExperimentConfig, apply_overrides
 
 from tests.helpers import numeric_fields, probes
@@ -294,7 +295,7 @@ def test_unknown_model_fields_are_refused_when_set():
 def test_cli_one_error_line_exit_2_nothing_written(capsys, tmp_path, monkeypatch, sets, message):
     def train(*args, **kwargs):
         raise AssertionError("the config should have been refused before the run")
-    monkeypatch.setattr(loop, "train", train)
+    monkeypatch.setattr(run_module, "train", train)
     workdir = tmp_path / "run"
     args = ["train", "--workdir", str(workdir), "--no-progress"]
     for item in sets:

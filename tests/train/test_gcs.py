@@ -331,7 +331,8 @@ def test_train_pause_resume_eval_generate_in_a_bucket(gcs, tmp_path):
     step as an uninterrupted local run, every file in the bucket, and eval and generate
     read the run back from it."""
     from transformer_jax.train.config import ExperimentConfig, apply_overrides
-    from transformer_jax.train.loop import evaluate_workdir, load_run, train
+    from transformer_jax.workdir import evaluate_workdir, load_run
+    from transformer_jax.run import train
 
     cfg = apply_overrides(ExperimentConfig(), RUN + [f"data_dir={tmp_path / 'tfds'}"])
     local, remote = tmp_path / "local", f"{gcs}/run"

@@ -9,7 +9,8 @@ from jax._src.array import ArrayImpl
 from transformer_jax.errors import UserError
 from transformer_jax.train import loop
 from transformer_jax.train.checkpoint import CheckpointManager
-from transformer_jax.train.loop import NonFiniteLossError, Prefetcher, train
+from transformer_jax.train.loop import NonFiniteLossError, Prefetcher
+from transformer_jax.run import train
 from transformer_jax.train.monitor import read_metrics
 
 from ..helpers import tiny_cfg

@@ -16,7 +16,7 @@ from transformer_jax.errors import UserError
 from transformer_jax.models import GPT, GPTConfig
 from transformer_jax.train.checkpoint import CheckpointManager
 from transformer_jax.train.config import ExperimentConfig, apply_overrides, load_experiment
-from transformer_jax.train.loop import train
+from transformer_jax.run import train
 from transformer_jax.train.monitor import read_metrics
 from transformer_jax.train.optim import constant, make_optimizer
 from transformer_jax.train.step import LossScale, create_train_state, make_train_step

@@ -13,7 +13,7 @@ import pytest
 
 from transformer_jax.cli import _parser
 from transformer_jax.errors import UserError
-from transformer_jax.train.sweep import Member, members_of, run_sweep
+from transformer_jax.sweep import Member, members_of, run_sweep
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -113,7 +113,7 @@ def test_an_interrupted_sweep_prints_the_whole_command_that_continues_it(tmp_pat
     """The restart hint repeats every flag (``--set`` included, shell-quoted): parsed again,
     it is the command that was run."""
     from transformer_jax import cli
-    from transformer_jax.train import sweep
+    from transformer_jax import sweep
 
     def stopped(*args, **kwargs):
         raise sweep.SweepInterrupted(signal.SIGTERM, 1, 3)
@@ -206,7 +206,7 @@ def test_scaling_laws_grid_spans_what_the_laws_need(quick):
     (the formula in docs/scaling_laws.md, bytes: V = 259) as its docstring states them (about 5e16)."""
     from transformer_jax.models import GPTConfig
     from transformer_jax.train.config import experiment_module
-    from transformer_jax.train.sweep import member_config
+    from transformer_jax.sweep import member_config
 
     module = experiment_module("scaling_laws")
     members = members_of(module, quick)

@@ -14,7 +14,9 @@ import pytest
 from transformer_jax.cli import main as cli_main
 from transformer_jax.models import GPT, GPTConfig
 from transformer_jax.train.config import ExperimentConfig, apply_overrides, load_experiment
-from transformer_jax.train.loop import NonFiniteLossError, load_run, train
+from transformer_jax.train.loop import NonFiniteLossError
+from transformer_jax.workdir import load_run
+from transformer_jax.run import train
 from transformer_jax.train.monitor import read_metrics
 from transformer_jax.train.optim import constant, make_optimizer
 from transformer_jax.train.step import create_train_state, make_train_step

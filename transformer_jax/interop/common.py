@@ -1,4 +1,4 @@
-"""Torch-free machinery shared by the checkpoint converters (``interop.torch``, ``interop.hf_*``).
+"""Torch-free machinery shared by the checkpoint converters (``interop.torch``, ``interop.hf``).
 
 A converter describes a checkpoint as a list of :class:`TensorMap` entries: one source
 tensor (state-dict key and shape) <-> one or more Flax leaves (path and shape). The same

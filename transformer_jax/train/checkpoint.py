@@ -2,6 +2,10 @@
 
 The directory may be local or in a bucket (``gs://...``); paths come from
 :mod:`transformer_jax.storage`, which also points orbax's tensorstore at a GCS emulator.
+The errors a failed save or restore raises, and the diagnosis of a broken step, are in
+``train/checkpoint_errors.py``; which orbax log records are hidden, in
+``train/orbax_logs.py``. :func:`load_params` and :func:`read_config` read a finished run
+(``transformer_jax/workdir.py`` rebuilds its model and task on top of them).
 
 A checkpoint *step* is a single orbax composite checkpoint with three items:
 
@@ -19,7 +23,7 @@ A checkpoint *step* is a single orbax composite checkpoint with three items:
 Orbax also stores the optional eval ``metrics`` next to them; they drive the
 "keep the best checkpoint" policy and survive restarts.
 
-Guarantees relied on (verified by ``tests/test_checkpoint.py``):
+Guarantees relied on (verified by ``tests/train/test_checkpoint.py``):
 
 * **Atomic saves.** Orbax writes a step into
   ``<step>.orbax-checkpoint-tmp/`` and renames it to ``<step>/``
@@ -55,7 +59,6 @@ import logging
 import math
 import os
 import pathlib
-import re
 import sys
 from typing import Any, Callable, Optional
 
@@ -67,6 +70,9 @@ from orbax.checkpoint import checkpoint_managers as ocp_policies
 
 from .. import storage
 from ..errors import UserError
+from .checkpoint_errors import (CheckpointWriteError, UnreadableCheckpoint, describe_unreadable,
+                                os_reason)
+from .orbax_logs import hide_read_only_notices
 
 __all__ = ["CheckpointManager", "CheckpointWriteError", "UnreadableCheckpoint", "describe_unreadable",
            "read_config", "load_params"]
@@ -76,15 +82,7 @@ logger = logging.getLogger(__name__)
 _STATE, _CONFIG, _DATA = "state", "config", "data"
 
 
-class _NoReadOnlyNotice(logging.Filter):
-    """Orbax warns "Given directory is read only" for every read-only manager; reading a
-    run's checkpoints read-only is deliberate here (eval, generate, the resume check)."""
-
-    def filter(self, record):
-        return "Given directory is read only" not in record.getMessage()
-
-
-logging.getLogger("absl").addFilter(_NoReadOnlyNotice())
+hide_read_only_notices()
 
 
 def _json_default(obj: Any) -> Any:
@@ -113,76 +111,6 @@ def _to_json(obj: Any, what: str) -> dict:
         return json.loads(json.dumps(obj, default=_json_default))
     except (TypeError, ValueError) as e:
         raise TypeError(f"{what} must be JSON-serializable: {e}") from None
-
-
-class CheckpointWriteError(UserError):
-    """A checkpoint could not be written (disk full, read-only, no permission); the previous
-    checkpoints are intact."""
-
-
-class UnreadableCheckpoint(UserError):
-    """Every candidate checkpoint failed to read; the message names each step and its file."""
-
-
-# Files of a step that are JSON: a missing or unparsable one is a broken checkpoint.
-_JSON_FILES = ("config/metadata", "data/metadata", "state/_METADATA", "state/_sharding")
-_OS_ERROR = re.compile(r"\[os_error_code='(\d+)'\]")
-_READING = re.compile(r'Error reading "([^"/]+)[^"]*" in OCDBT')
-
-
-def _json_problem(p: epath.Path) -> str | None:
-    if not p.exists():
-        return "missing"
-    try:
-        json.loads(p.read_text())
-    except (ValueError, UnicodeDecodeError) as e:
-        return f"not valid JSON ({e})"
-    return None
-
-
-def describe_unreadable(step_dir: os.PathLike | str, exc: BaseException) -> str | None:
-    """Which file of the checkpoint ``step_dir`` broke ``exc`` (a failed restore), as
-    ``"<file>: <reason>"``; None when nothing points at a broken file (the failure is then
-    a mismatch or a bug, not corruption, and the checkpoint must not be moved aside)."""
-    step_dir = _as_path(step_dir)
-    files = list(_JSON_FILES)
-    meta = step_dir / "state" / "array_metadatas"
-    if meta.is_dir():
-        files += [f"state/array_metadatas/{p.name}" for p in meta.iterdir()]
-    for name in files:
-        if name == "state/_sharding" and not (step_dir / "state").is_dir():
-            continue
-        problem = _json_problem(step_dir / name)
-        if problem is not None:
-            return f"{name}: {problem}"
-    chain, seen = [], exc
-    while seen is not None and len(chain) < 8:
-        chain.append(seen)
-        seen = seen.__cause__ or seen.__context__
-    for e in chain:
-        text = str(e)
-        match = _READING.search(text)
-        if match:
-            reason = text.rsplit(": ", 1)[-1].strip()
-            return f"state/ (the array {match.group(1)}): {reason[:160]}"
-        if isinstance(e, (FileNotFoundError, json.JSONDecodeError)) or "DATA_LOSS" in text:
-            filename = getattr(e, "filename", None)
-            return f"{filename or 'a file'}: {text.splitlines()[0][:160]}"
-    return None
-
-
-def _os_reason(exc: BaseException) -> str:
-    """The OS error inside a failed write (orbax/tensorstore wrap it in text), e.g.
-    "No space left on device"."""
-    seen, depth = exc, 0
-    while seen is not None and depth < 8:
-        if isinstance(seen, OSError) and seen.strerror:
-            return seen.strerror
-        match = _OS_ERROR.search(str(seen))
-        if match:
-            return os.strerror(int(match.group(1)))
-        seen, depth = seen.__cause__ or seen.__context__, depth + 1
-    return str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
 
 
 def _warn(message: str) -> None:
@@ -385,7 +313,7 @@ class CheckpointManager:
     def _write_error(self, exc: BaseException) -> BaseException:
         """``exc`` from a background save as a :class:`CheckpointWriteError` when an OS error
         (a full or read-only disk, no permission) caused it; other errors stay as they are."""
-        reason = _os_reason(exc)
+        reason = os_reason(exc)
         if not any(os.strerror(code) == reason for code in storage.WRITE_ERRNOS):
             return exc
         step, self._pending = self._pending, None

@@ -11,8 +11,8 @@ devices; each reads only its rows of every batch, process 0 alone writes logs, m
 samples and plots, and all processes save and restore the (sharded) checkpoints
 together.
 
-Devices. A :class:`Placement` says where the train state and the batches live and how the
-step is compiled:
+Devices. A :class:`Placement` says where the train state and the batches live, and so how
+the step is compiled (``train/step.py``'s ``compile_train_step`` does it):
 
 ``jit`` (:class:`JitPlacement`, the default)
     A ``(data, fsdp, tensor)`` mesh (``--mesh``, default all devices on ``data``); the
@@ -31,6 +31,7 @@ from __future__ import annotations
 import abc
 import json
 import os
+import sys
 from typing import Any, Callable
 
 import jax
@@ -122,6 +123,12 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
 
 def is_main() -> bool:
     return jax.process_index() == 0
+
+
+def warn(message: str) -> None:
+    """``warning: message`` on stderr, from process 0 only."""
+    if is_main():
+        print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 def barrier(name: str) -> None:
@@ -297,11 +304,16 @@ class Placement(abc.ABC):
         from jax.experimental import multihost_utils
         return multihost_utils.process_allgather(full_params(state), tiled=True)
 
-    # -- steps -----------------------------------------------------------------
-    @abc.abstractmethod
-    def compile(self, step_fn: Callable) -> Callable:
-        """``run(state, batch) -> (state, metrics)``; metrics are replicated scalars. The
-        batch is this process's host rows or what :meth:`put_batch` made of them."""
+    # -- steps (compiled by ``step.compile_train_step``) --------------------------
+    @property
+    def state_shardings(self) -> Any:
+        """The train state's global shardings, worked out by :meth:`setup`."""
+        return self._shardings
+
+    def placed(self, batch):
+        """``batch`` on the devices: as given when it is already there (a prefetched batch),
+        else this process's host rows through :meth:`put_batch`."""
+        return batch if _placed(batch) else self.put_batch(batch)
 
     def put_batch(self, batch):
         """This process's host rows -> global arrays split over the batch axes of :attr:`mesh`
@@ -349,17 +361,6 @@ class JitPlacement(Placement):
             opt_state = jax.jit(tx.init, out_shardings=self._shardings.opt_state)(params)
             state = state.replace(params=params, frozen=frozen, opt_state=opt_state)
         return state
-
-    def compile(self, step_fn):
-        rep = sh.replicated(self.mesh)
-        jitted = jax.jit(step_fn, in_shardings=(self._shardings, sh.batch_sharding(self.mesh)),
-                         out_shardings=(self._shardings, rep), donate_argnums=(0,))
-
-        def run(state, batch):
-            batch = batch if _placed(batch) else self.put_batch(batch)
-            with sh.use_mesh(self.mesh):
-                return jitted(state, batch)
-        return run
 
 
 class PmapPlacement(Placement):
@@ -414,15 +415,6 @@ class PmapPlacement(Placement):
         return jax.tree_util.tree_map(
             lambda x: jax.device_put(np.asarray(x).reshape((len(devices), -1) + np.shape(x)[1:]),
                                      sharding), batch)
-
-    def compile(self, step_fn):
-        pstep = jax.pmap(step_fn, axis_name=self.axis_name, donate_argnums=(0,))
-
-        def run(state, batch):
-            batch = batch if _placed(batch) else self.put_batch(batch)
-            state, metrics = pstep(state, batch)
-            return state, sh.pmap_local(metrics)
-        return run
 
     def describe(self) -> str:
         return f"pmap over {jax.device_count()} device(s) ({jax.process_count()} process(es))"

@@ -18,7 +18,7 @@ or a transformer_jax workdir (its latest checkpoint). The run then:
 * records where it started: ``config.json``'s ``init_from`` holds the path, the kind and a
   SHA-256 digest of the loaded weights;
 * refuses, before anything is written, a source whose family cannot train the experiment's
-  task (``train/loop.py``'s ``check_task``: a BERT checkpoint under a GPT language-model
+  task (``transformer_jax/run.py``'s ``check_task``: a BERT checkpoint under a GPT language-model
   experiment).
 
 With ``model.lora`` (``--set lora.rank=8``) or ``model.prefix_tokens`` only the adapters and

@@ -1,7 +1,10 @@
-"""The training loop: data -> jitted train step -> logs, evals, samples and checkpoints.
+"""The training loop: data -> compiled train step -> logs, evals, samples and checkpoints.
 
-``train(cfg, workdir)`` runs an :class:`~transformer_jax.train.config.ExperimentConfig`.
-Everything a run produces lives in ``workdir``:
+:func:`run_loop` steps a :class:`Run` that ``transformer_jax.run.setup`` built (the task,
+the model, the placement, the restored or fresh state, the compiled step); the whole
+route of a run is ``transformer_jax.run.train`` = ``setup`` + :func:`run_loop`. This
+module takes the task as a value and never imports ``tasks/``. Everything a run produces
+lives in ``workdir``:
 
   config.json      the resolved run config (also stored inside every checkpoint)
   checkpoints/N/   orbax checkpoints: train state + config + data-iterator position
@@ -10,8 +13,8 @@ Everything a run produces lives in ``workdir``:
   samples.txt      text generated at each eval
   loss.png         the loss curve, written at the end
 
-The loop (:func:`train`) is :func:`setup`, then per step :func:`_advance` (the next batch,
-already on the devices, through the jitted step), :meth:`MetricsLog.record` (logging),
+Per step, :func:`run_loop` calls :func:`_advance` (the next batch, already on the devices,
+through the compiled step: ``train/step.py``), :meth:`MetricsLog.record` (logging),
 :func:`_evaluate` (evals and samples), :func:`_save` (checkpoints) and :func:`_stopping`
 (signals). ``on_log(step, row)`` and ``on_eval(step, metrics)`` see every logged row and
 eval; ``stop_at=N`` saves a checkpoint at step N and returns, and ``resume=True`` continues
@@ -32,55 +35,43 @@ arrays and are restored into the current run's shardings, so a run resumes on an
 mesh, another device count or the other parallelism.
 
 Reliability: SIGTERM/SIGINT finish the current step, save a checkpoint and stop;
-``resume=True`` restores the latest checkpoint, including the data position, the dropout
-key and the loss scale, so the resumed run computes exactly the losses the uninterrupted
-run would have (``resume_from=STEP``: any kept checkpoint). A step is saved only while the
-loss is healthy (finite, no spike: ``train/health.py``); a non-finite loss stops the run
-and moves the checkpoints saved as the loss rose to ``<step>.diverged``, so that a resume
-starts from before the blow-up. An unreadable checkpoint is moved to ``<step>.corrupt``
-and the newest readable one restored. A run that is refused (bad workdir, checkpoint of
-another config, nothing left to do) writes nothing.
+``resume=True`` restores the latest checkpoint (``train/resume.py``), including the data
+position, the dropout key and the loss scale, so the resumed run computes exactly the
+losses the uninterrupted run would have (``resume_from=STEP``: any kept checkpoint). A
+step is saved only while the loss is healthy (finite, no spike: ``train/health.py``); a
+non-finite loss stops the run and moves the checkpoints saved as the loss rose to
+``<step>.diverged``, so that a resume starts from before the blow-up. An unreadable
+checkpoint is moved to ``<step>.corrupt`` and the newest readable one restored. A run
+that is refused (bad workdir, checkpoint of another config, nothing left to do) writes
+nothing.
 """
 from __future__ import annotations
 
 import collections
 import contextlib
 import dataclasses
-import json
 import math
-import os
 import signal
-import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental.multihost_utils import sync_global_devices
 
 from .. import storage
 from ..errors import UserError
 from ..losses import metric_names
-from ..models import build_model, model_from_config
-from ..layers.attention import tpu_generation
-from ..models.base import attention_plan, describe_attention_plan
-from ..tasks import TASKS, Task, make_task, tasks_for
-from . import finetune
-from .checkpoint import CheckpointManager, load_params
-from .config import ExperimentConfig, experiments_for
-from .distributed import (Placement, any_process, broadcast_json, gather_data_state, is_main,
-                          local_data_state, main_first, make_placement)
+from .checkpoint import CheckpointManager
+from .config import ExperimentConfig
+from .distributed import Placement, any_process, broadcast_json, gather_data_state, is_main, warn
 from .health import LossWatch, last_good_step
-from .monitor import MetricsWriter, peak_flops_per_device, plot_loss
-from .optim import make_optimizer, make_schedule
-from .step import LossScale, create_train_state, eval_step, make_train_step
+from .monitor import MetricsWriter, plot_loss
+from .step import eval_step
 
-# Fields that must not change when resuming: they fix the model and the data stream.
-_RESUME_FIXED = ("task", "task_options", "model", "model_preset", "dataset", "tokenizer", "seq_len",
-                 "batch_size", "seed")
+if TYPE_CHECKING:   # the loop takes a task as a value; tasks/ sits above train/
+    from ..tasks import Task
 
 LogCallback = Callable[[int, dict[str, float]], None]
 
@@ -111,54 +102,6 @@ class _StopRequest:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-
-
-# ----------------------------------------------------------------------------- pieces
-
-def build(cfg: ExperimentConfig, task_overrides: dict[str, Any]):
-    """``(model_config, model)``: preset + experiment overrides + what the task's data fixes."""
-    overrides = dict(cfg.model_overrides)
-    vocab = task_overrides.get("vocab_size")
-    if vocab is not None and overrides.get("vocab_size", vocab) < vocab:
-        raise UserError(_vocab_message(cfg, overrides["vocab_size"], vocab))
-    for key, value in task_overrides.items():
-        overrides.setdefault(key, value)
-    model_cfg, model = build_model(cfg.model, cfg.model_preset, overrides)
-    max_len = getattr(model_cfg, "max_len", None)
-    if max_len is not None and cfg.seq_len > max_len:
-        raise UserError(f"seq_len={cfg.seq_len} exceeds the model's max_len={max_len}; "
-                        f"lower seq_len or set model.max_len>={cfg.seq_len}")
-    return model_cfg, model
-
-
-def _vocab_message(cfg: ExperimentConfig, size: int, vocab: int) -> str:
-    """Why the model's vocab_size is too small for the run's tokenizer, and what to set."""
-    tokenizer = f"tokenizer={cfg.tokenizer!r}"
-    if cfg.tokenizer in ("byte", "bytes", "byt5"):
-        tokenizer += (" (the default: the checkpoint brings no tokenizer files)"
-                      if cfg.init_from is not None else " (256 bytes and 3 special ids)")
-    if cfg.init_from is not None:   # the model, vocab_size included, is the checkpoint's
-        return (f"the checkpoint {cfg.init_from} has vocab_size={size}, smaller than the "
-                f"{vocab} ids of the run's tokenizer, {tokenizer}; give the tokenizer its "
-                "weights were trained with as --set tokenizer=hf:DIR (a directory with its "
-                f"tokenizer.json), or use a checkpoint with vocab_size >= {vocab}")
-    return (f"model.vocab_size={size} is smaller than the {vocab} ids of the run's tokenizer, "
-            f"{tokenizer}; drop the override (the task sets vocab_size from the tokenizer) or "
-            f"set it to at least {vocab}")
-
-
-def make_tx(cfg: ExperimentConfig, model_cfg):
-    schedule = make_schedule(cfg.schedule, **cfg.schedule_kwargs(model_cfg.d_model))
-    tx = make_optimizer(schedule=schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                        weight_decay=cfg.weight_decay, clip_norm=cfg.clip_norm)
-    return tx, schedule
-
-
-def make_loss_scale(cfg: ExperimentConfig, model_cfg) -> LossScale | None:
-    """The run's initial :class:`LossScale`, or None when it does not scale its loss."""
-    if not cfg.dynamic_loss_scale(str(getattr(model_cfg, "dtype", "float32"))):
-        return None
-    return LossScale.create(cfg.loss_scale_init, cfg.loss_scale_growth_interval)
 
 
 def evaluate(params, apply_fn, task: Task, eval_fn=None, model=None, *,
@@ -207,47 +150,6 @@ def evaluate(params, apply_fn, task: Task, eval_fn=None, model=None, *,
             extras = broadcast_json(extras)
         out.update({f"eval_{k}": v for k, v in extras.items()})
     return out
-
-
-def _differences(then: dict, now: dict, prefix: str = "") -> dict[str, tuple]:
-    """``{field: (then, now)}`` for the fields of two config dicts that differ; fields of a
-    nested dict on both sides (``lora``) are named ``lora.rank``."""
-    diff = {}
-    for key in list(now) + [k for k in then if k not in now]:
-        a, b = then.get(key), now.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            diff.update(_differences(a, b, f"{prefix}{key}."))
-        elif a != b:
-            diff[f"{prefix}{key}"] = (a, b)
-    return diff
-
-
-def _check_resume_compatible(saved: dict, run_config: dict) -> None:
-    problems = []
-    if saved.get("model") != run_config["model"]:
-        diff = _differences(saved.get("model") or {}, run_config["model"])
-        problems.append(f"model config differs (field: (checkpoint, now)) {diff}")
-    for key in _RESUME_FIXED:
-        a, b = saved.get("experiment", {}).get(key), run_config["experiment"].get(key)
-        if a != b:
-            problems.append(f"{key}: checkpoint has {a!r}, config has {b!r}")
-    scaled = saved.get("loss_scaling", False)
-    if scaled != run_config["loss_scaling"]:
-        problems.append(f"loss scaling: checkpoint {'has' if scaled else 'has none'}, config "
-                        f"{'scales' if run_config['loss_scaling'] else 'does not'} (loss_scale)")
-    if problems:
-        raise UserError("the checkpoint in this workdir does not match the config: "
-                        + "; ".join(problems)
-                        + ". Resume without the setting that changes it (the CLI's --resume "
-                        "takes the run's settings from its config.json), or start in a new "
-                        "--workdir.")
-
-
-# ----------------------------------------------------------------------------- files
-
-def _write_config(workdir, run_config: dict) -> None:
-    storage.makedirs(workdir)
-    storage.write_text(workdir / "config.json", json.dumps(run_config, indent=2) + "\n")
 
 
 def _append_sample(workdir, step: int, eval_loss: float, text: str) -> None:
@@ -307,282 +209,6 @@ class Run:
     spike_warned: int | None = None   # the run of spikes whose skipped save was reported
     main: bool = dataclasses.field(default_factory=is_main)
     multi: bool = dataclasses.field(default_factory=lambda: jax.process_count() > 1)
-
-
-def _describe_placement(placement: Placement) -> None:
-    notes = placement.notes
-    print(f"{placement.describe()}; replicated (indivisible) parameter dims:\n  "
-          + "\n  ".join(notes[:8]) + (f"\n  ... and {len(notes) - 8} more" if len(notes) > 8 else ""),
-          flush=True)
-
-
-def _platform() -> str:
-    """"cpu", "gpu" or "tpu": the platform this process runs its steps on."""
-    backend = jax.default_backend()
-    return backend if backend in ("gpu", "tpu") else "cpu"
-
-
-class NothingToDo(Exception):
-    """``--resume`` of a run whose checkpoint is already at (or past) ``cfg.steps``."""
-
-    def __init__(self, message: str, step: int):
-        super().__init__(message)
-        self.step = step
-
-
-def setup(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
-          progress: bool = True, resume_from: int | None = None,
-          stop_at: int | None = None) -> Run:
-    """Everything a run needs: task, model, placement, checkpoints, state, compiled steps.
-
-    Everything that can refuse the run (the workdir, the config, the checkpoint's
-    compatibility, ``--steps`` against the checkpoint) is checked before the run writes
-    anything into ``workdir``; :class:`NothingToDo` when the checkpoint is already done.
-    """
-    workdir = storage.path(workdir)
-    resume = resume or resume_from is not None
-    storage.check_workdir(workdir)
-    make_schedule(cfg.schedule, **cfg.schedule_kwargs(d_model=1))   # refuses e.g. warmup >= steps early
-    cfg, source, saved = _fine_tuning_config(cfg, workdir, resume)
-    placement = make_placement(cfg.parallelism, cfg.mesh, cfg.batch_size, cfg.accum_steps)
-    # with several processes, process 0 prepares first (tokenizer, dataset), the others reuse it
-    task = main_first(lambda: make_task(cfg, workdir), "transformer_jax:task")
-    model_cfg, model = build(cfg, task.model_overrides())
-    tx, schedule = make_tx(cfg, model_cfg)
-    loss_scale = make_loss_scale(cfg, model_cfg)
-    plan = attention_plan(model_cfg, cfg.seq_len, _platform(), tpu_generation())
-    run_config = {"experiment": cfg.to_dict(), "family": cfg.model, "model": model_cfg.to_dict(),
-                  "task": cfg.task, "task_spec": task.spec(), "loss_scaling": loss_scale is not None,
-                  "attention": plan}
-    if is_main():
-        print(describe_attention_plan(plan, model_cfg), flush=True)
-    train_it = main_first(lambda: task.train_iterator(placement.data_index, placement.data_count),
-                          "transformer_jax:data")
-    rng = jax.random.PRNGKey(cfg.seed)
-    init_args = task.init_args()
-    abstract = _abstract_params(model, rng, init_args)
-    if getattr(model_cfg, "lora", None) is not None:
-        finetune.check_adapters(model_cfg, abstract())   # targets that match no Dense
-    pretrained, split = _fine_tuning_start(cfg, source, saved, model_cfg, abstract, run_config)
-    create_state = lambda: create_train_state(  # noqa: E731
-        model, tx, rng, *init_args, loss_scale=loss_scale,
-        partition=None if split is None else split.split)
-    placement.setup(create_state, lambda: model.init(rng, *init_args))
-    restored = _restore(workdir, placement, run_config, resume, resume_from)
-    start = 0 if restored is None else restored[0]
-    if start >= cfg.steps:
-        raise NothingToDo(f"nothing to do: the checkpoint in {workdir / 'checkpoints'} is at step "
-                          f"{start}, and steps={cfg.steps}; give --steps above {start} to train "
-                          "further", start)
-    if stop_at is not None and stop_at <= start:
-        raise UserError(f"stop_at={stop_at} is not after the step this run starts from "
-                        f"({start}); give a later step")
-    # ---- nothing was written before this line
-    if jax.process_count() > 1:   # every process has looked at checkpoints/ before any writes
-        sync_global_devices("transformer_jax:checked")
-    if is_main() and placement.notes and progress:
-        _describe_placement(placement)
-    if restored is None:
-        adjust = task.init_params
-        if pretrained is None and cfg.init_from is not None:   # resumed, but nothing saved yet
-            pretrained = finetune.Start.plan(finetune.load_source(cfg.init_from), model_cfg,
-                                             abstract())
-        if pretrained is not None:
-            if is_main():
-                print(pretrained.describe(), flush=True)
-            adjust = lambda p: task.init_params(pretrained.fill(p))  # noqa: E731
-        state = placement.init_state(create_state, tx, adjust, split)
-    else:
-        _, state, data_state = restored
-        train_it.set_state(local_data_state(data_state))
-        state = placement.from_checkpoint(state)
-        if resume_from is not None:
-            _set_aside_newer(workdir, resume_from)
-    if is_main() and split is not None:
-        print(finetune.describe_trainable(split, abstract()), flush=True)
-    if is_main():
-        _write_config(workdir, run_config)
-    ckpt = CheckpointManager(workdir / "checkpoints", save_every=cfg.save_every, keep=cfg.keep)
-    train_step = placement.compile(make_train_step(
-        loss_fn=task.loss_fn, label_smoothing=cfg.label_smoothing, accum_steps=cfg.accum_steps,
-        schedule=schedule, axis_name=placement.axis_name))
-    resumed = restored is not None
-    return Run(cfg=cfg, workdir=workdir, placement=placement, task=task, model=model,
-               run_config=run_config, ckpt=ckpt, batches=Prefetcher(train_it, placement.put_batch),
-               train_step=train_step,
-               eval_fn=placement.eval_fn(lambda p, b: eval_step(p, b, model.apply, task.loss_fn)),
-               writer=MetricsWriter(workdir, resume_step=start if resumed else None, enabled=is_main()),
-               state=state, start=start, resumed=resumed, tokens_per_step=task.tokens_per_step(),
-               flops_per_step=task.flops_per_step(model_cfg), peak_flops=peak_flops_per_device(),
-               watch=LossWatch(cfg.loss_spike_factor, cfg.loss_spike_window, warn=_warn))
-
-
-def _abstract_params(model, rng, init_args) -> Callable[[], Any]:
-    """A function giving the model's parameter shapes, traced on the first call only."""
-    shapes: dict = {}
-
-    def abstract():
-        if "params" not in shapes:
-            shapes["params"] = jax.eval_shape(
-                lambda: nn.meta.unbox(model.init(rng, *init_args)["params"]))
-        return shapes["params"]
-    return abstract
-
-
-def _fine_tuning_config(cfg: ExperimentConfig, workdir: Path, resume: bool):
-    """``(cfg, source, saved run config)``: with ``init_from``, ``cfg`` takes the model and
-    tokenizer of the pretrained weights (``source``), or, resuming such a run, those its
-    config.json recorded (``saved``; nothing is re-read)."""
-    source, saved = None, _saved_run_config(workdir) if resume else None
-    if saved is not None:
-        _check_same_start(cfg, saved, workdir)
-    if saved is not None and saved.get("init_from"):
-        cfg = finetune.resumed_config(cfg, saved, say=_warn)
-    elif cfg.init_from is not None:
-        source = finetune.load_source(cfg.init_from)
-        check_task(cfg, source)
-        cfg = finetune.resolve(cfg, source, say=_warn)
-    return cfg, source, saved
-
-
-def check_task(cfg: ExperimentConfig, source: finetune.Source) -> None:
-    """Refuse a source whose family cannot train the experiment's task (a BERT checkpoint
-    under the default GPT language-model experiment), naming the experiments that fit it."""
-    task = TASKS.get(cfg.task)
-    if task is None or source.family in task.MODELS:
-        return
-    fits = tasks_for(source.family)
-    what = (f"task {source.task!r}" if source.kind == "workdir" and source.task
-            else source.task or "no task recorded")
-    experiments = experiments_for(fits)
-    choose = (f"choose an experiment for it (--experiment {' or '.join(experiments)})"
-              if experiments else "choose an experiment for it")
-    raise UserError(f"--init-from {source.path} is a {source.family} checkpoint ({what}), but "
-                    f"experiment {cfg.name!r} trains task {cfg.task!r}, which needs a "
-                    f"{' or '.join(task.MODELS)} model; a {source.family} model trains "
-                    + " or ".join(repr(t) for t in fits)
-                    + f": {choose}, or --set task="
-                    + (source.task if source.task in fits else fits[0]))
-
-
-def _check_same_start(cfg: ExperimentConfig, saved: dict, workdir: Path) -> None:
-    """A resume with ``init_from`` continues the run that started from it: refuse another
-    source, or one given for a run that started from scratch."""
-    if cfg.init_from is None:
-        return
-    record = saved.get("init_from") or {}
-    given = saved.get("experiment", {}).get("init_from")
-    started = record.get("path") or given
-    if cfg.init_from in (started, given) or (
-            started is not None and os.path.abspath(cfg.init_from) == started):
-        return
-    began = f"started from {started}" if started else "did not start from pretrained weights"
-    raise UserError(f"--init-from {cfg.init_from}: the run in {workdir} {began} "
-                    f"({workdir / 'config.json'}); --resume continues from its own checkpoint: "
-                    "drop --init-from, or start a new run in another --workdir")
-
-
-def _fine_tuning_start(cfg: ExperimentConfig, source, saved, model_cfg, abstract, run_config):
-    """``(Start or None, ParamSplit or None)``: how the fresh parameters (``abstract()``:
-    their shapes) take the source's weights, recorded in ``run_config["init_from"]``; and
-    which of them train (adapters, a fresh head) when the model has adapters."""
-    pretrained, head = None, None
-    if source is not None:
-        pretrained = finetune.Start.plan(source, model_cfg, abstract())
-        pretrained.check()
-        run_config["init_from"] = pretrained.record()
-        head = pretrained.fresh_head
-    elif cfg.init_from is not None:    # resumed: the start its config.json recorded
-        run_config["init_from"] = saved["init_from"]
-        head = saved["init_from"]["fresh"]
-    return pretrained, finetune.make_split(model_cfg, head, cfg.model)
-
-
-def resume_settings(cfg: ExperimentConfig, workdir: str | Path, *,
-                    experiment: str | None = None) -> ExperimentConfig:
-    """The settings ``transformer-jax train --resume`` starts from: every field of the run's
-    ``config.json`` (learning rate, schedule, warm-up, batch, model, tokenizer, init-from,
-    ...), on which ``--set`` and ``--steps`` then apply; ``cfg`` (the experiment's) when the
-    workdir holds no run config. ``experiment``: the ``--experiment`` given, which must be
-    the run's own (by its config name). With several processes, process 0 reads the file."""
-    workdir = storage.path(workdir)
-    saved = _saved_run_config(workdir) if is_main() else None
-    if jax.process_count() > 1:
-        saved = broadcast_json(saved)
-    if not isinstance(saved, dict) or not isinstance(saved.get("experiment"), dict):
-        return cfg
-    settings = ExperimentConfig.from_dict(saved["experiment"])
-    if experiment is not None and cfg.name != settings.name:
-        raise UserError(f"--experiment {experiment} is {cfg.name!r}, but {workdir} holds a run of "
-                        f"{settings.name!r}; drop --experiment (--resume takes the run's settings "
-                        f"from {workdir / 'config.json'}; --set changes them), or choose another "
-                        "--workdir")
-    return settings
-
-
-def _saved_run_config(workdir) -> dict | None:
-    """The run config a workdir's earlier run wrote (config.json), or None."""
-    path = workdir / "config.json"
-    if not storage.is_file(path):
-        return None
-    try:
-        return json.loads(storage.read_text(path))
-    except ValueError:
-        return None
-
-
-def _warn(message: str) -> None:
-    if is_main():
-        print(f"warning: {message}", file=sys.stderr, flush=True)
-
-
-def _restore(workdir: Path, placement: Placement, run_config: dict, resume: bool,
-             resume_from: int | None):
-    """``(step, state, data_state)`` of the checkpoint a run continues from, or None for a
-    fresh run. Refuses checkpoints without ``resume`` and ones that do not match the
-    config; an unreadable step is moved aside (``<step>.corrupt``) and the next older one
-    restored. Only reads, unless a step is unreadable."""
-    directory = workdir / "checkpoints"
-    reader = CheckpointManager(directory, read_only=True) if storage.is_dir(directory) else None
-    try:
-        steps = reader.all_steps() if reader is not None else []
-        if not steps:
-            if resume_from is not None:
-                raise UserError(f"--resume-from {resume_from}: {directory} holds no checkpoint; "
-                                "give the --workdir of a run that saved one")
-            if resume:
-                _warn(f"--resume: {workdir} holds no checkpoint, so this run starts from step 0 "
-                      "(check the --workdir if you meant to continue a run)")
-            return None
-        if not resume:
-            raise UserError(f"{workdir} already holds checkpoints (latest step {steps[-1]}); pass "
-                            "--resume to continue that run, or choose another --workdir")
-        step, state, _, data_state = reader.restore_readable(
-            resume_from, target=placement.restore_target(),
-            check_config=lambda saved: _check_resume_compatible(saved, run_config),
-            set_aside=is_main(), warn=_warn)
-    finally:
-        if reader is not None:
-            reader.close()
-    if jax.process_count() > 1:   # process 0 may have moved unreadable steps aside
-        sync_global_devices("transformer_jax:restored")
-    return step, state, data_state
-
-
-def _set_aside_newer(workdir: Path, step: int) -> None:
-    """``--resume-from STEP``: the steps after it move to ``<step>.superseded`` (kept; the
-    resumed run saves its own)."""
-    if is_main():
-        manager = CheckpointManager(workdir / "checkpoints", read_only=True)
-        try:
-            newer = [s for s in manager.all_steps() if s > step]
-            moved = [str(manager.set_aside(s, "superseded")) for s in newer]
-        finally:
-            manager.close()
-        if moved:
-            _warn(f"--resume-from {step}: moved the later checkpoints aside: {', '.join(moved)}")
-    if jax.process_count() > 1:
-        sync_global_devices("transformer_jax:set_aside")
 
 
 # ----------------------------------------------------------------------------- metrics
@@ -739,7 +365,7 @@ def _save(run: Run, step: int, log: MetricsLog, metrics: dict | None, force: boo
         if run.spike_warned != run.watch.blowup_start():   # once per run of spikes
             run.spike_warned = run.watch.blowup_start()
             latest = run.ckpt.latest_step()
-            _warn(f"step {step} not saved, nor any later step until the loss is healthy again: "
+            warn(f"step {step} not saved, nor any later step until the loss is healthy again: "
                   f"{run.watch.describe_spike()}; "
                   + ("no checkpoint was saved yet" if latest is None else
                      f"checkpoint step {latest} stays the latest"))
@@ -779,26 +405,15 @@ def _summary(run: Run, end: int) -> dict[str, Any]:
             "processes": jax.process_count()}
 
 
-def train(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
-          progress: bool = True, on_log: LogCallback | None = None,
-          on_eval: LogCallback | None = None, stop_at: int | None = None,
-          resume_from: int | None = None) -> dict[str, Any]:
-    """Train (or resume) a run; returns a summary dict. See the module docstring.
+def run_loop(run: Run, *, progress: bool = True, on_log: LogCallback | None = None,
+             on_eval: LogCallback | None = None, stop_at: int | None = None) -> dict[str, Any]:
+    """Step ``run`` to ``run.cfg.steps`` (or ``stop_at``); returns the run's summary dict.
 
-    ``on_log(step, row)`` gets every logged row (also written to metrics.jsonl) and
-    ``on_eval(step, metrics)`` every eval, on every process. ``stop_at``: save a
-    checkpoint at that step and return (``summary["paused"]``); ``resume=True`` continues
-    from the latest checkpoint, ``resume_from=STEP`` from that one (the later ones move to
-    ``<step>.superseded``). A resumed run already at ``cfg.steps`` returns at once with
-    ``summary["nothing_to_do"]`` (a message) and writes nothing.
+    ``transformer_jax.run.train`` builds the run and calls this; the arguments are its
+    (see there and the module docstring). The checkpoints and the metrics files are closed
+    on the way out, whatever stops the loop.
     """
-    try:
-        run = setup(cfg, workdir, resume=resume, progress=progress, resume_from=resume_from,
-                    stop_at=stop_at)
-    except NothingToDo as done:
-        return {"workdir": str(storage.path(workdir)), "start_step": done.step,
-                "final_step": done.step, "nothing_to_do": str(done), "interrupted": None,
-                "paused": False}
+    cfg = run.cfg
     bar = log = None
     step, eval_row, stop = run.start, None, _StopRequest()
     try:
@@ -838,37 +453,3 @@ def train(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
         png = plot_loss(run.workdir)
         summary["loss_png"] = str(png) if png else None
     return summary
-
-
-# ----------------------------------------------------------------------------- workdir tools
-
-def load_run(workdir: str | Path, step: int | None = None):
-    """Rebuild ``(run_config, model, params, task)`` from a workdir alone."""
-    run_config, params = load_params(workdir, step)
-    _, model = model_from_config(run_config["family"], run_config["model"])
-    cfg = ExperimentConfig.from_dict(run_config["experiment"])
-    task = make_task(cfg, workdir, spec=run_config["task_spec"])
-    return run_config, model, params, task
-
-
-def run_costs(workdir: str | Path) -> dict[str, float]:
-    """What a run costs, from its config.json: parameters (total, and non-embedding, which
-    the scaling laws count), tokens and training FLOPs per step (``Task.flops_per_step``;
-    GPT: 6 N + 12 L D T per token, N counting the read-out)."""
-    run_config = json.loads(storage.read_text(storage.path(workdir) / "config.json"))
-    model_cfg, _ = model_from_config(run_config["family"], run_config["model"])
-    task = make_task(ExperimentConfig.from_dict(run_config["experiment"]), workdir,
-                     spec=run_config["task_spec"])
-    try:
-        non_embedding = model_cfg.num_params(non_embedding=True)
-    except TypeError:   # a family without embedding tables to leave out (ViT)
-        non_embedding = model_cfg.num_params()
-    return {"params": model_cfg.num_params(), "non_embedding_params": non_embedding,
-            "tokens_per_step": task.tokens_per_step(), "flops_per_step": task.flops_per_step(model_cfg)}
-
-
-def evaluate_workdir(workdir: str | Path, *, batches: int | None = None) -> dict[str, float]:
-    _, model, params, task = load_run(workdir)
-    if batches:
-        task.cfg = task.cfg.replace(eval_batches=batches)
-    return evaluate(params, model.apply, task, model=model)

@@ -1,4 +1,6 @@
-"""The train and eval steps: pure functions of (state, batch), jitted at the edge.
+"""The train and eval steps: pure functions of (state, batch), and the compile of the
+train step for a placement (:func:`compile_train_step`: ``jax.jit`` with the state's
+shardings, or ``jax.pmap``; the state is donated either way).
 
   batch: {"inputs": (B, T) int, "targets": (B, T) int, "weights": (B, T) float}
 
@@ -17,7 +19,7 @@ run of good steps doubles it.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import flax.linen as nn
 import jax
@@ -26,8 +28,12 @@ import optax
 from flax import struct
 from flax.training import train_state
 
+from .. import sharding as sh
 from ..errors import UserError
 from ..losses import LossFn, lm_loss, per_weight_means
+
+if TYPE_CHECKING:   # distributed imports this module
+    from .distributed import Placement
 
 Array = jax.Array
 
@@ -277,3 +283,31 @@ def eval_step(params: Any, batch: dict[str, Array], apply_fn: Callable,
     """Deterministic sums on one batch: ``{"loss": plain cross-entropy sum, "weight", ...}``."""
     _, sums = loss_fn(apply_fn, params, batch, None, True, 0.0)
     return {"loss": sums["nll"], **{k: v for k, v in sums.items() if k != "nll"}}
+
+
+def compile_train_step(placement: Placement, step_fn: Callable) -> Callable:
+    """``run(state, batch) -> (state, metrics)``: ``step_fn`` (from :func:`make_train_step`)
+    compiled for ``placement``, with the state donated (updated in place).
+
+    ``jit``: one ``jax.jit`` over the placement's mesh, the state in its shardings, the
+    batch split over the batch axes, the metrics replicated. ``pmap``: ``jax.pmap`` over the
+    local devices (the step psums over ``placement.axis_name``), metrics read from the
+    first device. ``batch`` is this process's host rows or what ``placement.put_batch``
+    made of them (already on the devices).
+    """
+    if placement.parallelism == "pmap":
+        pstep = jax.pmap(step_fn, axis_name=placement.axis_name, donate_argnums=(0,))
+
+        def run_pmap(state, batch):
+            state, metrics = pstep(state, placement.placed(batch))
+            return state, sh.pmap_local(metrics)
+        return run_pmap
+    shardings = placement.state_shardings
+    jitted = jax.jit(step_fn, in_shardings=(shardings, sh.batch_sharding(placement.mesh)),
+                     out_shardings=(shardings, sh.replicated(placement.mesh)), donate_argnums=(0,))
+
+    def run(state, batch):
+        batch = placement.placed(batch)
+        with sh.use_mesh(placement.mesh):
+            return jitted(state, batch)
+    return run

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import UserError
+from .errors import UserError
 
 FORMATS = ("hf", "peft")
 
@@ -37,7 +37,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 def hf_architecture(config: Any) -> str:
     """The ``transformers`` class a model config exports as (``config.json``'s architectures)."""
-    from ..interop.hf.registry import family_for_config
+    from .interop.hf.registry import family_for_config
 
     family = family_for_config(config).name
     if family == "bert":
@@ -65,7 +65,7 @@ def write_hf(module: Any, params: Any, out_dir: str, *, extra_config: dict | Non
     ``model.safetensors`` and ``config.json``."""
     from safetensors.numpy import save_file
 
-    from ..interop.hf import hf_config, to_hf_numpy
+    from .interop.hf import hf_config, to_hf_numpy
 
     arrays = _unique_arrays(to_hf_numpy(module, params))
     save_file(arrays, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
@@ -91,7 +91,7 @@ def write_tokenizer(spec: str | None, out_dir: str, extra_specials: list[str] = 
             config["additional_special_tokens"] = list(extra_specials)
     else:
         path = spec.split(":", 1)[1] if spec.split(":", 1)[0] in ("sentencepiece", "spm") else spec
-        from .. import storage
+        from . import storage
         with open(os.path.join(out_dir, "spiece.model"), "wb") as f:
             f.write(storage.read_bytes(path))
         written.append("spiece.model")
@@ -115,8 +115,8 @@ def _mlm_specials(task: Any) -> list[str]:
 def export(workdir: str, out_dir: str, *, fmt: str = "hf", merge: bool = False) -> dict:
     """Export the latest checkpoint of ``workdir`` to ``out_dir`` (see the module docstring);
     returns a summary (the files written, the architecture)."""
-    from ..layers import lora as lora_lib
-    from .loop import load_run
+    from .layers import lora as lora_lib
+    from .workdir import load_run
 
     if fmt not in FORMATS:
         raise UserError(f"--format {fmt!r} is unknown; choose one of {list(FORMATS)}")
@@ -127,7 +127,7 @@ def export(workdir: str, out_dir: str, *, fmt: str = "hf", merge: bool = False) 
     lora = getattr(config, "lora", None)
     prefix = getattr(config, "prefix_tokens", 0)
     if lora is not None and lora.quantize is not None:
-        from ..layers import quant
+        from .layers import quant
         params = quant.dequantize_params(params)
     base = (run_config.get("init_from") or {}).get("path")
     parent = os.path.dirname(os.path.abspath(out_dir)) or "."
@@ -139,11 +139,11 @@ def export(workdir: str, out_dir: str, *, fmt: str = "hf", merge: bool = False) 
                 raise UserError("--merge folds the adapters into the model: use it with "
                                 "--format hf; --format peft writes the adapter alone")
             if lora is not None:
-                from ..interop.peft import to_peft
+                from .interop.peft import to_peft
                 to_peft(model, params, staging, base_model_name_or_path=base,
                         modules_to_save=_trained_heads(model, run_config))
             elif prefix:
-                from ..interop.peft.prefix import prefix_to_peft
+                from .interop.peft.prefix import prefix_to_peft
                 prefix_to_peft(model, params, staging, base_model_name_or_path=base)
             else:
                 raise UserError(f"{workdir} trained no adapters (no model.lora, no "
@@ -181,7 +181,7 @@ def _trained_heads(model: Any, run_config: dict) -> list[str] | None:
     fresh = (run_config.get("init_from") or {}).get("fresh")
     if not fresh:
         return None
-    from ..interop.peft import tensor_maps
+    from .interop.peft import tensor_maps
 
     paths = {tuple(p.split("/")) for p in fresh}
     return sorted({m.key.rsplit(".", 1)[0] for m in tensor_maps(model.config)
@@ -190,6 +190,6 @@ def _trained_heads(model: Any, run_config: dict) -> list[str] | None:
 
 def _plain_model(run_config: dict, config: Any):
     """The run's model without adapters (what merged params fit)."""
-    from ..models import model_from_config
+    from .models import model_from_config
 
     return model_from_config(run_config["family"], config.replace(lora=None).to_dict())

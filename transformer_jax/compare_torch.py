@@ -1,7 +1,7 @@
 """``transformer-jax compare-torch``: one experiment trained twice, here and in PyTorch, from the
 same weights on the same batches, and the two loss curves compared step by step.
 
-The JAX side is the run ``train`` would make (:func:`~transformer_jax.train.loop.setup`:
+The JAX side is the run ``train`` would make (:func:`~transformer_jax.run.setup`:
 the task, the model, ``--init-from``, the compiled train step). The PyTorch side is what a
 PyTorch user writes (:mod:`transformer_jax.interop.torch_train`): the family's
 ``transformers`` model (GPT-2, Llama, Mistral, BERT with the run's head, T5, ViT), or the
@@ -39,9 +39,9 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from .. import storage
-from ..errors import UserError
-from ..models import FAMILIES
+from . import storage
+from .errors import UserError
+from .models import FAMILIES
 
 #: the largest relative loss difference that passes: ~4x the largest drift measured over 30
 #: steps of any family's experiment (7.7e-4, the 2017 Transformer; docs/compare_torch.md)
@@ -97,8 +97,8 @@ def _model_settings(cfg) -> tuple[str, dict[str, Any]]:
     them: the checkpoint's with ``init_from``, else the family's defaults and preset; then
     the experiment's ``model.*`` overrides."""
     if cfg.init_from is not None:
-        from .finetune import load_source
-        from .loop import check_task
+        from .train.finetune import load_source
+        from .run import check_task
 
         source = load_source(cfg.init_from)
         check_task(cfg, source)                  # e.g. a BERT checkpoint for a GPT experiment
@@ -113,7 +113,7 @@ def _model_settings(cfg) -> tuple[str, dict[str, Any]]:
 def comparable(cfg) -> tuple[Any, list[str]]:
     """``(cfg, notes)``: ``cfg`` in float32 without dropout (``notes`` say what changed), or a
     UserError naming a setting that has no PyTorch twin here."""
-    from .config import apply_overrides
+    from .train.config import apply_overrides
 
     _require_torch()
     if cfg.task not in FORWARDS:
@@ -195,8 +195,9 @@ def run_jax(cfg, workdir, steps: int):
     weights and its decay mask (:func:`torch_twin`), numpy batches, rows)``; rows hold
     ``loss``, ``grad_norm``, ``lr`` and ``ms`` per step. The twin is built before the run
     trains, so that a model PyTorch cannot express is refused first."""
-    from .loop import fetch, setup
-    from .step import full_params
+    from .train.loop import fetch
+    from .run import setup
+    from .train.step import full_params
 
     with jax.default_matmul_precision("highest"):
         run = setup(cfg, workdir, progress=False)
@@ -222,7 +223,7 @@ def run_jax(cfg, workdir, steps: int):
 
 def torch_recipe(cfg, model_config, decayed: frozenset):
     """The PyTorch side's optimizer, schedule and loss settings for ``cfg``."""
-    from ..interop.torch_train import TorchRecipe, lr_lambda
+    from .interop.torch_train import TorchRecipe, lr_lambda
 
     base_lr, factor = lr_lambda(cfg.schedule, **cfg.schedule_kwargs(model_config.d_model))
     return TorchRecipe(base_lr=base_lr, factor=factor, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
@@ -233,16 +234,16 @@ def torch_recipe(cfg, model_config, decayed: frozenset):
 
 def torch_twin(module, params):
     """``(torch model, {parameter name: 1.0 decayed / 0.0 not} as a state dict)``."""
-    from ..interop import torch_train
-    from .optim import decay_mask
+    from .interop import torch_train
+    from .train.optim import decay_mask
 
-    from ..models.transformer import Transformer
+    from .models.transformer import Transformer
 
     mask = torch_train.mask_like(params, decay_mask(params))
     if isinstance(module, Transformer):
         return (torch_train.transformer_twin(module, params),
                 torch_train.transformer_state_dict(module, mask))
-    from ..interop.hf import to_hf_numpy
+    from .interop.hf import to_hf_numpy
     from .export import hf_architecture
 
     return torch_train.hf_twin(module, params, hf_architecture(module.config)), \
@@ -252,7 +253,7 @@ def torch_twin(module, params):
 def run_torch(cfg, model_config, twin, task: str, batches, *, recipe_hook=None):
     """The rows (``loss``, ``grad_norm``, ``lr``, ``ms``) of the PyTorch ``twin``
     (:func:`torch_twin`'s pair: it trains in place, in its dtype) on ``batches``."""
-    from ..interop.torch_train import decayed_names, train_step
+    from .interop.torch_train import decayed_names, train_step
 
     model, mask = twin
     recipe = torch_recipe(cfg, model_config, decayed_names(model, mask))

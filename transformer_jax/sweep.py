@@ -51,9 +51,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .. import storage
-from ..errors import UserError
-from .config import ExperimentConfig, apply_overrides, experiment_call, experiment_module
+from . import storage
+from .errors import UserError
+from .train.config import ExperimentConfig, apply_overrides, experiment_call, experiment_module
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,8 +134,8 @@ def member_config(base: ExperimentConfig, common: list[str], member: Member) -> 
 def member_row(member: Member, cfg: ExperimentConfig, workdir: Path) -> dict[str, Any]:
     """The results row of a finished member, from its workdir (config.json, metrics.jsonl).
     FLOPs are the task's ``flops_per_step`` (GPT: 6 N + 12 L D T per token) x steps."""
-    from .loop import run_costs
-    from .monitor import read_metrics
+    from .workdir import run_costs
+    from .train.monitor import read_metrics
 
     costs = run_costs(workdir)
     per_step_tokens, per_step_flops = costs["tokens_per_step"], costs["flops_per_step"]
@@ -169,7 +169,7 @@ def _has_checkpoint(workdir: Path) -> bool:
 
 
 def _run_here(cfg: ExperimentConfig, workdir: Path, progress: bool) -> None:
-    from .loop import train
+    from .run import train
 
     summary = train(cfg, workdir, resume=_has_checkpoint(workdir), progress=progress)
     if summary.get("interrupted"):
@@ -314,7 +314,7 @@ class _Sweep:
 def _planned_flops(cfg: ExperimentConfig) -> float:
     """A member's training FLOPs as far as they are known before it runs (its vocabulary
     comes from its task): 6 N per token, N its non-embedding parameters."""
-    from ..models import FAMILIES
+    from .models import FAMILIES
 
     try:
         n = FAMILIES[cfg.model][0].preset(cfg.model_preset, **cfg.model_overrides).num_params(
@@ -342,7 +342,7 @@ def _sequential(sweep: _Sweep, todo: list[Member]) -> None:
 def _prepare_data(configs: list[ExperimentConfig]) -> None:
     """Prepares the named text datasets the members read (``python_stdlib`` is built, a TFDS
     dataset downloaded), once, before processes that would each prepare it at the same time."""
-    from ..data import open_source
+    from .data import open_source
 
     seen = set()
     for cfg in configs:
