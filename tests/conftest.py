@@ -59,3 +59,9 @@ def pytest_collection_modifyitems(config, items):
                     if item.get_closest_marker("slow") is not None}
     order = {id(item): i for i, item in enumerate(items)}
     items.sort(key=lambda item: (item.module.__name__ not in slow_modules, order[id(item)]))
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """A TFDS data directory per test module, where the embedded corpus is prepared once."""
+    return str(tmp_path_factory.mktemp("tfds"))

@@ -21,7 +21,7 @@ from transformer_jax.train.monitor import read_metrics
 from transformer_jax.train.optim import constant, make_optimizer
 from transformer_jax.train.step import create_train_state, make_train_step
 
-from ..helpers import TINY_RUN, tiny_cfg
+from .helpers import TINY_RUN, tiny_cfg
 
 
 def losses(workdir) -> dict[int, float]:

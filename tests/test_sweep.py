@@ -15,7 +15,7 @@ from transformer_jax.cli import _parser
 from transformer_jax.errors import UserError
 from transformer_jax.sweep import Member, members_of, run_sweep
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 
 # Two members on the embedded corpus: "a" is quick; "b" is long enough (300 steps, a
 # checkpoint every 20) for a SIGTERM to land in the middle of it.

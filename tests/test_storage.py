@@ -363,7 +363,7 @@ def test_train_pause_resume_eval_generate_in_a_bucket(gcs, tmp_path):
 def test_two_processes_train_into_one_bucket_and_resume_on_another_mesh(gcs, tmp_path):
     """2 processes (jax.distributed on localhost) write one gs:// workdir: process 0 the
     files, both the checkpoint shards; the run resumes there on another mesh."""
-    from ..test_sharding import _launch
+    from .test_sharding import _launch
 
     workdir, data_dir = f"{gcs}/multi", str(tmp_path / "tfds")
     outs = _launch(workdir, data_dir, 2, "data=4,fsdp=2")
