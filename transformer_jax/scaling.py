@@ -1,3 +1,7 @@
+# Over 600 lines because it is one job read top to bottom: the fit (power laws, the
+# compute frontier, the bootstrap) and the report of that fit (plot and table), which
+# reads the fit's keys and the reference exponents; split, the two halves would import
+# each other's constants.
 """Scaling laws: fit and report the results of a sweep of GPT training runs.
 
 The fitting and reporting half of a scaling-laws study in the style of Kaplan et al. 2020
