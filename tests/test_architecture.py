@@ -213,3 +213,27 @@ def test_the_private_import_finder_finds_one(tmp_path):
     path.write_text("from .pipeline import _read, open_source\nfrom . import stdlib_corpus\n")
     assert _private_imports("transformer_jax.data.m", path) == [
         "transformer_jax.data.m: from transformer_jax.data.pipeline import _read"]
+
+
+MAX_MODULE_LINES = 600
+LONG_MODULE_REASON = "# Over 600 lines because"   # in the comment lines a module opens with
+
+
+def _opening_comment(text: str) -> str:
+    lines = text.splitlines()
+    return "\n".join(ln for ln in lines[:next((i for i, ln in enumerate(lines)
+                                                if not ln.startswith("#")), len(lines))])
+
+
+def test_modules_are_at_most_600_lines_or_say_why():
+    """A module over 600 lines opens with a comment saying why (one job that reads best
+    whole); every other module is split before it gets there."""
+    long = {name: len(path.read_text().splitlines()) for name, path in MODULES.items()
+            if len(path.read_text().splitlines()) > MAX_MODULE_LINES
+            and LONG_MODULE_REASON not in _opening_comment(path.read_text())}
+    assert not long, f"modules over {MAX_MODULE_LINES} lines with no '{LONG_MODULE_REASON}' comment: {long}"
+
+
+def test_the_opening_comment_is_the_comment_lines_before_the_code():
+    assert _opening_comment("# a\n# b\n'''doc'''\n# c\n") == "# a\n# b"
+    assert _opening_comment('"""doc"""\n# Over 600 lines because x\n') == ""
