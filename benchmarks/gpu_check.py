@@ -77,7 +77,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks.common import fmt  # noqa: E402
 from transformer_jax import decode  # noqa: E402
-from transformer_jax.layers.attention import (  # noqa: E402
+from transformer_jax.layers.attention_dispatch import (  # noqa: E402
     IMPLEMENTATIONS, cudnn_problems, dot_product_attention, resolve_implementation)
 from transformer_jax.models import GPT, GPTConfig  # noqa: E402
 from transformer_jax.models.base import attention_plan  # noqa: E402

@@ -19,7 +19,7 @@ import numpy as np
 import optax
 import pytest
 
-from transformer_jax.layers import attention, resolve_implementation
+from transformer_jax.layers import attention_dispatch as attention, resolve_implementation
 from transformer_jax.layers.flash_attention import flash_attention
 from transformer_jax.layers.masks import AttentionPattern
 from transformer_jax.models import Bert, BertConfig, GPT, GPTConfig, T5, T5Config, ViT, ViTConfig

@@ -1,5 +1,5 @@
 """Building blocks: pure attention/mask/position functions and the linen modules that own parameters."""
-from .attention import (IMPLEMENTATIONS, MultiHeadAttention, dot_product_attention,
+from .attention_dispatch import (IMPLEMENTATIONS, MultiHeadAttention, dot_product_attention,
                         resolve_implementation)
 from .blocks import DecoderBlock, EncoderBlock
 from .dense import Dense, Embed, canonical_dtype

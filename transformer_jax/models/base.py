@@ -16,7 +16,7 @@ import numpy as np
 from jax.experimental import checkify
 
 from ..errors import UserError
-from ..layers.attention import IMPLEMENTATIONS, resolve_implementation
+from ..layers.attention_dispatch import IMPLEMENTATIONS, resolve_implementation
 from ..layers.dense import canonical_dtype
 from ..layers.lora import LoraConfig
 from ..layers.masks import AttentionPattern

@@ -65,7 +65,7 @@ from .. import storage
 from ..errors import UserError
 from ..losses import metric_names
 from ..models import build_model, model_from_config
-from ..layers.attention import tpu_generation
+from ..layers.attention_dispatch import tpu_generation
 from ..models.base import attention_plan, describe_attention_plan
 from ..tasks import TASKS, Task, make_task, tasks_for
 from . import finetune
