@@ -100,7 +100,8 @@ if str(REPO_ROOT) not in sys.path:  # run as a script from a source checkout
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from transformer_jax.layers.attention_dispatch import IMPLEMENTATIONS, dot_product_attention  # noqa: E402
+from transformer_jax.layers.attention import dot_product_attention  # noqa: E402
+from transformer_jax.layers.attention_dispatch import IMPLEMENTATIONS  # noqa: E402
 from transformer_jax.layers.masks import AttentionPattern  # noqa: E402
 from transformer_jax.layers.chunked_attention import default_chunk  # noqa: E402
 from benchmarks import common  # noqa: E402

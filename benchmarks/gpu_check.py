@@ -77,8 +77,9 @@ import numpy as np  # noqa: E402
 
 from benchmarks.common import fmt  # noqa: E402
 from transformer_jax import decode  # noqa: E402
+from transformer_jax.layers.attention import dot_product_attention  # noqa: E402
 from transformer_jax.layers.attention_dispatch import (  # noqa: E402
-    IMPLEMENTATIONS, cudnn_problems, dot_product_attention, resolve_implementation)
+    IMPLEMENTATIONS, cudnn_problems, resolve_implementation)
 from transformer_jax.models import GPT, GPTConfig  # noqa: E402
 from transformer_jax.models.base import attention_plan  # noqa: E402
 from transformer_jax.train.optim import constant, make_optimizer  # noqa: E402

@@ -19,7 +19,7 @@ import numpy as np
 import optax
 import pytest
 
-from transformer_jax.layers import attention_dispatch as attention, resolve_implementation
+from transformer_jax.layers import attention, attention_dispatch, resolve_implementation
 from transformer_jax.layers.flash_attention import flash_attention
 from transformer_jax.layers.masks import AttentionPattern
 from transformer_jax.models import Bert, BertConfig, GPT, GPTConfig, T5, T5Config, ViT, ViTConfig
@@ -36,7 +36,7 @@ TRITON = "__gpu$xla.gpu.triton"
 def tpu_generation(monkeypatch):
     """Mosaic asks for the TPU generation it lowers for: a v5e. With the TPU compiler
     (libtpu) installed, a v5e device of JAX's topology, through the abstract mesh that
-    Mosaic (and ``attention.tpu_generation``) read; without it, a v5e registered for this
+    Mosaic (and ``attention_dispatch.tpu_generation``) read; without it, a v5e registered for this
     host's device kind."""
     if importlib.util.find_spec("libtpu") is not None:
         from transformer_jax.tpu import TpuSlice
@@ -182,7 +182,7 @@ def test_train_step_lowered_for_cuda_uses_cudnn_in_bf16_and_triton_in_fp32(famil
 def test_without_cudnn_the_gpu_takes_the_triton_kernel():
     """A jaxlib without the CUDA plugin (this host) lowers "auto" for CUDA to the Pallas
     kernel in bf16 too, and says so."""
-    assert not attention.cudnn_available()
+    assert not attention_dispatch.cudnn_available()
     assert resolve_implementation("auto", "gpu", dtype=jnp.bfloat16, head_dim=64) == "pallas"
     q = jnp.zeros((2, 128, 4, 64), jnp.bfloat16)
     f = jax.grad(lambda q: jnp.sum(attention.dot_product_attention(q, q, q, causal=True)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from transformer_jax.errors import UserError
-from transformer_jax.layers.attention_dispatch import MultiHeadAttention, dot_product_attention
+from transformer_jax.layers import MultiHeadAttention, dot_product_attention
 from transformer_jax.layers.flash_attention import BlockSizes, flash_attention
 from transformer_jax.layers.masks import (AttentionPattern, fixed_mask, sliding_window_mask,
                                           strided_mask)

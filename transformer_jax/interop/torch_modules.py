@@ -65,7 +65,7 @@ import jax
 import jax.numpy as jnp
 
 from ..errors import UserError
-from ..layers.attention_dispatch import MultiHeadAttention, dot_product_attention
+from ..layers import MultiHeadAttention, dot_product_attention
 from ..layers.blocks import DecoderBlock, EncoderBlock
 from ..layers.dense import Dense, Embed
 from ..layers.embeddings import SinusoidalPositionalEncoding

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from ..errors import UserError
-from .attention_dispatch import MultiHeadAttention
+from .multi_head import MultiHeadAttention
 from .cpu_tuning import residual
 from .dense import Initializer, default_kernel_init
 from .masks import AttentionPattern

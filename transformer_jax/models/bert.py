@@ -87,7 +87,7 @@ class BertConfig(EfficientAttentionConfig, PresetConfig):
     scan_layers: bool = False            # one scanned layer (compile time independent of depth)
     remat: bool = False                  # recompute activations in the backward pass
     remat_policy: str = "nothing_saveable"
-    attention_impl: str = "auto"         # layers.attention.IMPLEMENTATIONS
+    attention_impl: str = "auto"         # layers.attention_dispatch.IMPLEMENTATIONS
     attention: str = "softmax"           # or "linear" (models/base.py EfficientAttentionConfig)
     attention_window: int | None = None  # sliding window W (None: every key)
     attention_sparsity: str | None = None  # "strided:L" or "fixed:L:C" (Child et al. 2019)
