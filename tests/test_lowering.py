@@ -214,8 +214,9 @@ def test_resolve_implementation_table():
     assert r("auto", "cpu", q_len=512, kv_len=512, pattern=window) == "xla"
     assert r("auto", "cpu", q_len=2048, kv_len=2048, pattern=strided) == "xla"
     assert r("auto", "tpu", pattern=strided) == "pallas"
-    assert r("linear", "tpu") == "linear"
-    with pytest.raises(ValueError, match="unknown attention implementation"):
+    with pytest.raises(ValueError, match="attention_impl='linear' is not an implementation"):
+        r("linear", "tpu")
+    with pytest.raises(ValueError, match="unknown attention_impl"):
         r("flash", "tpu")
     with pytest.raises(ValueError, match="unknown platform"):
         r("auto", "ipu")
@@ -227,7 +228,7 @@ def test_attention_plan_of_a_run():
     from transformer_jax.models.base import attention_plan, describe_attention_plan
     cfg = GPTConfig.preset("gpt2", dtype="bfloat16", attention_dropout_rate=0.0)
     plan = attention_plan(cfg, 1024, "tpu")
-    assert plan == {"implementation": "auto", "platform": "tpu", "train": "pallas", "eval": "pallas"}
+    assert plan == {"attention_impl": "auto", "platform": "tpu", "train": "pallas", "eval": "pallas"}
     assert describe_attention_plan(plan, cfg) == "attention: auto -> pallas (tpu)"
     dropped = cfg.replace(attention_dropout_rate=0.1)
     plan = attention_plan(dropped, 1024, "tpu")

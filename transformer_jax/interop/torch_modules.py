@@ -278,7 +278,7 @@ class SeedScaledDotProductAttention(nn.Module):
     with the last three score axes exactly as in ``scores.masked_fill(mask == 0, -1e9)``;
     nonzero = may attend. A row without any allowed key averages the values, as the
     tutorial's -1e9 fill does. The arithmetic is the library's reference
-    ``dot_product_attention`` (``implementation="xla"``), each leading index a batch row.
+    ``dot_product_attention`` (``attention_impl="xla"``), each leading index a batch row.
     """
     dropout_rate: float = 0.0
     precision: Any = None
@@ -304,7 +304,7 @@ class SeedScaledDotProductAttention(nn.Module):
         out, weights = dot_product_attention(
             *(x.reshape(rows, x.shape[-2], 1, x.shape[-1]) for x in (q, k, v)), mask=mask,
             dropout_rate=self.dropout_rate, dropout_rng=rng, deterministic=deterministic,
-            return_weights=True, implementation="xla", precision=self.precision)
+            return_weights=True, attention_impl="xla", precision=self.precision)
         return out.reshape(lead + (t, v.shape[-1])), weights.reshape(lead + (t, s))
 
 
@@ -545,7 +545,7 @@ class TorchMultiheadAttention(MultiHeadAttention):
     value (S, B, vdim) -> output like query; weights (B, T, S) averaged over heads or
     (B, N, T, S) with ``average_attn_weights=False`` (unbatched: without B). Masks in
     PyTorch's convention (:func:`torch_attention_masks`). ``embed_dim``/``kdim``/``vdim``,
-    when set, are checked against the inputs. Weights need ``implementation="xla"``.
+    when set, are checked against the inputs. Weights need ``attention_impl="xla"``.
     """
     embed_dim: int | None = None
     kdim: int | None = None

@@ -21,12 +21,11 @@ from ..errors import UserError
 from .attention_reference import xla_attention
 from .chunked_attention import chunked_attention, default_chunk
 from .flash_attention import BlockSizes, flash_attention
-from .linear_attention import DEFAULT_CHUNK, linear_attention
 from .masks import AttentionPattern, combine_masks
 
 Array = jax.Array
 
-IMPLEMENTATIONS = ("auto", "xla", "chunked", "pallas", "jax", "cudnn", "linear")
+IMPLEMENTATIONS = ("auto", "xla", "chunked", "pallas", "jax", "cudnn")
 PLATFORMS = ("cpu", "gpu", "tpu")
 
 # ----------------------------------------------------------------------------- cuDNN
@@ -128,12 +127,24 @@ def _pallas_on_tpu(generation: int | None) -> bool:
     return generation is None or generation >= PALLAS_MIN_TPU_GENERATION
 
 
-def resolve_implementation(implementation: str, platform: str, *, dtype: Any = jnp.float32,
-                           head_dim: int = 64, q_len: int = 128, kv_len: int = 128,
+def check_attention_impl(attention_impl: str) -> None:
+    """A UserError unless ``attention_impl`` is one of ``IMPLEMENTATIONS``; "linear" is
+    named as the attention kind it is."""
+    if attention_impl == "linear":
+        raise UserError("attention_impl='linear' is not an implementation: linear attention "
+                        "is a kind of attention; choose it with attention='linear' (and "
+                        "attention_impl 'auto')")
+    if attention_impl not in IMPLEMENTATIONS:
+        raise UserError(f"unknown attention_impl {attention_impl!r}; "
+                        f"choose one of {IMPLEMENTATIONS}")
+
+
+def resolve_implementation(attention_impl: str, platform: str, *,
+                           dtype: Any = jnp.float32, head_dim: int = 64, q_len: int = 128, kv_len: int = 128,
                            dropout: bool = False, return_weights: bool = False,
                            pattern: AttentionPattern | None = None,
                            tpu_generation: int | None = None) -> str:
-    """What ``implementation`` runs on ``platform`` ("cpu", "gpu" or "tpu") for a call
+    """What ``attention_impl`` runs on ``platform`` ("cpu", "gpu" or "tpu") for a call
     of this description: ``"xla"``, ``"chunked"``, ``"pallas"`` or ``"cudnn"``.
 
     Explicit implementations resolve to themselves (``"jax"`` to ``"cudnn"`` or
@@ -147,20 +158,18 @@ def resolve_implementation(implementation: str, platform: str, *, dtype: Any = j
     takes the CPU's choice (the reference, or ``"chunked"`` for long sequences or a
     window), and an explicit ``"pallas"`` is a UserError.
     """
-    if implementation not in IMPLEMENTATIONS:
-        raise UserError(f"unknown attention implementation {implementation!r}; "
-                        f"choose one of {IMPLEMENTATIONS}")
+    check_attention_impl(attention_impl)
     if platform not in PLATFORMS:
         raise UserError(f"unknown platform {platform!r}; choose one of {PLATFORMS}")
-    if implementation == "jax":
+    if attention_impl == "jax":
         return "cudnn" if platform == "gpu" and not _static_cudnn_problems(
             dtype, head_dim, q_len, kv_len) else "xla"
-    if implementation == "pallas" and platform == "tpu" and not _pallas_on_tpu(tpu_generation):
-        raise UserError(f"attention implementation 'pallas' cannot run on a TPU "
+    if attention_impl == "pallas" and platform == "tpu" and not _pallas_on_tpu(tpu_generation):
+        raise UserError(f"attention_impl='pallas' cannot run on a TPU "
                         f"v{tpu_generation}: Mosaic compiles Pallas TPU kernels for v4 and "
                         "later only; use 'auto' (XLA's attention on v2/v3), 'xla' or 'chunked'")
-    if implementation != "auto":
-        return implementation
+    if attention_impl != "auto":
+        return attention_impl
     if dropout or return_weights or q_len == 1:
         return "xla"
     if platform == "cpu" or (platform == "tpu" and not _pallas_on_tpu(tpu_generation)):
@@ -179,21 +188,6 @@ def _static_cudnn_problems(dtype, head_dim, q_len, kv_len) -> list[str]:
     q = jax.ShapeDtypeStruct((1, q_len, 1, head_dim), jnp.dtype(dtype))
     k = jax.ShapeDtypeStruct((1, kv_len, 1, head_dim), jnp.dtype(dtype))
     return cudnn_problems(q, k, k)
-
-
-def _kernel(name: str, platform: str, q_chunk, kv_chunk, pattern=None):
-    """The kernel call ``f(q, k, v, mask, bias, scale, causal)`` of one implementation."""
-    if name == "pallas":
-        blocks = None
-        if q_chunk or kv_chunk:
-            blocks = BlockSizes(block_q=q_chunk or 128, block_k=kv_chunk or 128)
-        kernel_platform = platform if platform in ("gpu", "tpu") else "interpret"
-        return lambda q, k, v, mask, bias, scale, causal: flash_attention(
-            q, k, v, bias=bias, mask=mask, causal=causal, scale=scale, block_sizes=blocks,
-            platform=kernel_platform, pattern=pattern)
-    use_cudnn = name == "cudnn"
-    return lambda q, k, v, mask, bias, scale, causal: _jax_attention(
-        q, k, v, mask, bias, scale, causal, use_cudnn, pattern)
 
 
 def _mesh_specs(q: Array, k: Array, mask: Array | None, bias: Array | None):
@@ -234,7 +228,7 @@ def _mesh_specs(q: Array, k: Array, mask: Array | None, bias: Array | None):
 @dataclasses.dataclass(frozen=True)
 class _Call:
     """Everything about an attention call but its arrays (hashable: a jit static argument)."""
-    implementation: str         # "xla", "chunked", "pallas", "cudnn" or "jax" (XLA's path)
+    attention_impl: str         # "xla", "chunked", "pallas", "cudnn" or "jax" (XLA's path)
     platform: str
     scale: float
     causal: bool
@@ -246,78 +240,86 @@ class _Call:
     pattern: AttentionPattern | None = None
 
 
+def _kernel(call: _Call, q, k, v, mask, bias):
+    """The Pallas kernel or ``jax.nn.dot_product_attention`` (cuDNN or XLA's path)."""
+    if call.attention_impl == "pallas":
+        blocks = None
+        if call.q_chunk or call.kv_chunk:
+            blocks = BlockSizes(block_q=call.q_chunk or 128, block_k=call.kv_chunk or 128)
+        platform = call.platform if call.platform in ("gpu", "tpu") else "interpret"
+        return flash_attention(q, k, v, bias=bias, mask=mask, causal=call.causal,
+                               scale=call.scale, block_sizes=blocks, platform=platform,
+                               pattern=call.pattern)
+    return _jax_attention(q, k, v, mask, bias, call.scale, call.causal,
+                          call.attention_impl == "cudnn", call.pattern)
+
+
 # Jitted with the call's settings static, so that the layers of a model, which attend with
 # the same shapes and settings, share one trace of each branch: "auto" and "pallas" trace a
 # branch per platform (lowering keeps one), and linearizing one costs up to a second.
 @functools.partial(jax.jit, static_argnames=("call",))
 def _attend(q, k, v, mask, bias, *, call: _Call):
     """One implementation on one platform; the kernels run per device under a mesh."""
-    if call.implementation == "xla":
+    if call.attention_impl == "xla":
         if call.pattern is not None:
             mask = combine_masks(mask, call.pattern.mask(q.shape[1], k.shape[1], causal=False))
         return xla_attention(q, k, v, mask, bias, call.scale, call.causal,
                              precision=call.precision, query_block=call.q_chunk,
-                             cpu_tuning_on=call.cpu_tuning)[0]
-    if call.implementation == "chunked":
+                             cpu_tuning=call.cpu_tuning)[0]
+    if call.attention_impl == "chunked":
         return chunked_attention(q, k, v, mask, bias, call.scale, call.causal, 0.0, None, True,
                                  call.precision, call.q_chunk or default_chunk(call.pattern),
                                  call.kv_chunk or default_chunk(call.pattern),
                                  pattern=call.pattern)
-    kernel = _kernel(call.implementation, call.platform, call.q_chunk, call.kv_chunk,
-                     call.pattern)
     if call.mesh_specs is None:
-        return kernel(q, k, v, mask, bias, call.scale, call.causal)
+        return _kernel(call, q, k, v, mask, bias)
     *in_specs, out_spec = call.mesh_specs
-    body = lambda q, k, v, mask, bias: kernel(q, k, v, mask, bias, call.scale,  # noqa: E731
-                                              call.causal)
     # check_vma=False: pallas_call and cuDNN outputs carry no varying-axes annotation
-    return jax.shard_map(body, in_specs=tuple(in_specs), out_specs=out_spec,
-                         check_vma=False)(q, k, v, mask, bias)
+    return jax.shard_map(functools.partial(_kernel, call), in_specs=tuple(in_specs),
+                         out_specs=out_spec, check_vma=False)(q, k, v, mask, bias)
 
 
-def _per_platform(q, k, v, mask, bias, choose, *, kernel_chunks: bool, q_chunk, kv_chunk,
-                  **settings):
-    """``lax.platform_dependent`` over the platforms, ``choose(platform, tpu_generation)``
-    naming the implementation of each; the Pallas kernel gets ``q_chunk``/``kv_chunk`` as its block
-    sizes only with ``kernel_chunks`` (else its own defaults)."""
+def kernel_attention(q: Array, k: Array, v: Array, mask: Array | None, bias: Array | None, *,
+                     attention_impl: str, scale: float, causal: bool, precision: Any,
+                     q_chunk: int | None, kv_chunk: int | None, cpu_tuning: bool,
+                     pattern: AttentionPattern | None) -> Array:
+    """Softmax attention by ``attention_impl`` "auto", "pallas", "jax" or "cudnn" (checked
+    arguments, no dropout, no returned weights): (B, T, N, Hv).
+
+    "auto" and "pallas" are one ``lax.platform_dependent`` branch per platform, each
+    ``resolve_implementation``'s choice there when the function is lowered ("pallas":
+    Mosaic, Triton or interpret mode from one source). "auto" hands ``q_chunk``/``kv_chunk``
+    to the reference and chunked paths only (the kernels keep their own block sizes),
+    "pallas" to its kernel. "jax" and "cudnn" run ``jax.nn.dot_product_attention``.
+    """
+    settings = dict(scale=float(scale), causal=causal, precision=precision,
+                    cpu_tuning=cpu_tuning, pattern=pattern)
+    if attention_impl in ("jax", "cudnn"):
+        problems = cudnn_problems(q, k, v)
+        if jax.default_backend() != "gpu":
+            problems.insert(0, f"it needs a GPU (the backend is {jax.default_backend()!r})")
+        if attention_impl == "cudnn" and problems:
+            raise UserError("attention_impl='cudnn' cannot run: " + "; ".join(problems)
+                            + ". Use attention_impl='auto' (cuDNN where possible), 'jax', "
+                            "'pallas', 'chunked' or 'xla'")
+        call = _Call(attention_impl="cudnn" if not problems else "jax", platform="gpu",
+                     mesh_specs=_mesh_specs(q, k, mask, bias), q_chunk=None, kv_chunk=None,
+                     **settings)
+        return _attend(q, k, v, mask, bias, call=call)
     specs = _mesh_specs(q, k, mask, bias)
     generation = tpu_generation()
+    describe = dict(dtype=q.dtype, head_dim=q.shape[-1], q_len=q.shape[1], kv_len=k.shape[1],
+                    pattern=pattern)
 
     def branch(platform):
-        name = choose(platform, generation)
-        chunks = (q_chunk, kv_chunk) if kernel_chunks or name in ("xla", "chunked") else (None, None)
-        call = _Call(implementation=name, platform=platform, mesh_specs=specs, q_chunk=chunks[0],
-                     kv_chunk=chunks[1], **settings)
+        name = resolve_implementation(
+            attention_impl, platform, tpu_generation=generation if platform == "tpu" else None,
+            **describe)
+        chunks = ((q_chunk, kv_chunk) if attention_impl == "pallas" or name in ("xla", "chunked")
+                  else (None, None))
+        call = _Call(attention_impl=name, platform=platform, mesh_specs=specs,
+                     q_chunk=chunks[0], kv_chunk=chunks[1], **settings)
         return functools.partial(_attend, call=call)
 
     return jax.lax.platform_dependent(q, k, v, mask, bias, cpu=branch("cpu"), cuda=branch("gpu"),
                                       rocm=branch("gpu"), tpu=branch("tpu"), default=branch("cpu"))
-
-
-def _auto_attention(q, k, v, mask, bias, scale, causal, precision, q_chunk, kv_chunk, tuned,
-                    pattern):
-    """``implementation="auto"``: one branch per platform, chosen at lowering time. The
-    kernels keep their own block sizes; ``q_chunk``/``kv_chunk`` reach the reference and
-    the chunked path."""
-    describe = dict(dtype=q.dtype, head_dim=q.shape[-1], q_len=q.shape[1], kv_len=k.shape[1],
-                    pattern=pattern)
-    choose = lambda platform, generation: resolve_implementation(  # noqa: E731
-        "auto", platform, tpu_generation=generation if platform == "tpu" else None, **describe)
-    return _per_platform(q, k, v, mask, bias, choose, kernel_chunks=False, q_chunk=q_chunk,
-                         kv_chunk=kv_chunk, scale=float(scale), causal=causal,
-                         precision=precision, cpu_tuning=tuned, pattern=pattern)
-
-
-def _linear(q, k, v, mask, bias, causal, dropout, return_weights, pattern, precision, chunk):
-    """``implementation="linear"``: what linear attention cannot take, refused by name;
-    ``chunk`` (``q_chunk``) is the causal scan's chunk."""
-    refused = [name for name, present in (("a bias", bias is not None), ("dropout", dropout),
-                                          ("returned weights", return_weights),
-                                          ("a window/sparse pattern", pattern is not None))
-               if present]
-    if refused:
-        raise UserError(f"implementation='linear' (linear attention) has no {', '.join(refused)}:"
-                        " it never forms the (T, S) weights; use a softmax implementation "
-                        "('auto', 'xla', 'chunked', 'pallas') for them")
-    return linear_attention(q, k, v, mask=mask, causal=causal, precision=precision,
-                            chunk=chunk or DEFAULT_CHUNK)

@@ -1,4 +1,4 @@
-"""The reference softmax attention: ``dot_product_attention(..., implementation="xla")``.
+"""The reference softmax attention: ``dot_product_attention(..., attention_impl="xla")``.
 
 ``xla_attention`` materialises the (B, N, T, S) weights in fp32 (causal attention in query
 blocks that skip the keys past the diagonal); it supports everything (dropout, returned
@@ -10,8 +10,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from . import cpu_tuning
 from .attention_base import NEG, block, check_qkv, fill_empty_rows, group_heads
+from .cpu_tuning import attention_scores, attention_values, matmul
 from .masks import causal_mask, combine_masks
 
 Array = jax.Array
@@ -53,17 +53,18 @@ def _unnormalised_softmax(logits, bias, mask, dropout_rate, dropout_rng):
     return p, denom
 
 
-def _attend_rows(precision, tuned, qt, kt, vt, scale, bias, mask, dropout_rate, dropout_rng):
+def _attend_rows(precision, cpu_tuning, qt, kt, vt, scale, bias, mask, dropout_rate,
+                 dropout_rng):
     """Queries (B, K, G, T, H) over keys (B, K, S, H) and values (B, K, S, Hv): the
     unnormalised weights, their row sums and the output (B, K, G, T, Hv). Both matmuls see
     the G query groups folded into their rows, (B, K, G*T, .)."""
     b, kh, g, t, h = qt.shape
     s, hv = kt.shape[2], vt.shape[3]
-    logits = cpu_tuning.attention_scores(qt.reshape(b, kh, g * t, h), kt, precision, tuned)
+    logits = attention_scores(qt.reshape(b, kh, g * t, h), kt, precision, cpu_tuning)
     p, denom = _unnormalised_softmax(logits.reshape(b, kh, g, t, s) * scale, bias, mask,
                                      dropout_rate, dropout_rng)
-    out = cpu_tuning.attention_values(p.astype(vt.dtype).reshape(b, kh, g * t, s), vt,
-                                      precision, tuned)
+    out = attention_values(p.astype(vt.dtype).reshape(b, kh, g * t, s), vt, precision,
+                           cpu_tuning)
     return p, denom, out.reshape(b, kh, g, t, hv) / denom
 
 
@@ -73,7 +74,7 @@ def _single_query(q, k, v, mask, bias, scale, dropout_rate, rng, precision, retu
     b, t, n, h = q.shape
     kh, hv = k.shape[2], v.shape[-1]
     g = n // kh
-    dot = cpu_tuning.matmul(precision)
+    dot = matmul(precision)
     logits = dot("BTKGH,BSKH->BKGTS", q.reshape(b, t, kh, g, h), k) * scale
     p, denom = _unnormalised_softmax(logits, bias, mask, dropout_rate, rng)
     out = dot("BSKH,BKGTS->BTKGH", v, p.astype(v.dtype)) / jnp.moveaxis(denom, 3, 1)
@@ -82,7 +83,7 @@ def _single_query(q, k, v, mask, bias, scale, dropout_rate, rng, precision, retu
 
 
 def xla_attention(q, k, v, mask, bias, scale, causal, dropout_rate=0.0, dropout_rng=None,
-                  precision=None, return_weights=False, query_block=None, cpu_tuning_on=True):
+                  precision=None, return_weights=False, query_block=None, cpu_tuning=True):
     """The reference. q (B, T, N, H), k (B, S, K, H), v (B, S, K, Hv); mask and bias 4-D.
 
     Returns (out (B, T, N, Hv), weights (B, N, T, S) or None); ``weights`` are the
@@ -106,7 +107,7 @@ def xla_attention(q, k, v, mask, bias, scale, causal, dropout_rate=0.0, dropout_
     blocked = causal and not return_weights and t > query_block
     weights = None
     if not blocked:
-        p, denom, out = _attend_rows(precision, cpu_tuning_on, qt, kt, vt, scale, bias,
+        p, denom, out = _attend_rows(precision, cpu_tuning, qt, kt, vt, scale, bias,
                                      square_mask, dropout_rate, dropout_rng)
         weights = (p / denom).reshape(b, n, t, s) if return_weights else None
     else:
@@ -116,7 +117,7 @@ def xla_attention(q, k, v, mask, bias, scale, causal, dropout_rate=0.0, dropout_
                                      causal_mask(e - a, keys, offset=a)[:, :, None])
             blk_bias = block(block(bias, 3, a, e - a), 4, 0, keys)
             rng = None if dropout_rng is None else jax.random.fold_in(dropout_rng, i)
-            outs.append(_attend_rows(precision, cpu_tuning_on, qt[:, :, :, a:e], kt[:, :, :keys],
+            outs.append(_attend_rows(precision, cpu_tuning, qt[:, :, :, a:e], kt[:, :, :keys],
                                      vt[:, :, :keys], scale, blk_bias, blk_mask, dropout_rate,
                                      rng)[2])
         out = jnp.concatenate(outs, axis=3)

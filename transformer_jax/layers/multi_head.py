@@ -58,7 +58,7 @@ class MultiHeadAttention(nn.Module):
     fixed sparse pattern) is handed to ``dot_product_attention``, whose block paths skip
     what it excludes. Decoding with a window of W keeps a ring of W cache slots when the
     cache would be longer (slot = position mod W; memory independent of the generated
-    length): each step attends over the ring and its new keys. ``implementation="linear"``
+    length): each step attends over the ring and its new keys. ``attention="linear"``
     is linear attention; its decode cache is the constant-size recurrent state
     ``linear_state`` (B, K, H, Hv) and ``linear_norm`` (B, K, H) instead of keys and values.
     """
@@ -68,7 +68,8 @@ class MultiHeadAttention(nn.Module):
     out_features: int | None = None
     use_bias: bool = True
     dropout_rate: float = 0.0
-    implementation: str = "auto"
+    attention: str = "softmax"                      # or "linear" (linear attention)
+    attention_impl: str = "auto"                    # softmax attention's implementation
     scale: float | None = None
     rope_base: float | None = None
     rope_interleaved: bool = False
@@ -255,7 +256,7 @@ class MultiHeadAttention(nn.Module):
                             "inputs must agree on (B, S)")
         d = inputs_q.shape[-1]
         n, kh, h = self._dims(d)
-        if self.prefix_tokens and (self.pattern is not None or self.implementation == "linear"):
+        if self.prefix_tokens and (self.pattern is not None or self.attention == "linear"):
             raise UserError(f"{self.name}: prefix tuning (prefix_tokens) works with full "
                             "softmax attention only; drop the window/sparsity/linear attention "
                             "or the prefix")
@@ -268,7 +269,7 @@ class MultiHeadAttention(nn.Module):
 
         rope = self.rope_base is not None and self_attention
         pattern = self.pattern if self_attention else None
-        if decode and self_attention and self.implementation == "linear":
+        if decode and self_attention and self.attention == "linear":
             out = self._linear_cache(q, k, v, mask, positions, rope)
             if out is not None:
                 return self._output(out, d)
@@ -288,7 +289,8 @@ class MultiHeadAttention(nn.Module):
         result = dot_product_attention(
             q, k, v, mask=mask, bias=bias, causal=causal, scale=self.scale,
             dropout_rate=self.dropout_rate, dropout_rng=dropout_rng, deterministic=deterministic,
-            return_weights=return_weights, implementation=self.implementation,
+            return_weights=return_weights, attention=self.attention,
+            attention_impl=self.attention_impl,
             precision=self.precision, cpu_tuning=self.cpu_tuning, pattern=pattern)
         out, weights = result if return_weights else (result, None)
         y = self._output(out, d)

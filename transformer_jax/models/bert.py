@@ -252,7 +252,7 @@ class BertEncoder(nn.Module):
             num_heads=cfg.num_heads, mlp_dim=cfg.mlp_features, activation=cfg.activation,
             pre_norm=False, norm="layernorm", norm_eps=cfg.norm_eps, use_bias=True,
             dropout_rate=cfg.dropout_rate, attention_dropout_rate=cfg.attention_dropout_rate,
-            attention_impl=cfg.attention_implementation,
+            attention=cfg.attention, attention_impl=cfg.attention_impl,
             attention_pattern=cfg.attention_pattern, dtype=dtype, param_dtype=param_dtype,
             kernel_init=init, cpu_tuning=cfg.cpu_tuning)
         x = layer_stack(EncoderBlock, fields, cfg.num_layers, x, name="layer",

@@ -265,7 +265,8 @@ def _block_fields(cfg: CLIPConfig, heads: int, mlp_dim: int) -> dict[str, Any]:
         num_heads=heads, mlp_dim=mlp_dim, activation=cfg.activation, pre_norm=True,
         norm="layernorm", norm_eps=cfg.norm_eps, use_bias=True, dropout_rate=cfg.dropout_rate,
         attention_dropout_rate=cfg.attention_dropout_rate,
-        attention_impl=cfg.attention_implementation, attention_pattern=cfg.attention_pattern,
+        attention=cfg.attention, attention_impl=cfg.attention_impl,
+        attention_pattern=cfg.attention_pattern,
         dtype=canonical_dtype(cfg.dtype), param_dtype=canonical_dtype(cfg.param_dtype),
         cpu_tuning=cfg.cpu_tuning)
 
