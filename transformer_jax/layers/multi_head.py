@@ -1,8 +1,13 @@
 """``MultiHeadAttention``: the Q/K/V/O projections, the KV caches and prefix tuning around
-``attention.dot_product_attention``."""
+``attention.dot_product_attention``.
+
+The three decode caches are pure functions (arrays in, arrays out; the module only reads
+and writes its ``cache`` variables): ``self_cache_update`` (the self-attention KV cache),
+``ring_cache_update`` (the ring of W slots of a sliding window) and
+``linear_cache_update`` (linear attention's recurrent state).
+"""
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import flax.linen as nn
@@ -18,6 +23,83 @@ from .linear_attention import linear_attention_step
 from .masks import AttentionPattern, causal_mask, combine_masks
 
 Array = jax.Array
+
+
+def _heads_first(x: Array) -> Array:
+    """(B, S, K, H) <-> (B, K, S, H)."""
+    return jnp.swapaxes(x, 1, 2)
+
+
+def self_cache_update(cached_key: Array, cached_value: Array, index: Array, k: Array,
+                      v: Array, *, causal: bool, pattern: AttentionPattern | None = None):
+    """The self-attention KV cache after writing the T new positions index .. index+T-1.
+
+    ``cached_key``/``cached_value`` (B, K, S_max, H) hold the positions before ``index``;
+    k, v (B, T, K, H) are the new ones. Returns the new cache (B, K, S_max, H) twice, its
+    keys and values as (B, S_max, K, H) views, and the bool mask (1, 1, T, S_max) of what
+    the new queries see: the filled positions (with ``causal``, query i at index + i sees
+    keys <= its position), ANDed with ``pattern``.
+    """
+    t, s_max = k.shape[1], cached_key.shape[2]
+    ck = jax.lax.dynamic_update_slice(cached_key, _heads_first(k).astype(cached_key.dtype),
+                                      (0, 0, index, 0))
+    cv = jax.lax.dynamic_update_slice(cached_value, _heads_first(v).astype(cached_value.dtype),
+                                      (0, 0, index, 0))
+    filled = (causal_mask(t, s_max, offset=index) if causal
+              else (jnp.arange(s_max) < index + t)[None, None, None, :])
+    if pattern is not None:
+        filled = filled & pattern.mask(t, s_max, causal=False, offset=index)
+    return ck, cv, _heads_first(ck), _heads_first(cv), filled
+
+
+def ring_cache_update(cached_key: Array, cached_value: Array, index: Array, k: Array, v: Array,
+                      mask: Array | None = None):
+    """Sliding-window decoding over a ring of W slots (slot = position mod W; causal).
+
+    ``cached_key``/``cached_value`` (B, K, W, H): slot j holds the latest position
+    p < ``index`` with p = j mod W. The T new positions index .. index+T-1 (k, v
+    (B, T, K, H)) attend over the ring and over themselves. ``mask`` is in absolute
+    positions, (B|1, 1, 1|T, S_max), as for the full cache. Returns the new ring (the
+    newest W positions written into their slots) twice, the keys and values
+    (B, W + T, K, H) the queries attend over, and their mask (B|1, 1|N, T, W + T): a key
+    is seen when it holds a position, not after the query and less than W before it.
+    """
+    w, t = cached_key.shape[2], k.shape[1]
+    slot = jnp.arange(w)
+    old_pos = index - 1 - jnp.mod(index - 1 - slot, w)                   # (W,), -1..: empty
+    q_pos = index + jnp.arange(t)[:, None]                               # (T, 1)
+    key_pos = jnp.concatenate([old_pos, index + jnp.arange(t)])          # (W + T,)
+    allowed = (key_pos >= 0) & (key_pos <= q_pos) & (q_pos - key_pos < w)   # (T, W + T)
+    if mask is not None:
+        mask = jnp.take(mask, jnp.clip(key_pos, 0, mask.shape[-1] - 1), axis=-1)
+    keys = jnp.concatenate([_heads_first(cached_key), k.astype(cached_key.dtype)], 1)
+    values = jnp.concatenate([_heads_first(cached_value), v.astype(cached_value.dtype)], 1)
+    keep = min(t, w)                         # the newest W positions go into the ring
+    write = jnp.mod(index + t - keep + jnp.arange(keep), w)
+    ck = cached_key.at[:, :, write].set(_heads_first(k[:, t - keep:]).astype(cached_key.dtype))
+    cv = cached_value.at[:, :, write].set(
+        _heads_first(v[:, t - keep:]).astype(cached_value.dtype))
+    return ck, cv, keys, values, combine_masks(mask, allowed[None, None])
+
+
+def linear_cache_update(state: Array, norm: Array, index: Array, q: Array, k: Array, v: Array,
+                        mask: Array | None = None, precision: Any = None):
+    """Linear attention's decode step over its recurrent state.
+
+    ``state`` (B, K, H, Hv) = sum of phi(k) v^T and ``norm`` (B, K, H) = sum of phi(k) over
+    the positions before ``index`` (phi = elu + 1, fp32); q (B, T, N, H), k (B, T, K, H),
+    v (B, T, K, Hv) the new positions. ``mask``: a key-padding mask (B|1, 1, 1, S_max) over
+    the absolute positions (a padded key adds nothing to the state). Returns the output
+    (B, T, N, Hv) and the new state and norm (``linear_attention.linear_attention_step``).
+    """
+    b, t = k.shape[:2]
+    valid = None
+    if mask is not None:
+        valid = jnp.broadcast_to(jax.lax.dynamic_slice_in_dim(mask[:, 0, 0], index, t, axis=1),
+                                 (b, t))
+    return linear_attention_step(q, k, v, state, norm, key_valid=valid, precision=precision)
+
+
 
 class MultiHeadAttention(nn.Module):
     """Multi-head (or grouped-query) attention owning the Q/K/V/O projections.
@@ -124,9 +206,9 @@ class MultiHeadAttention(nn.Module):
         """Append k, v (B, T, K, H) at ``cache_index``; return q, the whole cache, the mask
         over it and causal=False (the mask now holds causality and the pattern)."""
         cached = self.has_variable("cache", "cached_key")
-        heads_first = functools.partial(jnp.swapaxes, axis1=1, axis2=2)    # (B, K, S, H)
         slots = k.shape[1]
-        if self.pattern is not None and self.pattern.kind == "window":
+        window = self.pattern is not None and self.pattern.kind == "window"
+        if window:
             slots = min(slots, self.pattern.size)            # a ring of W slots (docstring)
         shape = lambda x: (x.shape[0], x.shape[2], slots, x.shape[3])    # noqa: E731
         cached_key = self.variable("cache", "cached_key", jnp.zeros, shape(k), k.dtype)
@@ -138,53 +220,18 @@ class MultiHeadAttention(nn.Module):
         if rope:                             # cached keys are stored rotated
             pos = self.prefix_tokens + idx + jnp.arange(t) if positions is None else positions
             q, k = self._rope(q, pos), self._rope(k, pos)
-        if (self.pattern is not None and self.pattern.kind == "window"
-                and cached_key.value.shape[2] == self.pattern.size):
-            return (q, *self._ring(cached_key, cached_value, cache_index, k, v, mask), False,
-                    False)
-        ck = jax.lax.dynamic_update_slice(
-            cached_key.value, heads_first(k).astype(cached_key.value.dtype), (0, 0, idx, 0))
-        cv = jax.lax.dynamic_update_slice(
-            cached_value.value, heads_first(v).astype(cached_value.value.dtype), (0, 0, idx, 0))
+        if window and cached_key.value.shape[2] == self.pattern.size:
+            ck, cv, k, v, mask = ring_cache_update(cached_key.value, cached_value.value, idx,
+                                                   k, v, mask)
+        else:
+            if mask is not None:
+                mask = check_broadcast(mask, "mask",
+                                       (b, self.num_heads, t, cached_key.value.shape[2]))
+            ck, cv, k, v, filled = self_cache_update(cached_key.value, cached_value.value, idx,
+                                                     k, v, causal=causal, pattern=self.pattern)
+            mask = combine_masks(mask, filled)
         cached_key.value, cached_value.value, cache_index.value = ck, cv, idx + t
-        k, v = heads_first(ck), heads_first(cv)       # (B, S, K, H) views of the cache
-        s_max = k.shape[1]
-        filled = (causal_mask(t, s_max, offset=idx) if causal
-                  else (jnp.arange(s_max) < idx + t)[None, None, None, :])
-        if self.pattern is not None:
-            filled = filled & self.pattern.mask(t, s_max, causal=False, offset=idx)
-        if mask is not None:
-            mask = check_broadcast(mask, "mask", (b, self.num_heads, t, s_max))
-        return q, k, v, combine_masks(mask, filled), False, False
-
-    def _ring(self, cached_key, cached_value, cache_index, k, v, mask):
-        """Sliding-window decoding over a ring of W slots (slot = position mod W; causal).
-
-        The T new positions idx .. idx+T-1 attend over the ring (positions before idx)
-        and over themselves; slot j holds the latest position p < idx with p = j mod W.
-        ``mask`` is in absolute positions, (B|1, 1, 1|T, S_max), as for the full cache.
-        Returns keys and values (B, W + T, K, H) and their mask (B|1, 1|N, T, W + T)."""
-        w, idx, t = self.pattern.size, cache_index.value, k.shape[1]
-        heads_first = functools.partial(jnp.swapaxes, axis1=1, axis2=2)
-        slot = jnp.arange(w)
-        old_pos = idx - 1 - jnp.mod(idx - 1 - slot, w)                      # (W,), -1..: empty
-        q_pos = idx + jnp.arange(t)[:, None]                                 # (T, 1)
-        new_pos = idx + jnp.arange(t)
-        key_pos = jnp.concatenate([old_pos, new_pos])                        # (W + T,)
-        allowed = (key_pos >= 0) & (key_pos <= q_pos) & (q_pos - key_pos < w)   # (T, W + T)
-        if mask is not None:
-            mask = jnp.take(mask, jnp.clip(key_pos, 0, mask.shape[-1] - 1), axis=-1)
-        keys = jnp.concatenate([heads_first(cached_key.value), k.astype(cached_key.value.dtype)], 1)
-        values = jnp.concatenate([heads_first(cached_value.value),
-                                  v.astype(cached_value.value.dtype)], 1)
-        keep = min(t, w)                     # the newest W positions go into the ring
-        write = jnp.mod(idx + t - keep + jnp.arange(keep), w)
-        cached_key.value = cached_key.value.at[:, :, write].set(heads_first(k[:, t - keep:])
-                                                                .astype(cached_key.value.dtype))
-        cached_value.value = cached_value.value.at[:, :, write].set(
-            heads_first(v[:, t - keep:]).astype(cached_value.value.dtype))
-        cache_index.value = idx + t
-        return keys, values, combine_masks(mask, allowed[None, None])
+        return q, k, v, mask, False, False
 
     def _linear_cache(self, q, k, v, mask, positions, rope: bool):
         """Linear attention's decode cache: the recurrent state replaces keys and values.
@@ -200,15 +247,11 @@ class MultiHeadAttention(nn.Module):
         if rope:
             pos = idx + jnp.arange(t) if positions is None else positions
             q, k = self._rope(q, pos), self._rope(k, pos)
-        valid = None
-        if mask is not None:                 # a key-padding mask over the absolute positions
-            if mask.ndim != 4 or mask.shape[1:3] != (1, 1):
-                raise UserError(f"{self.name}: linear attention decodes with a key-padding "
-                                f"mask (B, 1, 1, S_max) only; got {mask.shape}")
-            valid = jax.lax.dynamic_slice_in_dim(mask[:, 0, 0], idx, t, axis=1)
-            valid = jnp.broadcast_to(valid, (b, t))
-        out, state.value, norm.value = linear_attention_step(
-            q, k, v, state.value, norm.value, key_valid=valid, precision=self.precision)
+        if mask is not None and (mask.ndim != 4 or mask.shape[1:3] != (1, 1)):
+            raise UserError(f"{self.name}: linear attention decodes with a key-padding "
+                            f"mask (B, 1, 1, S_max) only; got {mask.shape}")
+        out, state.value, norm.value = linear_cache_update(
+            state.value, norm.value, idx, q, k, v, mask, precision=self.precision)
         cache_index.value = idx + t
         return out
 
