@@ -42,7 +42,7 @@ fp32, for the paths (``--paths``)
   implementations: its (query, key) pairs are T (stride + T / stride), still O(T^2) for a
   fixed stride (and a block of queries x keys wider than the stride always holds one of
   its diagonals, so with the default 512-blocks no block is skipped);
-* ``linear``: ``implementation="linear"`` (linear attention, a chunked scan when causal):
+* ``linear``: ``attention="linear"`` (linear attention, a chunked scan when causal):
   O(T).
 
 The lengths of one path are timed in alternation (the suite's rule, ``common.alternate``):
@@ -100,7 +100,8 @@ if str(REPO_ROOT) not in sys.path:  # run as a script from a source checkout
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from transformer_jax.layers.attention import IMPLEMENTATIONS, dot_product_attention  # noqa: E402
+from transformer_jax.layers.attention import dot_product_attention  # noqa: E402
+from transformer_jax.layers.attention_dispatch import IMPLEMENTATIONS  # noqa: E402
 from transformer_jax.layers.masks import AttentionPattern  # noqa: E402
 from transformer_jax.layers.chunked_attention import default_chunk  # noqa: E402
 from benchmarks import common  # noqa: E402
@@ -191,7 +192,7 @@ def make_step(impl: str, cfg: Config):
     # --q-chunk/--kv-chunk size the "chunked" blocks; "pallas" keeps its per-platform
     # defaults (flash_attention.DEFAULT_BLOCK_SIZES), sized for GPU/TPU on-chip memory.
     chunks = dict(q_chunk=cfg.q_chunk, kv_chunk=cfg.kv_chunk) if impl == "chunked" else {}
-    return grad_step(partial(dot_product_attention, causal=True, implementation=impl, **chunks))
+    return grad_step(partial(dot_product_attention, causal=True, attention_impl=impl, **chunks))
 
 
 def current_rss_bytes() -> int | None:
@@ -412,18 +413,19 @@ def growth_summary(records: list[dict], chunked_target: float = 2.2) -> tuple[di
 class LongPath:
     """One path of ``--long``: an implementation, maybe a pattern, maybe block sizes."""
     name: str
-    implementation: str
+    attention_impl: str
     pattern: AttentionPattern | None = None
     chunks: tuple[int, int] | None = None      # (q_chunk, kv_chunk); None: the impl's own
     quadratic: bool = False                   # O(T^2) time: executed up to a max length
+    attention: str = "softmax"                # or "linear" (linear attention)
 
-    def attention(self):
+    def function(self):
         chunks = {"q_chunk": self.chunks[0], "kv_chunk": self.chunks[1]} if self.chunks else {}
-        return partial(dot_product_attention, causal=True, implementation=self.implementation,
-                       pattern=self.pattern, **chunks)
+        return partial(dot_product_attention, causal=True, attention=self.attention,
+                       attention_impl=self.attention_impl, pattern=self.pattern, **chunks)
 
     def describe(self) -> str:
-        text = self.implementation
+        text = "linear" if self.attention == "linear" else self.attention_impl
         if self.pattern is not None:
             text += f", {self.pattern.kind} {self.pattern.size}"
         if self.chunks:
@@ -460,7 +462,7 @@ def long_paths(names: list[str], args: argparse.Namespace, backend: str) -> list
         "strided": LongPath("strided", block_impl, AttentionPattern("strided", args.stride),
                             chunks=(args.q_chunk, args.kv_chunk) if on_cpu else None,
                             quadratic=True),
-        "linear": LongPath("linear", "linear"),
+        "linear": LongPath("linear", "auto", attention="linear"),
     }
     unknown = [n for n in names if n not in known]
     if unknown:
@@ -472,7 +474,7 @@ def allowed_pairs(path: LongPath, seq: int) -> int | None:
     """The (query, key) pairs a causal softmax path must compute at length ``seq``: its exact
     work, whatever the blocks (None for linear attention, which forms no pairs)."""
     i = np.arange(seq, dtype=np.int64)
-    if path.implementation == "linear":
+    if path.attention == "linear":
         return None
     if path.pattern is None:
         return int(np.sum(i + 1))
@@ -500,12 +502,12 @@ def reference_for(path: LongPath):
     """(key, attention) of the path's accuracy reference; None for ``xla`` itself."""
     if path.name == "xla":
         return None
-    if path.implementation == "linear":
+    if path.attention == "linear":
         return "naive O(T^2) linear attention", causal_linear_reference
     if path.pattern is None:
-        return "xla", partial(dot_product_attention, causal=True, implementation="xla")
+        return "xla", partial(dot_product_attention, causal=True, attention_impl="xla")
     return (f"xla + {path.pattern.kind} mask",
-            partial(dot_product_attention, causal=True, implementation="xla",
+            partial(dot_product_attention, causal=True, attention_impl="xla",
                     pattern=path.pattern))
 
 
@@ -521,7 +523,7 @@ def prepare_long(path: LongPath, seq: int, cfg: Config, lc: LongSettings, cache:
         record.update(status="skipped", note=f"O(T^2): T > --compile-max-seq={lc.compile_max_seq}")
         return record, None
     inputs = make_inputs(seq, cfg)
-    compiled = compile_step(grad_step(path.attention()), inputs, record)
+    compiled = compile_step(grad_step(path.function()), inputs, record)
     if path.quadratic and seq > lc.quadratic_max_seq:
         record.update(status="compile only",
                       note=f"O(T^2) time: T > --quadratic-max-seq={lc.quadratic_max_seq}; "

@@ -77,8 +77,9 @@ import numpy as np  # noqa: E402
 
 from benchmarks.common import fmt  # noqa: E402
 from transformer_jax import decode  # noqa: E402
-from transformer_jax.layers.attention import (  # noqa: E402
-    IMPLEMENTATIONS, cudnn_problems, dot_product_attention, resolve_implementation)
+from transformer_jax.layers.attention import dot_product_attention  # noqa: E402
+from transformer_jax.layers.attention_dispatch import (  # noqa: E402
+    IMPLEMENTATIONS, cudnn_problems, resolve_implementation)
 from transformer_jax.models import GPT, GPTConfig  # noqa: E402
 from transformer_jax.models.base import attention_plan  # noqa: E402
 from transformer_jax.train.optim import constant, make_optimizer  # noqa: E402
@@ -267,11 +268,11 @@ def bench_attention(args, impl: str, q, k, v, ct) -> tuple[dict, tuple]:
         raise Skipped("cudnn cannot run here: " + "; ".join(problems))
 
     def loss(q, k, v, ct):
-        out = dot_product_attention(q, k, v, causal=True, implementation=impl)
+        out = dot_product_attention(q, k, v, causal=True, attention_impl=impl)
         return jnp.sum(out.astype(jnp.float32) * ct.astype(jnp.float32)), out
 
     fwd = jax.jit(lambda q, k, v: dot_product_attention(q, k, v, causal=True,
-                                                         implementation=impl))
+                                                         attention_impl=impl))
     grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))
     t0 = time.perf_counter()
     grad_c = grad.lower(q, k, v, ct).compile()

@@ -310,7 +310,7 @@ def test_gpu_check_script_runs_as_it_stands_in_smoke_mode(tmp_path):
 
     auto, cudnn = result["train"]
     assert (auto["impl"], auto["resolved"]) == ("auto", "xla")
-    assert auto["plan"] == {"implementation": "auto", "platform": "cpu", "train": "xla",
+    assert auto["plan"] == {"attention_impl": "auto", "platform": "cpu", "train": "xla",
                             "eval": "xla"}
     assert auto["conditionals"] == 4 and auto["optimization_barriers"] > 0
     assert auto["attention_calls"] == {}

@@ -19,7 +19,7 @@ import numpy as np
 import optax
 import pytest
 
-from transformer_jax.layers import attention, resolve_implementation
+from transformer_jax.layers import attention, attention_dispatch, resolve_implementation
 from transformer_jax.layers.flash_attention import flash_attention
 from transformer_jax.layers.masks import AttentionPattern
 from transformer_jax.models import Bert, BertConfig, GPT, GPTConfig, T5, T5Config, ViT, ViTConfig
@@ -36,7 +36,7 @@ TRITON = "__gpu$xla.gpu.triton"
 def tpu_generation(monkeypatch):
     """Mosaic asks for the TPU generation it lowers for: a v5e. With the TPU compiler
     (libtpu) installed, a v5e device of JAX's topology, through the abstract mesh that
-    Mosaic (and ``attention.tpu_generation``) read; without it, a v5e registered for this
+    Mosaic (and ``attention_dispatch.tpu_generation``) read; without it, a v5e registered for this
     host's device kind."""
     if importlib.util.find_spec("libtpu") is not None:
         from transformer_jax.tpu import TpuSlice
@@ -182,7 +182,7 @@ def test_train_step_lowered_for_cuda_uses_cudnn_in_bf16_and_triton_in_fp32(famil
 def test_without_cudnn_the_gpu_takes_the_triton_kernel():
     """A jaxlib without the CUDA plugin (this host) lowers "auto" for CUDA to the Pallas
     kernel in bf16 too, and says so."""
-    assert not attention.cudnn_available()
+    assert not attention_dispatch.cudnn_available()
     assert resolve_implementation("auto", "gpu", dtype=jnp.bfloat16, head_dim=64) == "pallas"
     q = jnp.zeros((2, 128, 4, 64), jnp.bfloat16)
     f = jax.grad(lambda q: jnp.sum(attention.dot_product_attention(q, q, q, causal=True)
@@ -214,8 +214,9 @@ def test_resolve_implementation_table():
     assert r("auto", "cpu", q_len=512, kv_len=512, pattern=window) == "xla"
     assert r("auto", "cpu", q_len=2048, kv_len=2048, pattern=strided) == "xla"
     assert r("auto", "tpu", pattern=strided) == "pallas"
-    assert r("linear", "tpu") == "linear"
-    with pytest.raises(ValueError, match="unknown attention implementation"):
+    with pytest.raises(ValueError, match="attention_impl='linear' is not an implementation"):
+        r("linear", "tpu")
+    with pytest.raises(ValueError, match="unknown attention_impl"):
         r("flash", "tpu")
     with pytest.raises(ValueError, match="unknown platform"):
         r("auto", "ipu")
@@ -227,7 +228,7 @@ def test_attention_plan_of_a_run():
     from transformer_jax.models.base import attention_plan, describe_attention_plan
     cfg = GPTConfig.preset("gpt2", dtype="bfloat16", attention_dropout_rate=0.0)
     plan = attention_plan(cfg, 1024, "tpu")
-    assert plan == {"implementation": "auto", "platform": "tpu", "train": "pallas", "eval": "pallas"}
+    assert plan == {"attention_impl": "auto", "platform": "tpu", "train": "pallas", "eval": "pallas"}
     assert describe_attention_plan(plan, cfg) == "attention: auto -> pallas (tpu)"
     dropped = cfg.replace(attention_dropout_rate=0.1)
     plan = attention_plan(dropped, 1024, "tpu")

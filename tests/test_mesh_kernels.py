@@ -44,7 +44,7 @@ WORKER = textwrap.dedent('''
         def loss(impl):
             def f(q, k, v, bias):
                 out = dot_product_attention(q, k, v, mask=mask, bias=bias, causal=True,
-                                            implementation=impl)
+                                            attention_impl=impl)
                 return jnp.sum(out * ct), out
             return jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True)
 

@@ -60,7 +60,7 @@ def test_default_run_learns_and_writes_everything(tmp_path, data_dir):
     assert run_config["model"]["d_model"] == 32 and task.tokenizer.vocab_size == 259
     assert model.config.vocab_size == 259
     # the attention path "auto" resolved to, for this run's platform
-    assert run_config["attention"] == {"implementation": "auto", "platform": "cpu",
+    assert run_config["attention"] == {"attention_impl": "auto", "platform": "cpu",
                                        "train": "xla", "eval": "xla"}
 
 

@@ -30,7 +30,7 @@ import jax
 
 from . import sharding as sh
 from .errors import UserError
-from .layers.attention import tpu_generation_of
+from .layers.attention_dispatch import tpu_generation_of
 from .models.base import attention_plan
 from .tasks import make_task
 from .tpu import GIB, TpuSlice

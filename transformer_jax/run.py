@@ -24,7 +24,7 @@ from jax.experimental.multihost_utils import sync_global_devices
 
 from . import storage
 from .errors import UserError
-from .layers.attention import tpu_generation
+from .layers.attention_dispatch import tpu_generation
 from .models import build_model
 from .models.base import attention_plan, describe_attention_plan
 from .tasks import TASKS, make_task, tasks_for

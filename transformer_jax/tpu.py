@@ -35,7 +35,7 @@ class Generation:
     """One TPU generation: ``name`` as in accelerator types, JAX's topology prefix, HBM and
     bf16 peak FLOP/s per JAX device, devices per chip, whether the type's number counts
     cores (2 per chip) and whether its topologies are 3-D. (Which generations take the
-    Pallas kernel is ``layers.attention.PALLAS_MIN_TPU_GENERATION``.)"""
+    Pallas kernel is ``layers.attention_dispatch.PALLAS_MIN_TPU_GENERATION``.)"""
     name: str
     topology_prefix: str
     hbm_bytes: int

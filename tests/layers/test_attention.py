@@ -37,13 +37,13 @@ def test_implementations_agree_forward_and_grad(impl, causal):
     q, k, v, mask, bias = attention_inputs()
     ref = dot_product_attention(q, k, v, mask=mask, bias=bias, causal=causal, q_chunk=q.shape[1])
     kw = dict(mask=mask, bias=bias, causal=causal, q_chunk=16, kv_chunk=16)
-    out = dot_product_attention(q, k, v, implementation=impl, **kw)
+    out = dot_product_attention(q, k, v, attention_impl=impl, **kw)
     np.testing.assert_allclose(out, ref, **FP32_TOL)
 
     ct = rand(5, ref.shape)
     def loss(impl, **chunks):
         return lambda q, k, v, b: jnp.sum(dot_product_attention(
-            q, k, v, mask=mask, bias=b, causal=causal, implementation=impl, **chunks) * ct)
+            q, k, v, mask=mask, bias=b, causal=causal, attention_impl=impl, **chunks) * ct)
     g_ref = jax.jit(jax.grad(loss("xla", q_chunk=q.shape[1]), argnums=(0, 1, 2, 3)))(q, k, v, bias)
     g = jax.jit(jax.grad(loss(impl, q_chunk=16, kv_chunk=16), argnums=(0, 1, 2, 3)))(q, k, v, bias)
     for a, b in zip(g, g_ref):
@@ -54,7 +54,7 @@ def test_chunked_handles_uneven_blocks_and_fully_masked_rows():
     q, k, v, _, _ = attention_inputs(n=4, kv=4, t=9, s=11)
     mask = jnp.ones((1, 1, 9, 11), bool).at[:, :, 3].set(False)   # query 3 sees nothing
     ref = dot_product_attention(q, k, v, mask=mask)
-    out = dot_product_attention(q, k, v, mask=mask, implementation="chunked", q_chunk=4, kv_chunk=3)
+    out = dot_product_attention(q, k, v, mask=mask, attention_impl="chunked", q_chunk=4, kv_chunk=3)
     np.testing.assert_allclose(out, ref, **FP32_TOL)
     # a fully blocked row averages the values (no NaN)
     np.testing.assert_allclose(ref[:, 3], jnp.mean(v, axis=1), atol=1e-5)
@@ -92,7 +92,7 @@ def test_bf16_within_documented_tolerance():
     ref = dot_product_attention(q, k, v, mask=mask, causal=True)
     for impl in ("xla", "jax", "chunked"):
         out = dot_product_attention(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16),
-                                    mask=mask, causal=True, implementation=impl, q_chunk=16, kv_chunk=16)
+                                    mask=mask, causal=True, attention_impl=impl, q_chunk=16, kv_chunk=16)
         assert out.dtype == jnp.bfloat16
         err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref)))
         assert err < BF16_ATOL, (impl, err)
@@ -112,16 +112,16 @@ def test_attention_dropout():
     assert 0.65 < float(kept.mean()) < 0.85
     np.testing.assert_allclose(w[kept], (w_clean / 0.75)[kept], rtol=1e-6)
     a = dot_product_attention(q, k, v, dropout_rate=0.25, dropout_rng=rng, deterministic=False,
-                              implementation="chunked", q_chunk=4, kv_chunk=4)
+                              attention_impl="chunked", q_chunk=4, kv_chunk=4)
     b = dot_product_attention(q, k, v, dropout_rate=0.25, dropout_rng=rng, deterministic=False,
-                              implementation="chunked", q_chunk=4, kv_chunk=4)
+                              attention_impl="chunked", q_chunk=4, kv_chunk=4)
     np.testing.assert_array_equal(a, b)   # the same rng gives the same mask
     assert float(jnp.abs(a - dot_product_attention(q, k, v)).max()) > 1e-2
     with pytest.raises(ValueError, match="dropout_rng"):
         dot_product_attention(q, k, v, dropout_rate=0.1, deterministic=False)
     with pytest.raises(ValueError, match="no attention dropout"):
         dot_product_attention(q, k, v, dropout_rate=0.1, dropout_rng=rng, deterministic=False,
-                              implementation="jax")
+                              attention_impl="jax")
 
 
 def test_attention_bad_input():
@@ -134,10 +134,10 @@ def test_attention_bad_input():
         dot_product_attention(q, k, v, mask=jnp.ones((5, 5), bool))
     with pytest.raises(ValueError, match="4-D"):
         dot_product_attention(q[0], k, v)
-    with pytest.raises(ValueError, match="unknown attention implementation"):
-        dot_product_attention(q, k, v, implementation="flash9000")
+    with pytest.raises(ValueError, match="unknown attention_impl"):
+        dot_product_attention(q, k, v, attention_impl="flash9000")
     with pytest.raises(ValueError, match="return_weights"):
-        dot_product_attention(q, k, v, return_weights=True, implementation="chunked")
+        dot_product_attention(q, k, v, return_weights=True, attention_impl="chunked")
 
 
 def test_mha_matches_manual_math():

@@ -89,7 +89,7 @@ def test_attention_matmuls_derivatives_equal_the_plain_formula_to_every_order(ca
     ct = rand(5, q.shape)
     ours = lambda q, k, v: dot_product_attention(q, k, v, mask=mask, bias=bias,  # noqa: E731
                                                  causal=causal, q_chunk=16,
-                                                 implementation="xla")
+                                                 attention_impl="xla")
     plain = lambda q, k, v: _plain_attention(q, k, v, mask, bias, causal)  # noqa: E731
     np.testing.assert_allclose(ours(q, k, v), plain(q, k, v), rtol=1e-5, atol=1e-5)
     loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v) * ct)  # noqa: E731
@@ -110,12 +110,12 @@ def test_attention_matmuls_derivatives_equal_the_plain_formula_to_every_order(ca
 
 # ----------------------------------------------------------------------------- what XLA:CPU compiles
 
-def _row_contracting_batched_dots(causal, tuned):
+def _row_contracting_batched_dots(causal, cpu_tuning):
     """Batched dots in the compiled attention gradient that contract the rows (axis 2) of
     both rank-4 operands, the form XLA:CPU gives to Eigen rather than YNNPACK."""
     q, k, v, _, _ = attention_inputs(n=4, kv=4, t=48, s=48)
     f = lambda q, k, v: jnp.sum(jnp.sin(dot_product_attention(  # noqa: E731
-        q, k, v, causal=causal, q_chunk=16, implementation="xla", cpu_tuning=tuned)))
+        q, k, v, causal=causal, q_chunk=16, attention_impl="xla", cpu_tuning=cpu_tuning)))
     text = jax.jit(jax.grad(f, (0, 1, 2))).lower(q, k, v).compile().as_text()
     return len(re.findall(r"dot\([^\n]*lhs_batch_dims=\{0,1\}, lhs_contracting_dims=\{2\}, "
                           r"rhs_batch_dims=\{0,1\}, rhs_contracting_dims=\{2\}", text))
@@ -127,26 +127,26 @@ def test_attention_key_and_value_gradients_contract_a_transposed_operand(causal)
     """dK and dV contract over the query rows. With the plain einsums (cpu_tuning=False)
     XLA:CPU computes them as dots over the rows of both operands (2 per query block: 6
     causal with blocks of 16 over 48 rows, 2 over the whole square); tuned, none is left."""
-    assert _row_contracting_batched_dots(causal, tuned=True) == 0
-    assert _row_contracting_batched_dots(causal, tuned=False) == (6 if causal else 2)
+    assert _row_contracting_batched_dots(causal, cpu_tuning=True) == 0
+    assert _row_contracting_batched_dots(causal, cpu_tuning=False) == (6 if causal else 2)
 
 
 class _PreNormStack(nn.Module):
     layers: int
-    tuned: bool = True
+    cpu_tuning: bool = True
 
     @nn.compact
     def __call__(self, x):
         for _ in range(self.layers):
-            x = EncoderBlock(num_heads=2, mlp_dim=48, cpu_tuning=self.tuned)(x)
+            x = EncoderBlock(num_heads=2, mlp_dim=48, cpu_tuning=self.cpu_tuning)(x)
         return x
 
 
-def _grad_hlo_facts(layers, tuned=True):
+def _grad_hlo_facts(layers, cpu_tuning=True):
     """(conditionals, the most operands of any activation-shaped fusion) in the compiled
     parameter gradient of a pre-norm stack, x (2, 8, 24)."""
     x = rand(0, (2, 8, 24))
-    model = _PreNormStack(layers, tuned)
+    model = _PreNormStack(layers, cpu_tuning)
     params = model.init(jax.random.PRNGKey(1), x)
     grad = jax.jit(jax.grad(lambda p: jnp.sum(model.apply(p, x) ** 2)))
     text = grad.lower(params).compile().as_text()
@@ -166,8 +166,8 @@ def test_pre_norm_residual_gradient_is_stored_once_per_sublayer_on_cpu():
     conds8, ops8 = _grad_hlo_facts(8)
     assert (conds2, conds8) == (2 * 2 - 1, 2 * 8 - 1)
     assert ops8 == ops2 <= 12, (ops2, ops8)
-    plain2, plain_ops2 = _grad_hlo_facts(2, tuned=False)
-    plain8, plain_ops8 = _grad_hlo_facts(8, tuned=False)
+    plain2, plain_ops2 = _grad_hlo_facts(2, cpu_tuning=False)
+    plain8, plain_ops8 = _grad_hlo_facts(8, cpu_tuning=False)
     assert (plain2, plain8) == (0, 0)
     assert plain_ops8 > plain_ops2 > ops2, (plain_ops2, plain_ops8)
     # vmap keeps the conditional (its predicate doesn't depend on the batched values)
@@ -175,15 +175,15 @@ def test_pre_norm_residual_gradient_is_stored_once_per_sublayer_on_cpu():
     assert grads.lower(rand(0, (4, 3, 8))).compile().as_text().count(" conditional(") == 1
 
 
-def _weight_gradient_dots(tuned):
+def _weight_gradient_dots(cpu_tuning):
     """Output shapes, as laid out in memory (row-major), of the dots that contract the rows
     (the weight gradients) in the compiled parameter gradient of Dense(48 -> 16) followed
     by a tied read-out (V=64)."""
     class Net(nn.Module):
         @nn.compact
         def __call__(self, x):
-            return dense.Embed(64, 16, cpu_tuning=tuned).attend(
-                dense.Dense(16, cpu_tuning=tuned)(x))
+            return dense.Embed(64, 16, cpu_tuning=cpu_tuning).attend(
+                dense.Dense(16, cpu_tuning=cpu_tuning)(x))
     x = rand(0, (4, 8, 48))
     params = Net().init(jax.random.PRNGKey(1), x)
     grad = jax.jit(jax.grad(lambda p: jnp.sum(jnp.sin(Net().apply(p, x)))))
@@ -201,8 +201,8 @@ def test_weight_gradients_are_computed_with_the_longer_axis_last():
     """Dense's (48, 16) kernel and the (64, 16) read-out table get their gradients as
     (16, 48) and (16, 64) products (XLA:CPU's faster orientation), transposed afterwards;
     with ``cpu_tuning=False`` XLA writes them as (48, 16) and (64, 16)."""
-    assert _weight_gradient_dots(tuned=True) == [(16, 48), (16, 64)]
-    assert _weight_gradient_dots(tuned=False) == [(48, 16), (64, 16)]
+    assert _weight_gradient_dots(cpu_tuning=True) == [(16, 48), (16, 64)]
+    assert _weight_gradient_dots(cpu_tuning=False) == [(48, 16), (64, 16)]
 
 
 # ----------------------------------------------------------------------------- other platforms

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from transformer_jax.errors import UserError
-from transformer_jax.layers.attention import MultiHeadAttention, dot_product_attention
+from transformer_jax.layers import MultiHeadAttention, dot_product_attention
 from transformer_jax.layers.flash_attention import BlockSizes, flash_attention
 from transformer_jax.layers.masks import (AttentionPattern, fixed_mask, sliding_window_mask,
                                           strided_mask)
@@ -117,21 +117,21 @@ def test_block_skipping_equals_the_reference_with_the_same_mask(pattern, causal,
         explicit = explicit & mask
 
     def reference(q, k, v):
-        return dot_product_attention(q, k, v, mask=explicit, implementation="xla")
+        return dot_product_attention(q, k, v, mask=explicit, attention_impl="xla")
 
     def blocks(q, k, v):
         if path == "pallas":
             return flash_attention(q, k, v, mask=mask, causal=causal, pattern=pattern,
                                    block_sizes=BlockSizes(16, 16))
         return dot_product_attention(q, k, v, mask=mask, causal=causal, pattern=pattern,
-                                     implementation="chunked", q_chunk=16, kv_chunk=16)
+                                     attention_impl="chunked", q_chunk=16, kv_chunk=16)
 
     (want, want_g), (got, got_g) = (_value_and_grads(f, args, ct) for f in (reference, blocks))
     np.testing.assert_allclose(got, want, rtol=TOL, atol=TOL)           # sum(out * ct)
     for a, b in zip(got_g, want_g):
         np.testing.assert_allclose(a, b, rtol=TOL, atol=TOL)
     out = dot_product_attention(*args, mask=mask, causal=causal, pattern=pattern,
-                                implementation="xla")
+                                attention_impl="xla")
     np.testing.assert_allclose(out, reference(*args), rtol=TOL, atol=TOL)
 
 
@@ -155,12 +155,12 @@ def test_window_visits_o_t_w_tiles_and_its_memory_grows_linearly():
     assert [tiles(t, window) for t in (1024, 2048, 4096)] == [70, 150, 310]   # 5 per block, fewer at the start
     assert [tiles(t, None) for t in (1024, 2048, 4096)] == [136, 528, 2080]
 
-    def temp(t, pattern, implementation):
+    def temp(t, pattern, attention_impl):
         q = jax.ShapeDtypeStruct((1, t, 2, 16), jnp.float32)
 
         def loss(q, k, v):
             return jnp.sum(dot_product_attention(q, k, v, causal=True, pattern=pattern,
-                                                 implementation=implementation, q_chunk=64,
+                                                 attention_impl=attention_impl, q_chunk=64,
                                                  kv_chunk=64))
         compiled = jax.jit(jax.grad(loss, (0, 1, 2))).lower(q, q, q).compile()
         return compiled.memory_analysis().temp_size_in_bytes
@@ -198,7 +198,7 @@ def test_decoding_equals_the_full_pass(kind):
     pattern = {"window": AttentionPattern("window", 5), "strided": AttentionPattern("strided", 4),
                "linear": None}[kind]
     module = MultiHeadAttention(num_heads=4, num_kv_heads=2, pattern=pattern, rope_base=1e4,
-                                implementation="linear" if kind == "linear" else "auto")
+                                attention="linear" if kind == "linear" else "softmax")
     params = module.init(jax.random.PRNGKey(1), x, causal=True)["params"]
     mask = valid[:, None, None, :]
     full = module.apply({"params": params}, x, mask=mask, causal=True)
@@ -217,9 +217,9 @@ def test_decoding_equals_the_full_pass(kind):
         assert shapes["cached_key"] == (b, 2, t, 8)
 
 
-def test_linear_implementation_refuses_what_it_cannot_do():
+def test_linear_attention_refuses_what_it_cannot_do():
     args, _, _ = _inputs(t=8)
     with pytest.raises(UserError, match=r"linear attention\) has no a bias"):
-        dot_product_attention(*args, bias=jnp.zeros((1, 1, 8, 8)), implementation="linear")
+        dot_product_attention(*args, bias=jnp.zeros((1, 1, 8, 8)), attention="linear")
     with pytest.raises(UserError, match=r"has no a window/sparse pattern"):
-        dot_product_attention(*args, pattern=AttentionPattern("window", 2), implementation="linear")
+        dot_product_attention(*args, pattern=AttentionPattern("window", 2), attention="linear")

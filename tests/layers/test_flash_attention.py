@@ -34,7 +34,7 @@ def _grads(impl, q, k, v, ct, argnums=(0, 1, 2), **kw):
         if "table" in extra:
             extra = dict(bias=relative_position_bias(extra["table"], q.shape[1], k.shape[1],
                                                      bidirectional=False, max_distance=16))
-        out = dot_product_attention(q, k, v, implementation=impl, **BLOCKS, **extra, **kw)
+        out = dot_product_attention(q, k, v, attention_impl=impl, **BLOCKS, **extra, **kw)
         return jnp.sum(out * ct), out
 
     (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=argnums, has_aux=True))(
@@ -84,14 +84,14 @@ def test_pallas_rows_without_keys_and_bf16():
     # query 3 may attend nothing; under causal its row gets the mean of V, as in "xla"
     mask = jnp.ones((1, 1, 20, 20), bool).at[:, :, 3].set(False)
     for causal in (False, True):
-        out = dot_product_attention(q, k, v, mask=mask, causal=causal, implementation="pallas",
+        out = dot_product_attention(q, k, v, mask=mask, causal=causal, attention_impl="pallas",
                                     **BLOCKS)
         np.testing.assert_allclose(out, dot_product_attention(q, k, v, mask=mask, causal=causal),
                                    **FP32_TOL)
         np.testing.assert_allclose(out[:, 3], jnp.mean(v, axis=1), atol=1e-5)
     ref = dot_product_attention(q, k, v, causal=True)
     out = dot_product_attention(*(x.astype(jnp.bfloat16) for x in (q, k, v)), causal=True,
-                                implementation="pallas", **BLOCKS)
+                                attention_impl="pallas", **BLOCKS)
     assert out.dtype == jnp.bfloat16
     assert float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref))) < BF16_ATOL
 
@@ -112,11 +112,11 @@ def test_pallas_errors():
     rng = jax.random.PRNGKey(0)
     with pytest.raises(ValueError, match="no attention dropout.*'chunked'"):
         dot_product_attention(q, k, v, dropout_rate=0.1, dropout_rng=rng, deterministic=False,
-                              implementation="pallas")
-    with pytest.raises(ValueError, match="return_weights=True needs implementation='xla'"):
-        dot_product_attention(q, k, v, return_weights=True, implementation="pallas")
+                              attention_impl="pallas")
+    with pytest.raises(ValueError, match="return_weights=True needs attention_impl='xla'"):
+        dot_product_attention(q, k, v, return_weights=True, attention_impl="pallas")
     with pytest.raises(ValueError, match="powers of two"):
-        dot_product_attention(q, k, v, implementation="pallas", q_chunk=48)
+        dot_product_attention(q, k, v, attention_impl="pallas", q_chunk=48)
     with pytest.raises(ValueError, match="powers of two"):
         BlockSizes(block_q=128, block_k=96)
     with pytest.raises(ValueError, match="multiple of key/value heads"):
@@ -124,8 +124,8 @@ def test_pallas_errors():
     if jax.default_backend() == "cpu":
         with pytest.raises(ValueError, match="interpret=True"):
             flash_attention(q, k, v, interpret=False)
-        with pytest.raises(ValueError, match="needs a GPU.*implementation='auto'"):
-            dot_product_attention(q, k, v, implementation="cudnn")
+        with pytest.raises(ValueError, match="needs a GPU.*attention_impl='auto'"):
+            dot_product_attention(q, k, v, attention_impl="cudnn")
 
 
 # --------------------------------------------------------------------------- chunked
@@ -183,7 +183,7 @@ def test_chunked_memory_grows_linearly():
     def temp(impl, seq):
         x = jnp.zeros((1, seq, 2, 32))
         f = jax.grad(lambda q, k, v: jnp.sum(dot_product_attention(
-            q, k, v, causal=True, implementation=impl, q_chunk=256, kv_chunk=256)),
+            q, k, v, causal=True, attention_impl=impl, q_chunk=256, kv_chunk=256)),
             argnums=(0, 1, 2))
         analysis = jax.jit(f).lower(x, x, x).compile().memory_analysis()
         if analysis is None:

@@ -166,7 +166,7 @@ def test_decoding_with_left_padding():
 
 def test_errors():
     q, k, v = qkv(t=6)
-    with pytest.raises(UserError, match="key-padding masks only.*softmax implementation"):
+    with pytest.raises(UserError, match="key-padding masks only.*attention='softmax'"):
         linear_attention(q, k, v, mask=jnp.tril(jnp.ones((6, 6), bool)))
     with pytest.raises(UserError, match="key-padding masks only"):
         linear_attention(q, k, v, mask=jnp.ones((2, 6), bool))       # (B, S): use (B, 1, 1, S)

@@ -15,7 +15,7 @@ import pytest
 from transformer_jax.beam_search import init_decoder_cache
 from transformer_jax.layers.relative import relative_position_bias, relative_position_bucket
 from transformer_jax.models import FAMILIES, build_model
-from transformer_jax.layers.attention import MultiHeadAttention
+from transformer_jax.layers.multi_head import MultiHeadAttention
 from transformer_jax.models.t5 import T5, T5Config, block_fields, init_params, shift_right
 from transformer_jax.tasks.seq2seq import seq2seq_loss
 from transformer_jax.train.step import create_train_state, make_train_step

@@ -9,8 +9,8 @@ Masks follow the PyTorch tutorial's convention (1/True = may attend). Blocked lo
 ``NEG``, the most negative fp32 number, rather than -inf, so that a row whose keys are all
 blocked gives the mean of V instead of NaN (PyTorch gives NaN there).
 
-The implementations (``attention.py``, ``chunked_attention.py``, ``flash_attention.py``)
-import from here; nothing here imports them.
+The implementations (``attention_reference.py``, ``chunked_attention.py``,
+``flash_attention.py``) import from here; nothing here imports them.
 """
 from __future__ import annotations
 

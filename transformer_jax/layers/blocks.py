@@ -14,7 +14,7 @@ kind of kernel. An additive logit bias (T5's relative positions) is a call argum
 ``prefix_tokens`` > 0 gives the self-attention (never the cross-attention) P learned
 prefix keys and values (prefix tuning; ``MultiHeadAttention``'s docstring), and
 ``attention_pattern`` restricts it to a sliding window or a sparse pattern
-(``attention_impl="linear"`` makes it linear attention).
+(``attention="linear"`` makes it linear attention).
 
 Each block sows its intermediates (``'intermediates'`` collection, when made mutable):
 ``+sa`` after self-attention, ``+ca`` after cross-attention, ``+mlp`` after the
@@ -33,11 +33,11 @@ import jax
 import jax.numpy as jnp
 
 from ..errors import UserError
-from .attention import MultiHeadAttention
 from .cpu_tuning import residual
 from .dense import Initializer, default_kernel_init
 from .masks import AttentionPattern
 from .mlp import FeedForward
+from .multi_head import MultiHeadAttention
 from .norms import make_norm
 
 Array = jax.Array
@@ -59,7 +59,8 @@ class _BlockBase(nn.Module):
     dropout_rate: float = 0.0            # residual (after each sublayer)
     attention_dropout_rate: float = 0.0  # on the attention weights
     mlp_dropout_rate: float = 0.0        # on the feed-forward hidden activation
-    attention_impl: str = "auto"
+    attention: str = "softmax"           # or "linear" (linear attention)
+    attention_impl: str = "auto"         # softmax attention's implementation
     attention_scale: float | None = None  # default 1/sqrt(H)
     rope_base: float | None = None
     dtype: Any = jnp.float32
@@ -77,7 +78,8 @@ class _BlockBase(nn.Module):
         return MultiHeadAttention(
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
             use_bias=self.use_bias, dropout_rate=self.attention_dropout_rate,
-            implementation=self.attention_impl, scale=self.attention_scale,
+            attention=self.attention, attention_impl=self.attention_impl,
+            scale=self.attention_scale,
             rope_base=self.rope_base if rope else None, dtype=self.dtype,
             param_dtype=self.param_dtype, kernel_init=self.kernel_init,
             query_kernel_init=self.query_kernel_init, out_kernel_init=self.out_kernel_init,

@@ -1,4 +1,4 @@
-"""Memory-efficient exact attention in plain XLA: ``implementation="chunked"``.
+"""Memory-efficient exact attention in plain XLA: ``attention_impl="chunked"``.
 
 Queries in blocks of ``q_chunk``, keys in blocks of ``kv_chunk`` with an online softmax;
 with ``causal`` the key blocks past the diagonal are skipped. A custom VJP saves only the

@@ -17,7 +17,7 @@ lowered for TPU or CUDA it holds none of this (no conditional, no optimization b
 ``tests/layers/test_cpu_tuning.py`` lowers train steps for both and checks). Values are the
 same everywhere, and so are gradients up to float rounding.
 
-Every function takes ``enabled``: the models' ``cpu_tuning`` config field, which gives the
+Every function takes ``cpu_tuning``, the models' config field of that name: False gives the
 plain form on the CPU too. What each tuning buys and costs was measured on two CPU cores;
 the figures are in ``docs/performance.md``.
 """
@@ -34,9 +34,9 @@ from ..errors import UserError
 Array = jax.Array
 
 
-def on_cpu(tuned: Callable, plain: Callable, *args: Any) -> Any:
-    """``tuned(*args)`` where this is lowered for the CPU, ``plain(*args)`` elsewhere."""
-    return jax.lax.platform_dependent(*args, cpu=tuned, default=plain)
+def on_cpu(cpu_form: Callable, plain: Callable, *args: Any) -> Any:
+    """``cpu_form(*args)`` where this is lowered for the CPU, ``plain(*args)`` elsewhere."""
+    return jax.lax.platform_dependent(*args, cpu=cpu_form, default=plain)
 
 
 def _identity(x: Array) -> Array:
@@ -65,7 +65,7 @@ def _store_gradient_once_jvp(primals, tangents):
     return x, on_cpu(_through_conditional, _identity, t)
 
 
-def residual(x: Array, enabled: bool = True) -> Array:
+def residual(x: Array, cpu_tuning: bool = True) -> Array:
     """Identity on a residual stream ``x`` whose gradient is stored once (on the CPU).
 
     The gradient of a residual stream is a chain of additions, one per sublayer. XLA:CPU's
@@ -74,7 +74,7 @@ def residual(x: Array, enabled: bool = True) -> Array:
     depth. On the CPU the gradient passes through a ``lax.cond`` that no fusion crosses.
     Post-norm blocks don't need it (a norm's reductions sit in every link).
     """
-    return _store_gradient_once(x) if enabled else x
+    return _store_gradient_once(x) if cpu_tuning else x
 
 
 # ----------------------------------------------------------------------------- weight gradients
@@ -104,7 +104,7 @@ def _wide_gradient_jvp(primals, tangents):
     return w, on_cpu(_wide_first, _identity, t)
 
 
-def matmul_weight(w: Array, enabled: bool = True) -> Array:
+def matmul_weight(w: Array, cpu_tuning: bool = True) -> Array:
     """Identity on the right operand ``w`` (K, N) of ``x @ w``; fixes its gradient's layout.
 
     On the CPU the weight gradient ``x^T g`` is computed as (min(K, N), max(K, N)) and
@@ -112,7 +112,7 @@ def matmul_weight(w: Array, enabled: bool = True) -> Array:
     read-out's (D, V) view of a (V, D) table): XLA:CPU writes tall results slowly.
     """
     _check_matrix(w)
-    return _wide_gradient(w) if enabled else w
+    return _wide_gradient(w) if cpu_tuning else w
 
 
 # ----------------------------------------------------------------------------- attention matmuls
@@ -169,17 +169,17 @@ def _values_jvp(precision, primals, tangents):
     return _values(p, v, precision), tangent
 
 
-def attention_scores(q: Array, k: Array, precision: Any = None, enabled: bool = True) -> Array:
+def attention_scores(q: Array, k: Array, precision: Any = None, cpu_tuning: bool = True) -> Array:
     """Logits (B, K, R, S) fp32 of queries (B, K, R, H) against keys (B, K, S, H).
 
     On the CPU, reverse mode computes dK = dS^T Q as an ordinary (S, R) x (R, H) product of
     a materialised transpose; XLA:CPU otherwise contracts the rows of both operands in a
     slower kernel.
     """
-    return _scores(q, k, precision) if enabled else _plain_scores(q, k, precision)
+    return _scores(q, k, precision) if cpu_tuning else _plain_scores(q, k, precision)
 
 
-def attention_values(p: Array, v: Array, precision: Any = None, enabled: bool = True) -> Array:
+def attention_values(p: Array, v: Array, precision: Any = None, cpu_tuning: bool = True) -> Array:
     """Weights (B, K, R, S) times values (B, K, S, Hv): (B, K, R, Hv) fp32; on the CPU,
     dV = P^T dO reads a materialised P^T (see :func:`attention_scores`)."""
-    return _values(p, v, precision) if enabled else _plain_values(p, v, precision)
+    return _values(p, v, precision) if cpu_tuning else _plain_values(p, v, precision)

@@ -1,4 +1,4 @@
-"""Flash attention as Pallas kernels: ``dot_product_attention(..., implementation="pallas")``.
+"""Flash attention as Pallas kernels: ``dot_product_attention(..., attention_impl="pallas")``.
 
 The same exact attention as the ``"xla"`` reference (fp32 logits and softmax, the mask
 convention 1 = may attend, an additive ``bias``, grouped-query heads, ``causal``), computed
@@ -529,7 +529,7 @@ def flash_attention(query: Array, key: Array, value: Array, *, bias: Array | Non
     if platform not in ("gpu", "tpu", "interpret"):
         raise UserError(f"the Pallas attention kernels compile for GPU (Triton) and TPU "
                         f"(Mosaic) only; backend {platform!r} needs interpret=True (the "
-                        "default there) or implementation='chunked'")
+                        "default there) or attention_impl='chunked'")
     blocks = block_sizes or DEFAULT_BLOCK_SIZES[platform]
     floor = 16 if platform == "gpu" else 8        # Triton's tl.dot needs tiles >= 16
 

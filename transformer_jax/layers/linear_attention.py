@@ -26,7 +26,7 @@ the query and key positions of the chunk.
 Masks: only key masks (1/True = may attend), broadcastable to (B, 1|N, 1, S); a masked
 key contributes nothing (φ(k) and v are zeroed). A row without any allowed key gives
 0 (the softmax paths give the mean of V). A general (T, S) mask would need the O(T·S)
-weights, which linear attention exists to avoid: use a softmax implementation for it.
+weights, which linear attention exists to avoid: use softmax attention for it.
 
 All the math is fp32 (``precision`` is passed to every einsum); the output is in v's
 dtype.
@@ -70,8 +70,8 @@ def _key_mask(mask: Array | None, b: int, t: int, s: int, n: int) -> Array | Non
             f"linear attention takes key-padding masks only, of shape (B|1, 1|N, 1, S) "
             f"(a (B, S) padding mask as (B, 1, 1, S)); got a mask of shape {jnp.shape(mask)}"
             f"{read_as}. A general (T, S) mask would need the O(T·S) attention weights that "
-            "linear attention avoids: use a softmax implementation (e.g. "
-            "implementation='xla') for it")
+            "linear attention avoids: use softmax attention (attention='softmax') "
+            "for it")
     mask = check_broadcast(lifted, "mask", (b, n, t, s))
     return jnp.broadcast_to(mask[:, :, 0], mask.shape[:2] + (s,)).astype(bool).transpose(0, 2, 1)
 

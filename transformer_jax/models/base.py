@@ -16,7 +16,8 @@ import numpy as np
 from jax.experimental import checkify
 
 from ..errors import UserError
-from ..layers.attention import IMPLEMENTATIONS, resolve_implementation
+from ..layers.attention import ATTENTION_KINDS
+from ..layers.attention_dispatch import IMPLEMENTATIONS, resolve_implementation
 from ..layers.dense import canonical_dtype
 from ..layers.lora import LoraConfig
 from ..layers.masks import AttentionPattern
@@ -164,6 +165,11 @@ class PresetConfig:
         lora.rank=8``, becomes a :class:`~transformer_jax.layers.lora.LoraConfig`)."""
         object.__setattr__(self, "lora", LoraConfig.from_value(self.lora))
         self._require_bools("scan_layers", "remat", "cpu_tuning")
+        kind = hasattr(self, "attention")       # linear attention: attention="linear"
+        self._require_relation(
+            self.attention_impl != "linear", ("attention_impl", "attention")[:1 + kind],
+            "is linear attention; choose it with attention='linear'" + ("" if kind else (
+                f" (a field of the GPT, BERT, ViT and CLIP configs, not {type(self).__name__})")))
         self._require_choice("attention_impl", IMPLEMENTATIONS)
         self._require_choice("remat_policy", REMAT_POLICIES)
         for name in ("dtype", "param_dtype"):
@@ -390,11 +396,6 @@ class EfficientAttentionConfig:
             return AttentionPattern.parse(self.attention_sparsity)
         return None
 
-    @property
-    def attention_implementation(self) -> str:
-        """``attention_impl``, or "linear" for linear attention."""
-        return "linear" if self.attention == "linear" else self.attention_impl
-
     def attention_reach(self, seq_len: int) -> float:
         """Keys one query's attention works over (FLOP counts): T, or the window, or the
         pattern's keys per row; linear attention's per-token work is a head-dim-sized
@@ -412,7 +413,7 @@ class EfficientAttentionConfig:
 
     def _require_attention_options(self) -> None:
         name = type(self).__name__
-        self._require_choice("attention", ("softmax", "linear"))
+        self._require_choice("attention", ATTENTION_KINDS)
         self._require_number("attention_window", integer=True, minimum=1, allow_none=True)
         if self.attention_sparsity is not None:
             try:
@@ -431,7 +432,7 @@ class EfficientAttentionConfig:
             "has no window or sparse pattern (it never forms the weights); unset "
             "attention_window/attention_sparsity or use attention='softmax'")
         self._require_relation(
-            not linear or self.attention_impl in ("auto", "linear"),
+            not linear or self.attention_impl == "auto",
             ("attention", "attention_impl"),
             f"runs its own implementation; attention_impl={self.attention_impl!r} is for "
             "softmax attention: leave it 'auto'")
@@ -440,9 +441,6 @@ class EfficientAttentionConfig:
             not linear or rate == 0, ("attention", "attention_dropout_rate"),
             f"has no attention weights to drop (attention dropout {rate}); set "
             "attention_dropout_rate=0")
-        self._require_relation(
-            self.attention_impl != "linear" or linear, ("attention_impl", "attention"),
-            "is linear attention; choose it with attention='linear'")
         prefix = getattr(self, "prefix_tokens", 0)
         self._require_relation(
             not prefix or (not linear and self.attention_pattern is None),
@@ -453,26 +451,30 @@ class EfficientAttentionConfig:
 
 def attention_plan(config: Any, seq_len: int, platform: str,
                    tpu_generation: int | None = None) -> dict[str, str]:
-    """What ``config.attention_impl`` runs on ``platform`` ("cpu", "gpu", "tpu"; a TPU of
+    """What ``config.attention_impl`` (or linear attention) runs on ``platform`` ("cpu", "gpu", "tpu"; a TPU of
     ``tpu_generation``, e.g. 3 for a v3, when known) for sequences of ``seq_len`` (a ViT's
     own patch count instead), in training (with its attention dropout) and at eval:
-    ``{"implementation", "platform", "train", "eval"}``; ``platform`` names the TPU
+    ``{"attention_impl", "platform", "train", "eval"}``; ``platform`` names the TPU
     generation (``"tpu v3"``) when it is known."""
     rate = getattr(config, "attention_dropout_rate", getattr(config, "dropout_rate", 0.0))
     seq_len = getattr(config, "seq_len", seq_len)
     shape = dict(dtype=config.dtype, head_dim=config.head_dim, q_len=seq_len, kv_len=seq_len,
                  pattern=getattr(config, "attention_pattern", None),
                  tpu_generation=tpu_generation if platform == "tpu" else None)
-    impl = getattr(config, "attention_implementation", config.attention_impl)
+    impl = config.attention_impl
     where = f"tpu v{tpu_generation}" if platform == "tpu" and tpu_generation else platform
-    return {"implementation": impl, "platform": where,
+    if getattr(config, "attention", "softmax") == "linear":
+        return {"attention_impl": impl, "platform": where, "train": "linear", "eval": "linear"}
+    return {"attention_impl": impl, "platform": where,
             "train": resolve_implementation(impl, platform, dropout=rate > 0, **shape),
             "eval": resolve_implementation(impl, platform, **shape)}
 
 
 def describe_attention_plan(plan: dict[str, str], config: Any) -> str:
     """One line for the start of a run, e.g. ``attention: auto -> pallas (tpu)``."""
-    head = f"attention: {plan['implementation']} -> "
+    if plan["train"] == "linear":
+        return f"attention: linear ({plan['platform']})"
+    head = f"attention: {plan['attention_impl']} -> "
     if plan["train"] == plan["eval"]:
         return head + f"{plan['train']} ({plan['platform']})"
     rate = getattr(config, "attention_dropout_rate", getattr(config, "dropout_rate", 0.0))

@@ -87,7 +87,7 @@ class BertConfig(EfficientAttentionConfig, PresetConfig):
     scan_layers: bool = False            # one scanned layer (compile time independent of depth)
     remat: bool = False                  # recompute activations in the backward pass
     remat_policy: str = "nothing_saveable"
-    attention_impl: str = "auto"         # layers.attention.IMPLEMENTATIONS
+    attention_impl: str = "auto"         # layers.attention_dispatch.IMPLEMENTATIONS
     attention: str = "softmax"           # or "linear" (models/base.py EfficientAttentionConfig)
     attention_window: int | None = None  # sliding window W (None: every key)
     attention_sparsity: str | None = None  # "strided:L" or "fixed:L:C" (Child et al. 2019)
@@ -252,7 +252,7 @@ class BertEncoder(nn.Module):
             num_heads=cfg.num_heads, mlp_dim=cfg.mlp_features, activation=cfg.activation,
             pre_norm=False, norm="layernorm", norm_eps=cfg.norm_eps, use_bias=True,
             dropout_rate=cfg.dropout_rate, attention_dropout_rate=cfg.attention_dropout_rate,
-            attention_impl=cfg.attention_implementation,
+            attention=cfg.attention, attention_impl=cfg.attention_impl,
             attention_pattern=cfg.attention_pattern, dtype=dtype, param_dtype=param_dtype,
             kernel_init=init, cpu_tuning=cfg.cpu_tuning)
         x = layer_stack(EncoderBlock, fields, cfg.num_layers, x, name="layer",

@@ -103,7 +103,7 @@ class CLIPConfig(EfficientAttentionConfig, PresetConfig):
     scan_layers: bool = False            # one scanned layer per tower
     remat: bool = False                  # recompute activations in the backward pass
     remat_policy: str = "nothing_saveable"
-    attention_impl: str = "auto"         # layers.attention.IMPLEMENTATIONS
+    attention_impl: str = "auto"         # layers.attention_dispatch.IMPLEMENTATIONS
     attention: str = "softmax"           # or "linear" (models/base.py EfficientAttentionConfig)
     attention_window: int | None = None  # sliding window W (None: every key)
     attention_sparsity: str | None = None  # "strided:L" or "fixed:L:C" (Child et al. 2019)
@@ -265,7 +265,8 @@ def _block_fields(cfg: CLIPConfig, heads: int, mlp_dim: int) -> dict[str, Any]:
         num_heads=heads, mlp_dim=mlp_dim, activation=cfg.activation, pre_norm=True,
         norm="layernorm", norm_eps=cfg.norm_eps, use_bias=True, dropout_rate=cfg.dropout_rate,
         attention_dropout_rate=cfg.attention_dropout_rate,
-        attention_impl=cfg.attention_implementation, attention_pattern=cfg.attention_pattern,
+        attention=cfg.attention, attention_impl=cfg.attention_impl,
+        attention_pattern=cfg.attention_pattern,
         dtype=canonical_dtype(cfg.dtype), param_dtype=canonical_dtype(cfg.param_dtype),
         cpu_tuning=cfg.cpu_tuning)
 

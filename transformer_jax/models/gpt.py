@@ -70,7 +70,7 @@ class GPTConfig(EfficientAttentionConfig, PresetConfig):
     scan_layers: bool = False            # one scanned layer (compile time independent of depth)
     remat: bool = False                  # recompute activations in the backward pass
     remat_policy: str = "nothing_saveable"
-    attention_impl: str = "auto"         # layers.attention.IMPLEMENTATIONS
+    attention_impl: str = "auto"         # layers.attention_dispatch.IMPLEMENTATIONS
     attention: str = "softmax"           # or "linear" (models/base.py EfficientAttentionConfig)
     attention_window: int | None = None  # sliding window W (None: every key)
     attention_sparsity: str | None = None  # "strided:L" or "fixed:L:C" (Child et al. 2019)
@@ -194,7 +194,7 @@ class GPT(nn.Module):
         Concrete ids outside [0, vocab_size) (learned positions: [0, max_len)) raise a
         UserError; under jit only inside ``models.checked`` (see ``models/__init__.py``).
 
-        Prefix tuning (``prefix_tokens`` = P > 0; ``layers.attention.MultiHeadAttention``)
+        Prefix tuning (``prefix_tokens`` = P > 0; ``layers.multi_head.MultiHeadAttention``)
         numbers the tokens after the P virtual ones, as PEFT does with transformers' GPT-2
         (the prefix is a length-P KV cache there): every position, the default 0, 1, ...
         (PEFT's forward: P + arange(T), padding or not) and given ``position_ids`` alike
@@ -279,7 +279,8 @@ class GPT(nn.Module):
             activation=cfg.activation, gated_mlp=cfg.gated_mlp, pre_norm=True, norm=cfg.norm,
             norm_eps=cfg.norm_eps, use_bias=cfg.use_bias, dropout_rate=cfg.dropout_rate,
             attention_dropout_rate=cfg.attention_dropout_rate,
-            attention_impl=cfg.attention_implementation, attention_pattern=cfg.attention_pattern,
+            attention=cfg.attention, attention_impl=cfg.attention_impl,
+            attention_pattern=cfg.attention_pattern,
             rope_base=cfg.rope_base if cfg.position == "rope" else None,
             dtype=canonical_dtype(cfg.dtype), param_dtype=canonical_dtype(cfg.param_dtype),
             kernel_init=nn.initializers.normal(cfg.initializer_range), out_kernel_init=out_init,

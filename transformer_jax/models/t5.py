@@ -89,7 +89,7 @@ class T5Config(EncoderDecoderConfig, PresetConfig):
     scan_layers: bool = False                   # one scanned layer per stack
     remat: bool = False                         # recompute activations in the backward pass
     remat_policy: str = "nothing_saveable"
-    attention_impl: str = "auto"                # layers.attention.IMPLEMENTATIONS
+    attention_impl: str = "auto"                # layers.attention_dispatch.IMPLEMENTATIONS
     cpu_tuning: bool = True                     # layers/cpu_tuning.py on XLA:CPU
     dtype: str = "float32"                      # compute dtype
     param_dtype: str = "float32"

@@ -150,7 +150,7 @@ class TorchMultiheadAttention(MultiHeadAttention):
     value (S, B, vdim) -> output like query; weights (B, T, S) averaged over heads or
     (B, N, T, S) with ``average_attn_weights=False`` (unbatched: without B). Masks in
     PyTorch's convention (:func:`torch_attention_masks`). ``embed_dim``/``kdim``/``vdim``,
-    when set, are checked against the inputs. Weights need ``implementation="xla"``.
+    when set, are checked against the inputs. Weights need ``attention_impl="xla"``.
     """
     embed_dim: int | None = None
     kdim: int | None = None

@@ -179,7 +179,7 @@ class TutorialScaledDotProductAttention(nn.Module):
     with the last three score axes exactly as in ``scores.masked_fill(mask == 0, -1e9)``;
     nonzero = may attend. A row without any allowed key averages the values, as the
     tutorial's -1e9 fill does. The arithmetic is the library's reference
-    ``dot_product_attention`` (``implementation="xla"``), each leading index a batch row.
+    ``dot_product_attention`` (``attention_impl="xla"``), each leading index a batch row.
     """
     dropout_rate: float = 0.0
     precision: Any = None
@@ -205,7 +205,7 @@ class TutorialScaledDotProductAttention(nn.Module):
         out, weights = dot_product_attention(
             *(x.reshape(rows, x.shape[-2], 1, x.shape[-1]) for x in (q, k, v)), mask=mask,
             dropout_rate=self.dropout_rate, dropout_rng=rng, deterministic=deterministic,
-            return_weights=True, implementation="xla", precision=self.precision)
+            return_weights=True, attention_impl="xla", precision=self.precision)
         return out.reshape(lead + (t, v.shape[-1])), weights.reshape(lead + (t, s))
 
 
