@@ -18,7 +18,7 @@ train: $(BIN)/.installed
 	$(BIN)/transformer-jax train --workdir runs/stdlib_gpt $(ARGS)
 
 test: $(BIN)/.installed
-	$(BIN)/python -m pytest -q -n auto --dist worksteal --durations=15 $(ARGS)
+	$(BIN)/python -m pytest -q -n auto --dist worksteal --durations=40 $(ARGS)
 
 bench: $(BIN)/.installed
 	$(BIN)/python -m benchmarks $(ARGS)
