@@ -23,6 +23,9 @@ from transformer_jax.compare_torch import (  # noqa: E402
 from transformer_jax.train.config import apply_overrides, load_experiment  # noqa: E402
 
 STEPS = 8
+# ViT on the digits hovers at ln 10 for its first 8 steps (warm-up, 10 classes), so it
+# trains twice as long for its curve to fall clearly.
+FAMILY_STEPS = {"vit_digits": 16}
 COMMON = ["warmup_steps=2", "batch_size=8"]
 SMALL = {
     "stdlib_gpt": ["model.num_layers=2", "model.d_model=64", "model.num_heads=2", "seq_len=32",
@@ -88,7 +91,8 @@ def test_each_family_trains_alike(experiment, data_dir, tmp_path):
     Transformer with label smoothing, ViT, and the noam schedule: within the default
     tolerance at every step."""
     notes = []
-    summary = compare(small_config(experiment, data_dir), tmp_path, steps=STEPS, say=notes.append)
+    summary = compare(small_config(experiment, data_dir), tmp_path,
+                      steps=FAMILY_STEPS.get(experiment, STEPS), say=notes.append)
     check_alike(summary, read_rows(tmp_path))
     assert (tmp_path / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "no dropout" in notes[0]
