@@ -15,15 +15,8 @@ strict-loads into (``GPT2LMHeadModel``, ``LlamaForCausalLM``, the BERT class of
 returns the module with ``config.lora`` set from ``adapter_config.json`` and the params with
 ``lora_a`` / ``lora_b`` filled. Torch is never imported.
 
-Which HF module is which Dense. Nothing here names a family's modules: the family's
-:class:`~transformer_jax.interop.common.TensorMap` table (``hf/<family>.py``: ``<family>_tensor_maps``)
-does. A 2-D ``<module>.weight`` entry whose targets are Dense kernels is a LoRA site:
-``nn.Linear`` (weight (out, in), ``transpose=True``) or GPT-2's ``Conv1D`` (weight (in, out);
-``fan_in_fan_out``). A site may hold several of our Dense layers packed along its output
-axis: GPT-2's ``c_attn`` is query, key and value. Adapter module names may differ from the
-table's by a leading prefix (saved from ``GPT2Model`` or ``BertModel``, loaded into the
-headed model, or the reverse); where the family reads another key layout (ViT: the names of
-transformers 4, ``attention.attention.query``), adapters saved under it load too.
+Which HF module holds which of our Dense layers (the LoRA sites, PEFT's pattern rules)
+is :mod:`transformer_jax.interop.peft.sites`.
 
 Tensor layout (PEFT's ``LoraLayer``, the same for ``nn.Linear`` and ``Conv1D``)::
 

@@ -1,19 +1,10 @@
 """Flax mirrors of the tutorial's PyTorch modules: same forward signature, same mask conventions.
 
-Each mirror is a thin subclass of a library layer (so its parameters have the library's
-layout) whose ``__call__`` takes the positional inputs of the PyTorch ``forward`` and
-returns what it returns::
+Built like :mod:`transformer_jax.interop.torch_nn.modules`' mirrors (a thin subclass of
+a library layer, the PyTorch ``forward``'s inputs and outputs, dropout off unless
+``deterministic=False``, no torch import) and with its shape legend.
 
-    module, params = interop.from_torch(torch_module)
-    out = module.apply({"params": params}, *the_same_inputs_as_torch)
-
-Dropout is off unless ``deterministic=False`` is passed (with a ``"dropout"`` rng).
-Nothing here imports torch.
-
-Shape legend: B batch, T query (target) length, S key (source) length, D model width,
-N heads, K key/value heads, H head dim, F feed-forward width.
-
-the tutorial's PyTorch modules, batch-first, mask 1 = may attend:
+The mirrors of the tutorial's PyTorch modules, batch-first, mask 1 = may attend:
 :class:`TutorialMultiHeadAttention` ``(query, key, value, mask=None)``,
 :class:`TutorialPositionalEncoding` ``(x)``, :class:`TutorialFeedForward` ``(x)``,
 :class:`TutorialEncoderBlock` ``(x, mask=None)`` (pre- or post-norm) and
