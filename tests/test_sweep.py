@@ -17,8 +17,9 @@ from transformer_jax.sweep import Member, members_of, run_sweep
 
 REPO = Path(__file__).resolve().parents[1]
 
-# Two members on the embedded corpus: "a" is quick; "b" is long enough (300 steps, a
-# checkpoint every 20) for a SIGTERM to land in the middle of it.
+# Two members on the embedded corpus: "a" is quick; "b" is long enough (160 steps, a
+# checkpoint every 20) for a SIGTERM, sent once its first checkpoint is on disk, to land in
+# the middle of it (140 steps, a few seconds, before "b" would end).
 TINY_SWEEP = '''
 from transformer_jax.train.config import ExperimentConfig
 
@@ -31,8 +32,8 @@ def get_config():
 
 def get_sweep(quick):
     return [{{"name": "a", "group": "size", "set": ["model.d_model=16"]}},
-            {{"name": "b", "group": "data", "set": {{"model.d_model": 32, "steps": 300,
-             "eval_every": 100, "save_every": 20, "task.train_tokens": 6000}}}}]
+            {{"name": "b", "group": "data", "set": {{"model.d_model": 32, "steps": 160,
+             "eval_every": 40, "save_every": 20, "task.train_tokens": 6000}}}}]
 '''
 
 
@@ -79,7 +80,7 @@ def test_sigterm_then_restart_gives_the_rows_of_an_uninterrupted_sweep(tmp_path,
     parse = _parser().parse_args                                    # every flag, --set kept
     assert len(restart) == 1 and parse(shlex.split(restart[0])[1:]) == parse(cmd[3:])
     stopped = _latest_checkpoint(work / "b")
-    assert 20 <= stopped < 300                       # in the middle of "b"
+    assert 20 <= stopped < 160, stopped              # in the middle of "b"
     assert [r["member"] for r in map(json.loads, (work / "results.jsonl").read_text().splitlines())] == ["a"]
 
     # started again (here through the API): "a" is skipped, "b" resumes from its checkpoint
@@ -94,7 +95,7 @@ def test_sigterm_then_restart_gives_the_rows_of_an_uninterrupted_sweep(tmp_path,
     a, b = rows
     assert a["group"] == "size" and b["group"] == "data" and b["train_tokens"] == 6000
     assert [p["step"] for p in a["curve"]] == [4, 8, 12]
-    assert [p["step"] for p in b["curve"]] == [100, 200, 300]
+    assert [p["step"] for p in b["curve"]] == [40, 80, 120, 160]
     assert b["best_eval_loss"] == min(p["eval_loss"] for p in b["curve"])
     assert a["final_eval_loss"] == a["curve"][-1]["eval_loss"]
     # a member's row is its run's metrics: the eval rows of its metrics.jsonl

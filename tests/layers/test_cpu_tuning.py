@@ -83,29 +83,31 @@ def _plain_attention(q, k, v, mask, bias, causal):
 @pytest.mark.parametrize("causal", [False, True])
 def test_attention_matmuls_derivatives_equal_the_plain_formula_to_every_order(causal):
     """The reference attention's two matmuls carry written-out JVPs. Values, gradients,
-    forward-mode tangents, a second derivative and a vmapped gradient all equal those of
-    the plain formula: GQA, bias, padding mask, causal query blocks of 16 over T=37."""
+    forward-mode tangents, a second derivative and a vmapped gradient (each jitted) all
+    equal those of the plain formula: GQA, bias, padding mask, causal query blocks of 16
+    over T=37."""
     q, k, v, mask, bias = attention_inputs()
     ct = rand(5, q.shape)
     ours = lambda q, k, v: dot_product_attention(q, k, v, mask=mask, bias=bias,  # noqa: E731
                                                  causal=causal, q_chunk=16,
                                                  attention_impl="xla")
     plain = lambda q, k, v: _plain_attention(q, k, v, mask, bias, causal)  # noqa: E731
-    np.testing.assert_allclose(ours(q, k, v), plain(q, k, v), rtol=1e-5, atol=1e-5)
+    jit = jax.jit       # one compile per transformation, not one per primitive run eagerly
+    np.testing.assert_allclose(jit(ours)(q, k, v), jit(plain)(q, k, v), rtol=1e-5, atol=1e-5)
     loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v) * ct)  # noqa: E731
-    grads = [jax.grad(loss(f), (0, 1, 2))(q, k, v) for f in (ours, plain)]
+    grads = [jit(jax.grad(loss(f), (0, 1, 2)))(q, k, v) for f in (ours, plain)]
     for a, b in zip(*grads):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
     tangents = (rand(6, q.shape), rand(7, k.shape), rand(8, v.shape))
-    np.testing.assert_allclose(jax.jvp(ours, (q, k, v), tangents)[1],
-                               jax.jvp(plain, (q, k, v), tangents)[1], rtol=1e-4, atol=1e-5)
+    tangent = lambda f: jit(lambda *t: jax.jvp(f, (q, k, v), t)[1])(*tangents)  # noqa: E731
+    np.testing.assert_allclose(tangent(ours), tangent(plain), rtol=1e-4, atol=1e-5)
 
     def second(f):      # d/dq of |d loss / dk|^2: reverse over reverse through both rules
-        return jax.grad(lambda q: jnp.sum(jax.grad(loss(f), 1)(q, k, v) ** 2))(q)
+        return jit(jax.grad(lambda q: jnp.sum(jax.grad(loss(f), 1)(q, k, v) ** 2)))(q)
     np.testing.assert_allclose(second(ours), second(plain), rtol=1e-3, atol=1e-4)
     vs = jnp.stack([v, 2 * v])
-    batched = jax.vmap(jax.grad(loss(ours), 2), in_axes=(None, None, 0))(q, k, vs)
-    np.testing.assert_allclose(batched[1], jax.grad(loss(ours), 2)(q, k, 2 * v), rtol=1e-6)
+    batched = jit(jax.vmap(jax.grad(loss(ours), 2), in_axes=(None, None, 0)))(q, k, vs)
+    np.testing.assert_allclose(batched[1], jit(jax.grad(loss(ours), 2))(q, k, 2 * v), rtol=1e-6)
 
 
 # ----------------------------------------------------------------------------- what XLA:CPU compiles
@@ -163,13 +165,14 @@ def test_pre_norm_residual_gradient_is_stored_once_per_sublayer_on_cpu():
     Tuned, one conditional per sublayer survives compilation (the very first one's
     gradient, w.r.t. the input, is not needed), and the fusions don't grow with depth."""
     conds2, ops2 = _grad_hlo_facts(2)
-    conds8, ops8 = _grad_hlo_facts(8)
-    assert (conds2, conds8) == (2 * 2 - 1, 2 * 8 - 1)
-    assert ops8 == ops2 <= 12, (ops2, ops8)
+    conds4, ops4 = _grad_hlo_facts(4)
+    assert (conds2, conds4) == (2 * 2 - 1, 2 * 4 - 1)
+    assert ops4 == ops2 <= 12, (ops2, ops4)
     plain2, plain_ops2 = _grad_hlo_facts(2, cpu_tuning=False)
-    plain8, plain_ops8 = _grad_hlo_facts(8, cpu_tuning=False)
-    assert (plain2, plain8) == (0, 0)
-    assert plain_ops8 > plain_ops2 > ops2, (plain_ops2, plain_ops8)
+    plain4, plain_ops4 = _grad_hlo_facts(4, cpu_tuning=False)
+    assert (plain2, plain4) == (0, 0)
+    # untuned, the largest fusion grows by ~16 operands a layer (27 at 2 layers, 60 at 4)
+    assert plain_ops4 > plain_ops2 > ops2, (plain_ops2, plain_ops4)
     # vmap keeps the conditional (its predicate doesn't depend on the batched values)
     grads = jax.jit(jax.vmap(jax.grad(lambda a: jnp.sum(jnp.sin(cpu_tuning.residual(a)) ** 2))))
     assert grads.lower(rand(0, (4, 3, 8))).compile().as_text().count(" conditional(") == 1
