@@ -153,9 +153,8 @@ def test_sharded_pallas_kernel_equals_the_reference():
 def test_no_mesh_triggers_an_involuntary_full_rematerialization():
     """GPT, BERT, T5 and ViT train steps (one layer each) on data x fsdp and data x fsdp x
     tensor (the meshes on which the embedding lookups used to make XLA replicate a tensor to
-    reshard it): XLA
-    reports no such fallback, and on random inputs (a different row each) both meshes give
-    the single-device loss within 1e-6 relative."""
+    reshard it): XLA reports no such fallback, and on random inputs (a different row each)
+    both meshes give the single-device loss within 1e-6 relative."""
     results, stderr = _run("train")
     assert "Involuntary full rematerialization" not in stderr, stderr[-3000:]
     for family in ("gpt", "bert", "t5", "vit"):
