@@ -1,6 +1,7 @@
 """Subprocess side of tests/test_sharding.py: runs on 8 simulated CPU devices.
 
-  python tests/sharding_worker.py parity            -> JSON: loss/gradient differences per mesh
+  python tests/sharding_worker.py parity            -> JSON: loss/gradient differences per case,
+                                                       state bytes and specs per layout
   python tests/sharding_worker.py curves ROOT DATA  -> JSON: train() losses per mesh + resumes
 
 The device count must be fixed before JAX starts, so this file sets ``XLA_FLAGS`` itself
@@ -17,7 +18,8 @@ import sys
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     # 8 devices; LLVM optimisation off: these programs are tiny, so compiling dominates
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-                               " --xla_backend_optimization_level=0").strip()
+                               " --xla_backend_optimization_level=0"
+                               " --xla_llvm_disable_expensive_passes=true").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
@@ -37,8 +39,9 @@ from transformer_jax.losses import lm_loss, token_loss  # noqa: E402
 from transformer_jax.train.finetune import ParamSplit  # noqa: E402
 from transformer_jax.train.step import compile_train_step, create_train_state, make_train_step  # noqa: E402
 
-MESHES = ["data=8", "data=2,fsdp=4", "data=2,fsdp=2,tensor=2", "tensor=8", "fsdp=8"]
-CURVE_MESHES = ["data=8", "fsdp=8", "data=2,fsdp=2,tensor=2", "tensor=8"]
+# train() end to end: the mixed mesh (data, fsdp and tensor at once), 8-way FSDP (which the
+# test then resumes on one device) and pmap; data=8 runs as the target of both resumes
+CURVE_MESHES = ["fsdp=8", "data=2,fsdp=2,tensor=2"]
 
 
 def gradient_catcher() -> optax.GradientTransformation:
@@ -124,31 +127,60 @@ def compare(state, metrics, ref_state, ref_metrics) -> dict:
                          for g, r in zip(grads, ref))}
 
 
+# The cases each family's train step runs in, with dropout (jit meshes only: pmap draws
+# per-device masks) and without. The mixed mesh shards over data, fsdp and tensor at once;
+# the pure layouts and pmap run for GPT; the other families add what is theirs: T5's
+# relative position bias and cross attention (the mixed mesh, with dropout; pmap), LoRA's
+# adapters, CLIP's contrastive loss and BERT's masked-token mean over the global batch
+# (pmap gathers the embeddings / sums the counts itself).
+CASES = {
+    "gpt": {True: ["data=2,fsdp=2,tensor=2", "data=2,fsdp=2,tensor=2/accum2"],
+            False: ["data=8", "fsdp=8", "tensor=8", "pmap"]},
+    "t5": {True: ["data=2,fsdp=2,tensor=2"], False: ["pmap"]},
+    "gpt_lora": {True: [], False: ["data=2,fsdp=2,tensor=2", "pmap"]},   # adapters train
+    "clip": {True: [], False: ["data=2,fsdp=4", "pmap"]},
+    "bert_pretrain": {True: [], False: ["pmap"]},
+}
+# Where the state lives per device (no step needed: the jit step's output keeps the
+# placement's shardings, which the stepped cases check)
+LAYOUTS = {"gpt": ["data=8", "data=2,fsdp=4", "fsdp=8", "tensor=8"],
+           "t5": ["data=8", "data=2,fsdp=4", "fsdp=8", "tensor=8"]}
+
+
+def state_layout(state) -> dict:
+    """Bytes of parameters + optimizer state on the fullest device and in all, and the
+    sharding spec of every parameter (LoRA: the frozen base's as ``frozen/...``)."""
+    mem = sh.bytes_per_device((state.params, state.opt_state))
+    specs = {"/".join(sh._path(p)): str(x.sharding.spec)
+             for p, x in jax.tree_util.tree_flatten_with_path(state.params)[0]}
+    specs.update({"frozen/" + "/".join(sh._path(p)): str(x.sharding.spec)
+                  for p, x in jax.tree_util.tree_flatten_with_path(state.frozen or {})[0]})
+    return {"state_bytes_max_device": max(mem.values()),
+            "state_bytes_total": sum(x.nbytes for x in jax.tree_util.tree_leaves((state.params, state.opt_state))),
+            "specs": specs}
+
+
 def parity() -> dict:
     tx = gradient_catcher()
     rng = jax.random.PRNGKey(0)
-    out: dict = {"devices": jax.device_count()}
+    out: dict = {"devices": jax.device_count(), "layouts": {}}
     for name, (model, loss_fn, batch, init_args) in families().items():
         split = ParamSplit(lora=model.config.lora) if model.config.lora is not None else None
         create = lambda: create_train_state(  # noqa: E731
             model, tx, rng, *init_args, partition=split and split.split)
         init_vars = lambda: model.init(rng, *init_args)  # noqa: E731
+        rows = len(next(iter(batch.values())))
+        fresh = jax.jit(create)()
+        host = jax.device_get(fresh)   # the same initial values, placed per case (the step donates)
         res: dict = {}
         for dropout in (True, False):
+            cases = CASES[name][dropout]
+            if not cases:
+                continue
             lf = loss_fn if dropout else deterministic(loss_fn)
-            fresh = jax.jit(create)()
             ref_state, ref_m = jax.jit(make_train_step(loss_fn=lf))(fresh, batch)  # 1 device, no mesh
             # dropout masks do not depend on the sharding (threefry is partitionable), so the
-            # jit meshes match with dropout on; pmap draws per-device masks: dropout off
-            cases = (["data=2,fsdp=2,tensor=2", "data=2,fsdp=2,tensor=2/accum2"] if dropout
-                     else MESHES + ["pmap"])
-            if split is not None:          # adapters: one mesh and pmap suffice
-                cases = [] if dropout else ["data=2,fsdp=2,tensor=2", "pmap"]
-            if name == "clip":             # no dropout; a data mesh, an fsdp mesh and pmap
-                cases = [] if dropout else ["data=8", "data=2,fsdp=4", "pmap"]
-            if name == "bert_pretrain":
-                cases = [] if dropout else ["data=8", "pmap"]
-            rows = len(next(iter(batch.values())))
+            # jit meshes match with dropout on
             for case in cases:
                 spec, _, extra = case.partition("/")
                 accum = 2 if extra == "accum2" else 1
@@ -159,9 +191,7 @@ def parity() -> dict:
                     place = JitPlacement(spec, rows, accum)
                     fn = make_train_step(loss_fn=lf, accum_steps=accum)
                 place.setup(create, init_vars)
-                # the same initial values (a host copy: the step donates its input), placed for
-                # this mesh; train() covers Placement.init_state
-                host = jax.device_get(fresh)
+                # train() covers Placement.init_state
                 state = sh.pmap_replicate(host) if spec == "pmap" else sh.put_global(host, place._shardings)
                 state, m = compile_train_step(place, fn)(state, batch)
                 if spec == "pmap":
@@ -170,16 +200,16 @@ def parity() -> dict:
                 if accum == 2:   # accumulation draws other dropout masks: compare with accum on one device
                     ref_s, ref_mm = jax.jit(make_train_step(loss_fn=loss_fn, accum_steps=2))(fresh, batch)
                 r = compare(state, m, ref_s, ref_mm)
-                mem = sh.bytes_per_device((state.params, state.opt_state))
-                r["state_bytes_max_device"] = max(mem.values())
-                r["state_bytes_total"] = sum(x.nbytes for x in jax.tree_util.tree_leaves((state.params, state.opt_state)))
-                r["specs"] = {"/".join(sh._path(p)): str(x.sharding.spec)
-                              for p, x in jax.tree_util.tree_flatten_with_path(state.params)[0]}
-                r["specs"].update({"frozen/" + "/".join(sh._path(p)): str(x.sharding.spec)
-                                   for p, x in jax.tree_util.tree_flatten_with_path(
-                                       state.frozen or {})[0]})
+                r.update(state_layout(state))
                 res[f"{case}{'' if dropout else ' (no dropout)'}"] = r
         out[name] = res
+        layouts = {}
+        for spec in LAYOUTS.get(name, []):
+            place = JitPlacement(spec, rows)
+            place.setup(create, init_vars)
+            layouts[spec] = state_layout(sh.put_global(host, place._shardings))
+        if layouts:
+            out["layouts"][name] = layouts
     return out
 
 
@@ -207,8 +237,8 @@ def curves(root: str, data_dir: str) -> dict:
     # restores onto another mesh: cut a finished run back to its middle checkpoint, resume
     # (the test resumes the fsdp=8 one on a single device)
     half = steps // 2
-    for src, dst_changes, name in [("data=8", dict(mesh="data=2,fsdp=2,tensor=2"), "data=8 -> data=2,fsdp=2,tensor=2"),
-                                   ("pmap", dict(parallelism="jit"), "pmap -> jit data=8")]:
+    for src, dst_changes, name in [("data=2,fsdp=2,tensor=2", dict(mesh="data=8"), "data=2,fsdp=2,tensor=2 -> data=8"),
+                                   ("pmap", dict(parallelism="jit", mesh="data=8"), "pmap -> jit data=8")]:
         workdir = os.path.join(root, f"resume_{len(out['resumed'])}")
         shutil.copytree(os.path.join(root, src), workdir)
         for d in os.listdir(os.path.join(workdir, "checkpoints")):

@@ -137,7 +137,8 @@ def test_jit_and_pmap_on_four_devices_skip_together_and_match_one_device():
     float16's resolution (updates within 1e-2 of the largest, measured up to 4e-3; losses
     within 1e-5, measured up to 2.4e-6)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0")
+               XLA_FLAGS="--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0"
+                         " --xla_llvm_disable_expensive_passes=true")
     env["PYTHONPATH"] = os.pathsep.join([str(HERE.parents[1]), env.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, str(HERE / "loss_scale_worker.py")], env=env,
                           capture_output=True, text=True, timeout=900)
@@ -159,21 +160,23 @@ def test_jit_and_pmap_on_four_devices_skip_together_and_match_one_device():
 
 @pytest.mark.slow
 def test_default_experiment_in_float16_tracks_float32(tmp_path, data_dir):
-    """experiments/stdlib_gpt.py, paused at step 12 (its own schedule: warmup to step 50),
-    once as it is and once with --set model.dtype=float16 (scaling on by itself). No step
-    is skipped at the default initial scale; the training losses agree within 1e-3 nats at
-    every step (measured: at most 2.9e-4) and the eval loss at step 12 within 1e-3
-    (measured: 9e-6), while both fall by more than 0.8 nats (measured: 0.95)."""
+    """experiments/stdlib_gpt.py cut down to one layer and 16-row batches (its width, heads,
+    context, optimiser and schedule as they are: warmup to step 50), paused at step 10, once
+    as it is and once with --set model.dtype=float16 (scaling on by itself). No step is
+    skipped at the default initial scale; the training losses agree within 1e-3 nats at
+    every step (measured: at most 1.7e-4) and the eval loss at step 10 within 1e-3
+    (measured: 1.8e-5), while both fall by more than 0.5 nats (measured: 0.72)."""
     base = apply_overrides(load_experiment("stdlib_gpt"), [
-        f"data_dir={data_dir}", "log_every=1", "eval_every=12", "eval_batches=4", "sample_tokens=0"])
-    f32 = train(base, tmp_path / "f32", progress=False, stop_at=12)
+        f"data_dir={data_dir}", "model.num_layers=1", "batch_size=16", "log_every=1",
+        "eval_every=10", "eval_batches=4", "sample_tokens=0"])
+    f32 = train(base, tmp_path / "f32", progress=False, stop_at=10)
     f16 = train(apply_overrides(base, ["model.dtype=float16"]), tmp_path / "f16", progress=False,
-                stop_at=12)
+                stop_at=10)
     a, b = rows(tmp_path / "f32"), rows(tmp_path / "f16")
-    assert sorted(a) == sorted(b) == list(range(1, 13))
+    assert sorted(a) == sorted(b) == list(range(1, 11))
     assert all(b[s]["skipped"] == 0.0 and b[s]["loss_scale"] == 2.0 ** 15 for s in b)
     assert "loss_scale" not in a[1]
     diffs = [abs(a[s]["loss"] - b[s]["loss"]) for s in a]
     assert max(diffs) < 1e-3, diffs
-    assert a[12]["loss"] < a[1]["loss"] - 0.8                       # both learned
+    assert a[10]["loss"] < a[1]["loss"] - 0.5 and b[10]["loss"] < b[1]["loss"] - 0.5   # both learned
     assert abs(f32["eval_loss"] - f16["eval_loss"]) < 1e-3
