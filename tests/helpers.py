@@ -56,6 +56,35 @@ def cli(*args, preexec_fn=None, env=None):
     return done.returncode, done.stdout, lines
 
 
+def cli_here(*args, capfd=None, caplog=None):
+    """``transformer-jax ARGS`` through ``transformer_jax.cli.main`` in this process, reported
+    as :func:`cli` reports a subprocess: (exit status, stdout, the warning:/error: lines).
+    For runs that need no process of their own (no signal, resource limit, capability or
+    fresh import): it saves the interpreter's start and imports, and reuses the programs
+    this process has compiled. With a test's ``capfd`` the output is read at the file
+    descriptors, so what C++ writes counts too, and with its ``caplog`` a logged traceback
+    fails the call as a printed one does (logging goes to stderr in a subprocess, to pytest
+    here); without them (a module-scoped fixture) Python's ``sys.stdout``/``sys.stderr``."""
+    import contextlib
+    import io
+
+    from transformer_jax.cli import main
+
+    argv = [str(a) for a in args]
+    if capfd is None:
+        with contextlib.redirect_stdout(io.StringIO()) as o, contextlib.redirect_stderr(io.StringIO()) as e:
+            code = main(argv)
+        out, err = o.getvalue(), e.getvalue()
+    else:
+        capfd.readouterr()
+        code = main(argv)
+        out, err = capfd.readouterr()
+    assert "Traceback" not in err, err
+    assert caplog is None or "Traceback" not in caplog.text, caplog.text
+    lines = [line for line in err.splitlines() if line.startswith(("warning:", "error:"))]
+    return code, out, lines
+
+
 def snapshot(workdir) -> dict[str, bytes]:
     """Every file under ``workdir`` (relative path -> bytes; ``b"<dir>"`` for a directory):
     what a refused run must leave as it was."""

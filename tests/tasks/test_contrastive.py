@@ -224,16 +224,21 @@ def test_train_logs_zero_shot_and_retrieval(tmp_path):
     assert spec["family"] == "clip"
 
 
-def test_init_from_a_clip_directory_with_its_tokenizer_then_export(tmp_path):
+def test_init_from_a_clip_directory_with_its_tokenizer_then_export(tmp_path, capfd, caplog):
     """An HF CLIPModel directory with tokenizer files: the run takes its weights and its
     tokenizer (``hf:DIR``), trains, and ``export --format hf`` gives a CLIPModel with the
-    JAX logits. (The tokenizer is a small byte-level BPE: a CLIP BPE cannot be built offline.)"""
+    JAX logits. (The tokenizer is a small byte-level BPE: a CLIP BPE cannot be built offline.)
+    ``train`` and ``export`` are the CLI's ``main`` in this process (tests/helpers.py
+    ``cli_here``: nothing here needs a process of its own)."""
+    import functools
+
     import transformers
 
-    from tests.helpers import cli
+    from tests.helpers import cli_here
     from tests.tokenizer_dirs import gpt2_dir
     from transformer_jax.workdir import load_run
 
+    cli = functools.partial(cli_here, capfd=capfd, caplog=caplog)
     src, run, out = tmp_path / "clip", tmp_path / "run", tmp_path / "export"
     gpt2_dir(src)                                  # the tokenizer (its config.json is replaced)
     eos = transformers.AutoTokenizer.from_pretrained(src).eos_token_id

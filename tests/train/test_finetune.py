@@ -12,7 +12,7 @@ import pytest
 
 peft = pytest.importorskip("peft")
 
-from tests.helpers import cli, tiny_cfg
+from tests.helpers import cli_here, tiny_cfg
 from tests.interop.conftest import bert_model, gpt2_model, t5_model, torch, transformers, vit_model
 from tests.tokenizer_dirs import gpt2_dir
 from transformer_jax.errors import UserError
@@ -230,11 +230,15 @@ def test_a_lora_run_trains_the_adapters_alone_and_exports_merged(data_dir, hf_di
 
 # ----------------------------------------------------------------------------- the CLI
 
-def test_cli_init_from_with_the_checkpoints_tokenizer_then_export(data_dir, tmp_path):
+def test_cli_init_from_with_the_checkpoints_tokenizer_then_export(data_dir, tmp_path, capfd, caplog):
     """``train --init-from`` an HF GPT-2 directory with its own BPE tokenizer (LoRA), then
     ``export --merge``: the run tokenizes with ``hf:DIR`` (the ids AutoTokenizer gives), the
     export carries the tokenizer files, and AutoModel/AutoTokenizer reproduce our logits on
-    the same text."""
+    the same text. The CLI's ``main`` runs in this process (nothing here needs a process of
+    its own; tests/helpers.py ``cli_here``)."""
+    def cli(*args):
+        return cli_here(*args, capfd=capfd, caplog=caplog)
+
     hf_dir = tmp_path / "hf"
     gpt2_dir(hf_dir)                                   # tokenizer (701 ids) + a config
     tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)

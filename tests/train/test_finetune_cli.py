@@ -4,10 +4,12 @@ checkpoint of another family or with too small a vocabulary. Each test asserts t
 the user sees and the state of the workdir afterwards.
 
 One LoRA run (rank 4 over a tiny random HF GPT-2, 2 steps, learning rate 1e-2, warm-up 1)
-is trained once, in a subprocess; the test that trains further copies it, the refused runs
-use it as it is. Runs that are refused before they train go through the CLI's ``main`` in
-this process (the same lines and exit status, without a process start each).
+is trained once; the test that trains further copies it, the refused runs use it as it
+is. Every run goes through the CLI's ``main`` in this process (the same lines and exit
+status, without a process start and its imports each; nothing here needs a process of
+its own).
 """
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -16,7 +18,7 @@ import jax
 import numpy as np
 import pytest
 
-from tests.helpers import cli, snapshot
+from tests.helpers import cli_here, snapshot
 from tests.interop.conftest import gpt2_model
 from transformer_jax.cli import main as cli_main
 from transformer_jax.interop import from_hf
@@ -31,8 +33,8 @@ LORA = ["--set=lora.rank=4", "--set=learning_rate=1e-2", "--set=warmup_steps=1"]
 
 
 def train(*args, data_dir):
-    """``transformer-jax train`` with the short settings, in a subprocess."""
-    return cli("train", "--no-progress", *(f"--set={o}" for o in SHORT), f"--set=data_dir={data_dir}",
+    """``transformer-jax train`` with the short settings (for a module-scoped fixture)."""
+    return cli_here("train", "--no-progress", *(f"--set={o}" for o in SHORT), f"--set=data_dir={data_dir}",
                *args)
 
 
@@ -50,6 +52,12 @@ def flat(tree, prefix=()):
     for k, v in tree.items():
         out.update(flat(v, prefix + (k,)) if isinstance(v, dict) else {prefix + (k,): v})
     return out
+
+
+@pytest.fixture
+def here(capfd, caplog):
+    """``transformer-jax ARGS`` in this process: (exit status, stdout, warning:/error: lines)."""
+    return functools.partial(cli_here, capfd=capfd, caplog=caplog)
 
 
 def rows(workdir) -> list[dict]:
@@ -95,14 +103,14 @@ def test_lora_targets_that_match_nothing_are_refused(hf_dir, data_dir, tmp_path,
     assert not (tmp_path / "run").exists()
 
 
-def test_a_lora_run_resumed_as_the_readme_says_keeps_its_settings(lora_run, data_dir, tmp_path):
+def test_a_lora_run_resumed_as_the_readme_says_keeps_its_settings(lora_run, data_dir, tmp_path, here):
     """README step 2, literally: ``train --workdir DIR --resume --steps N``. The run goes on
     with its own learning rate, warm-up and batch (the experiment's defaults are 2e-3, 50 and
     32), and config.json keeps them."""
     workdir = tmp_path / "run"
     shutil.copytree(lora_run[0], workdir)
     before = json.loads((workdir / "config.json").read_text())
-    code, _, lines = cli("train", "--workdir", str(workdir), "--resume", "--steps", "4", "--no-progress")
+    code, _, lines = here("train", "--workdir", str(workdir), "--resume", "--steps", "4", "--no-progress")
     assert code == 0 and lines == [], lines
     after = json.loads((workdir / "config.json").read_text())
     assert after["experiment"] == {**before["experiment"], "steps": 4}

@@ -2,14 +2,15 @@
 pretraining (MLM + NSP) continued from a Hugging Face ``BertForPreTraining`` directory
 (random weights, a WordPiece tokenizer of 700 ids): every parameter, the MLM and NSP heads
 included, is the checkpoint's, and metrics.jsonl has the NSP and MLM metrics, train and
-eval. One run of 2 steps of a 1-layer model of width 8, in a subprocess."""
+eval. One run of 2 steps of a 1-layer model of width 8, through the CLI's ``main`` in this
+process (nothing here needs a process of its own)."""
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.helpers import cli
+from tests.helpers import cli_here
 from tests.tokenizer_dirs import bert_dir
 from transformer_jax.train.checkpoint import load_params
 
@@ -37,7 +38,7 @@ def hf_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, hf_dir, data_dir):
     workdir = tmp_path_factory.mktemp("pretrain") / "run"
-    code, out, lines = cli("train", "--experiment", "bert_pretrain_stdlib", "--init-from",
+    code, out, lines = cli_here("train", "--experiment", "bert_pretrain_stdlib", "--init-from",
                            str(hf_dir[0]), "--workdir", str(workdir), "--no-progress",
                            *(f"--set={o}" for o in SHORT), f"--set=data_dir={data_dir}")
     assert code == 0 and not [line for line in lines if line.startswith("error:")], lines

@@ -1,21 +1,26 @@
-"""What happens when things go wrong, through the real CLI in subprocesses (issue 20).
+"""What happens when things go wrong, through the real CLI (issue 20).
 
 One run trained to step 10 (checkpoints 5 and 10) is copied into each test, which then
 breaks something: the learning rate, a checkpoint file, metrics.jsonl, the workdir, the
 disk. Each test asserts the lines the user sees and the state of the workdir afterwards.
+
+The CLI's ``main`` runs in this process (``here``: the same exit status and lines, read
+at the file descriptors, without a process start and its imports each time), except
+where the process itself is the point: a file-size limit (the full disk) and dropped
+capabilities (the unwritable workdir) run ``transformer-jax`` in a subprocess.
 """
 import ctypes
+import functools
 import json
 import os
 import resource
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import TINY_RUN, cli, snapshot
+from tests.helpers import TINY_RUN, cli, cli_here, snapshot
+from transformer_jax.cli import main as cli_main
 
 pytestmark = pytest.mark.slow
 
@@ -24,9 +29,10 @@ def summary(stdout: str) -> dict:
     return json.loads(stdout[stdout.index("\n{\n") + 1:])
 
 
-def train(workdir, *extra, steps):
-    return cli("train", "--workdir", str(workdir), "--no-progress", *[f"--set={s}" for s in TINY_RUN],
-               f"--steps={steps}", *extra)
+def train(run_cli, workdir, *extra, steps):
+    """``transformer-jax train`` of TINY_RUN through ``run_cli`` (``here`` or ``cli``)."""
+    return run_cli("train", "--workdir", str(workdir), "--no-progress",
+                   *[f"--set={s}" for s in TINY_RUN], f"--steps={steps}", *extra)
 
 
 def losses(workdir) -> dict[int, float]:
@@ -38,11 +44,17 @@ def listing(workdir) -> list[str]:
     return sorted(p.name for p in (Path(workdir) / "checkpoints").iterdir())
 
 
+@pytest.fixture
+def here(capfd, caplog):
+    """``transformer-jax ARGS`` in this process: (exit status, stdout, warning:/error: lines)."""
+    return functools.partial(cli_here, capfd=capfd, caplog=caplog)
+
+
 @pytest.fixture(scope="module")
 def base(tmp_path_factory, data_dir):
     """A run trained to step 10 (checkpoints 5 and 10), and its losses."""
     workdir = tmp_path_factory.mktemp("base") / "run"
-    code, _, lines = train(workdir, f"--set=data_dir={data_dir}", steps=10)
+    code, _, lines = train(cli_here, workdir, f"--set=data_dir={data_dir}", steps=10)
     assert code == 0 and lines == []
     assert listing(workdir) == ["10", "5"]
     return workdir, losses(workdir)
@@ -55,10 +67,10 @@ def run(base, tmp_path):
     return workdir
 
 
-def test_divergence_names_a_checkpoint_from_before_it_and_its_advice_works(run, base, data_dir):
+def test_divergence_names_a_checkpoint_from_before_it_and_its_advice_works(run, base, data_dir, here):
     # a learning rate of 1e8 from step 11: the update of step 11 blows up the weights, so the
     # loss of step 12 (of the weights after 11 updates) is a spike and step 13's is NaN
-    code, _, lines = train(run, "--resume", f"--set=data_dir={data_dir}", "--set=learning_rate=1e8",
+    code, _, lines = train(here, run, "--resume", f"--set=data_dir={data_dir}", "--set=learning_rate=1e8",
                            "--set=save_every=1", steps=40)
     assert code == 3
     ckpt = run / "checkpoints"
@@ -75,7 +87,7 @@ def test_divergence_names_a_checkpoint_from_before_it_and_its_advice_works(run, 
     diverged = losses(run)
     assert diverged[12] > 3 * diverged[11]
     # the advice, literally: the learning rate back down, --resume
-    code, out, lines = train(run, "--resume", f"--set=data_dir={data_dir}", steps=14)
+    code, out, lines = train(here, run, "--resume", f"--set=data_dir={data_dir}", steps=14)
     assert code == 0 and lines == [] and summary(out)["start_step"] == 10
     resumed = losses(run)
     assert sorted(resumed) == list(range(1, 15))
@@ -83,7 +95,7 @@ def test_divergence_names_a_checkpoint_from_before_it_and_its_advice_works(run, 
     assert all(resumed[s] < 6.0 for s in range(11, 15))
 
 
-def test_an_unreadable_checkpoint_and_a_torn_metrics_line_are_skipped(run, base, data_dir):
+def test_an_unreadable_checkpoint_and_a_torn_metrics_line_are_skipped(run, base, data_dir, here):
     array = max((run / "checkpoints" / "10" / "state" / "ocdbt.process_0" / "d").iterdir(),
                 key=lambda p: p.stat().st_size)
     array.write_bytes(array.read_bytes()[:1000])
@@ -93,15 +105,15 @@ def test_an_unreadable_checkpoint_and_a_torn_metrics_line_are_skipped(run, base,
     unreadable = (f"warning: checkpoint step 10 in {run / 'checkpoints'} is unreadable: state/ "
                   "(the array ")
     # eval and generate use step 5 and move nothing
-    code, out, lines = cli("eval", "--workdir", str(run))
+    code, out, lines = here("eval", "--workdir", str(run))
     assert code == 0 and len(lines) == 1 and lines[0].startswith(unreadable)
     assert lines[0].endswith("; restoring step 5 instead")
     assert json.loads(out)["eval_loss"] > 0
-    code, out, lines = cli("generate", "--workdir", str(run), "--prompt", "def ", "--max-new-tokens", "4")
+    code, out, lines = here("generate", "--workdir", str(run), "--prompt", "def ", "--max-new-tokens", "4")
     assert code == 0 and len(lines) == 1 and lines[0].startswith(unreadable) and out.startswith("def ")
     assert listing(run) == ["10", "5"]
     # a resumed run moves step 10 aside and continues from step 5, exactly as the first run did
-    code, out, lines = train(run, "--resume", f"--set=data_dir={data_dir}", steps=12)
+    code, out, lines = train(here, run, "--resume", f"--set=data_dir={data_dir}", steps=12)
     assert code == 0 and summary(out)["start_step"] == 5
     assert lines[0].startswith(unreadable)
     assert lines[0].endswith(f"; moved it to {run / 'checkpoints'}/10.corrupt; restoring step 5 instead")
@@ -112,39 +124,40 @@ def test_an_unreadable_checkpoint_and_a_torn_metrics_line_are_skipped(run, base,
     assert [resumed[s] for s in range(6, 11)] == [base[1][s] for s in range(6, 11)]
 
 
-def test_refused_runs_leave_the_workdir_as_it_was(run, data_dir):
+def test_refused_runs_leave_the_workdir_as_it_was(run, data_dir, here):
     before = snapshot(run)
     ckpt = run / "checkpoints"
-    code, _, lines = train(run, "--resume", f"--set=data_dir={data_dir}", "--set=model.d_model=64", steps=20)
+    code, _, lines = train(here, run, "--resume", f"--set=data_dir={data_dir}", "--set=model.d_model=64",
+                           steps=20)
     assert code == 2 and len(lines) == 1
     assert lines[0].startswith("error: the checkpoint in this workdir does not match the config: "
                                "model config differs (field: (checkpoint, now)) {'d_model': (32, 64)")
-    code, _, lines = train(run, "--resume", f"--set=data_dir={data_dir}", steps=10)
+    code, _, lines = train(here, run, "--resume", f"--set=data_dir={data_dir}", steps=10)
     assert code == 0 and lines == []
-    code, _, lines = train(run, "--resume-from", "7", f"--set=data_dir={data_dir}", steps=20)
+    code, _, lines = train(here, run, "--resume-from", "7", f"--set=data_dir={data_dir}", steps=20)
     assert code == 2 and lines == [f"error: No checkpoint for step 7 in {ckpt}; available steps: "
                                    "[5, 10]; pick one of them"]
-    code, _, lines = train(run, "--resume", f"--set=data_dir={data_dir}", "--set=model.num_layers=0",
+    code, _, lines = train(here, run, "--resume", f"--set=data_dir={data_dir}", "--set=model.num_layers=0",
                            steps=20)
     assert code == 2 and len(lines) == 1 and "num_layers" in lines[0] and "0" in lines[0]
     assert snapshot(run) == before
 
 
-def test_nothing_to_do_says_so_and_writes_nothing(run, data_dir):
+def test_nothing_to_do_says_so_and_writes_nothing(run, data_dir, capfd):
     before = snapshot(run)
-    done = subprocess.run(
-        [sys.executable, "-m", "transformer_jax.cli", "train", "--workdir", str(run), "--resume",
-         "--no-progress", *[f"--set={s}" for s in TINY_RUN], f"--set=data_dir={data_dir}", "--steps=8"],
-        capture_output=True, text=True, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
-    assert done.returncode == 0
-    assert done.stderr.splitlines()[-1] == (
+    capfd.readouterr()
+    code = cli_main(["train", "--workdir", str(run), "--resume", "--no-progress",
+                     *[f"--set={s}" for s in TINY_RUN], f"--set=data_dir={data_dir}", "--steps=8"])
+    err = capfd.readouterr().err
+    assert code == 0 and "Traceback" not in err
+    assert err.splitlines()[-1] == (
         f"nothing to do: the checkpoint in {run / 'checkpoints'} is at step 10, and steps=8; give "
         "--steps above 10 to train further")
     assert snapshot(run) == before
 
 
-def test_resume_from_any_kept_step_sets_the_later_ones_aside(run, base, data_dir):
-    code, out, lines = train(run, "--resume-from", "5", f"--set=data_dir={data_dir}", steps=7)
+def test_resume_from_any_kept_step_sets_the_later_ones_aside(run, base, data_dir, here):
+    code, out, lines = train(here, run, "--resume-from", "5", f"--set=data_dir={data_dir}", steps=7)
     assert code == 0 and summary(out)["start_step"] == 5
     assert lines == [f"warning: --resume-from 5: moved the later checkpoints aside: "
                      f"{run / 'checkpoints'}/10.superseded"]
@@ -152,16 +165,16 @@ def test_resume_from_any_kept_step_sets_the_later_ones_aside(run, base, data_dir
     assert [losses(run)[s] for s in (6, 7)] == [base[1][6], base[1][7]]
 
 
-def test_resume_on_a_workdir_without_checkpoints_warns_and_starts_fresh(tmp_path, data_dir):
-    code, out, lines = train(tmp_path / "typo", "--resume", f"--set=data_dir={data_dir}", steps=2)
+def test_resume_on_a_workdir_without_checkpoints_warns_and_starts_fresh(tmp_path, data_dir, here):
+    code, out, lines = train(here, tmp_path / "typo", "--resume", f"--set=data_dir={data_dir}", steps=2)
     assert code == 0 and summary(out)["start_step"] == 0 and summary(out)["final_step"] == 2
     assert lines == [f"warning: --resume: {tmp_path / 'typo'} holds no checkpoint, so this run "
                      "starts from step 0 (check the --workdir if you meant to continue a run)"]
 
 
-def test_a_workdir_that_is_a_file_or_unwritable_is_one_line(tmp_path):
+def test_a_workdir_that_is_a_file_or_unwritable_is_one_line(tmp_path, here):
     (tmp_path / "afile").write_text("x")
-    code, _, lines = cli("train", "--workdir", str(tmp_path / "afile"))
+    code, _, lines = here("train", "--workdir", str(tmp_path / "afile"))
     assert code == 2 and lines == [f"error: --workdir {tmp_path / 'afile'} is a file, not a "
                                    "directory; give the path of a directory (it is created if missing)"]
     # a directory this process may not write to; root writes anywhere, so as root the CLI
@@ -188,7 +201,7 @@ def _without_root_overrides():
             raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
 
 
-def test_a_checkpoint_cut_short_by_a_full_disk_keeps_the_previous_one(run, base, data_dir):
+def test_a_checkpoint_cut_short_by_a_full_disk_keeps_the_previous_one(run, base, data_dir, here):
     # files of at most 40 KiB: the rows and the config fit, the checkpoint's array data do not
     def small_disk():
         resource.setrlimit(resource.RLIMIT_FSIZE, (40 * 1024, resource.RLIM_INFINITY))
@@ -201,62 +214,62 @@ def test_a_checkpoint_cut_short_by_a_full_disk_keeps_the_previous_one(run, base,
         "large); the previous checkpoint, step 10, is intact: free space (or choose a --workdir "
         "on a disk with room) and continue with --resume"]
     assert listing(run) == ["10", "15.orbax-checkpoint-tmp", "5"]
-    code, out, lines = train(run, "--resume", f"--set=data_dir={data_dir}", steps=15)
+    code, out, lines = train(here, run, "--resume", f"--set=data_dir={data_dir}", steps=15)
     assert code == 0 and lines == [] and summary(out)["start_step"] == 10
     assert listing(run) == ["10", "15"]
 
 
-def test_a_resume_takes_the_runs_settings_and_set_changes_them(run, data_dir):
+def test_a_resume_takes_the_runs_settings_and_set_changes_them(run, data_dir, here):
     """``--resume`` alone (no experiment, no --set) continues with the run's config.json:
     TINY_RUN's model, learning rate 3e-3 (constant) and warm-up 2, not the experiment's
     defaults (a 4-layer model, warmup_cosine at 2e-3 after 50 steps, which would refuse the
     checkpoint); ``--set learning_rate=...`` then changes the rate, and config.json says so."""
     before = json.loads((run / "config.json").read_text())
-    code, out, lines = cli("train", "--workdir", str(run), "--resume", "--steps", "12", "--no-progress")
+    code, out, lines = here("train", "--workdir", str(run), "--resume", "--steps", "12", "--no-progress")
     assert code == 0 and lines == [] and summary(out)["start_step"] == 10
     assert json.loads((run / "config.json").read_text()) == {
         **before, "experiment": {**before["experiment"], "steps": 12}}
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["lr"] for r in rows if r["step"] in (11, 12) and "lr" in r] == [
         pytest.approx(3e-3, rel=1e-6)] * 2
-    code, _, lines = cli("train", "--workdir", str(run), "--resume", "--steps", "13",
-                         "--set", "learning_rate=1e-3", "--no-progress")
+    code, _, lines = here("train", "--workdir", str(run), "--resume", "--steps", "13",
+                          "--set", "learning_rate=1e-3", "--no-progress")
     assert code == 0 and lines == []
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["lr"] for r in rows if r["step"] == 13 and "lr" in r] == [pytest.approx(1e-3, rel=1e-6)]
     assert json.loads((run / "config.json").read_text())["experiment"]["learning_rate"] == 1e-3
     # another experiment's name is not this run's settings
-    code, _, lines = cli("train", "--workdir", str(run), "--resume", "--steps", "14",
-                         "--experiment", "bert_mlm_stdlib", "--no-progress")
+    code, _, lines = here("train", "--workdir", str(run), "--resume", "--steps", "14",
+                          "--experiment", "bert_mlm_stdlib", "--no-progress")
     assert code == 2 and lines == [
         f"error: --experiment bert_mlm_stdlib is 'bert_mlm_stdlib', but {run} holds a run of "
         f"'stdlib_gpt'; drop --experiment (--resume takes the run's settings from "
         f"{run / 'config.json'}; --set changes them), or choose another --workdir"]
 
 
-def test_generate_past_max_len_says_how_many_tokens_it_cut(base):
+def test_generate_past_max_len_says_how_many_tokens_it_cut(base, here):
     """The model's max_len is 64 and its positions are a learned table: a 4-byte prompt
     leaves room for 60 new tokens, and a warning says 40 of the 100 asked for are cut."""
-    code, out, lines = cli("generate", "--workdir", str(base[0]), "--prompt", "def ",
-                           "--max-new-tokens", "100")
+    code, out, lines = here("generate", "--workdir", str(base[0]), "--prompt", "def ",
+                            "--max-new-tokens", "100")
     assert code == 0 and out.startswith("def ")
     assert lines == ["warning: the prompt (4 tokens) and --max-new-tokens 100 exceed the model's "
                      "max_len=64: at most 60 new tokens, 40 cut (its learned position table ends "
                      "there); a shorter prompt leaves more room"]
-    code, out, lines = cli("generate", "--workdir", str(base[0]), "--prompt", "def ",
-                           "--max-new-tokens", "60")
+    code, out, lines = here("generate", "--workdir", str(base[0]), "--prompt", "def ",
+                            "--max-new-tokens", "60")
     assert code == 0 and lines == []
 
 
-def test_generate_with_a_sliding_window_decodes_past_max_len(tmp_path, data_dir):
+def test_generate_with_a_sliding_window_decodes_past_max_len(tmp_path, data_dir, here):
     """A window of 8 over RoPE positions (max_len 32): 100 new tokens, greedy, no warning
     (tests/models/test_efficient_attention_models.py checks the tokens past max_len)."""
-    code, _, lines = train(tmp_path / "window", f"--set=data_dir={data_dir}", "--set=model.max_len=32",
+    code, _, lines = train(here, tmp_path / "window", f"--set=data_dir={data_dir}", "--set=model.max_len=32",
                            "--set=model.position=rope", "--set=model.attention_window=8",
                            "--set=eval_every=1", "--set=save_every=1", "--set=sample_tokens=0",
                            steps=1)
     assert code == 0 and lines == []
-    code, out, lines = cli("generate", "--workdir", str(tmp_path / "window"), "--prompt", "def ",
-                           "--max-new-tokens", "100", "--temperature", "0")
+    code, out, lines = here("generate", "--workdir", str(tmp_path / "window"), "--prompt", "def ",
+                            "--max-new-tokens", "100", "--temperature", "0")
     assert code == 0 and lines == []
     assert len(out.encode()) - 1 == 4 + 100      # bytes: the prompt, 100 tokens, print's newline
