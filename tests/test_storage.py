@@ -362,13 +362,8 @@ def test_train_pause_resume_eval_generate_in_a_bucket(gcs, tmp_path):
 @pytest.mark.slow
 def test_two_processes_train_into_one_bucket_and_resume_on_another_mesh(gcs, tmp_path):
     """2 processes (jax.distributed on localhost) write one gs:// workdir: process 0 the
-    files, both the checkpoint shards; the run resumes from the bucket on another mesh (one
-    process, one device: this one). tests/test_sharding.py resumes such a run with 2
-    processes on another mesh, in a local directory."""
-    from transformer_jax.run import train
-    from transformer_jax.train.config import ExperimentConfig, apply_overrides
-
-    from .test_sharding import TINY, _launch
+    files, both the checkpoint shards; the run resumes there on another mesh."""
+    from .test_sharding import _launch
 
     workdir, data_dir = f"{gcs}/multi", str(tmp_path / "tfds")
     outs = _launch(workdir, data_dir, 2, "data=4,fsdp=2")
@@ -376,8 +371,6 @@ def test_two_processes_train_into_one_bucket_and_resume_on_another_mesh(gcs, tmp
     steps = sorted(int(p.name) for p in storage.path(f"{workdir}/checkpoints").iterdir()
                    if p.name.isdigit())
     assert steps == [2]
-    summary = train(apply_overrides(ExperimentConfig(), TINY + [f"data_dir={data_dir}", "steps=4"]),
-                    workdir, resume=True, progress=False)
-    assert summary["start_step"] == 2 and summary["processes"] == 1 and summary["final_step"] == 4
+    _launch(workdir, data_dir, 4, "data=2,fsdp=2,tensor=2", "--resume")
     assert [r["step"] for r in read_metrics(workdir) if "loss" in r] == [1, 2, 3, 4]
     assert storage.is_file(f"{workdir}/config.json") and storage.is_file(f"{workdir}/loss.png")
