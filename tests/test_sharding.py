@@ -41,10 +41,8 @@ TINY = [
 
 def env_with_devices(n: int) -> dict:
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
-               # n CPU devices; LLVM optimisation off and its expensive passes skipped (as
-               # conftest.py does, whose flags this replaces): the programs are tiny, compiling dominates
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={n} --xla_backend_optimization_level=0"
-                         " --xla_llvm_disable_expensive_passes=true",
+               # n CPU devices, on top of conftest.py's compile flags (the programs are tiny)
+               XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={n}".strip(),
                SHARDING_TEST_OVERRIDES=json.dumps(TINY))
     env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")])
     return env
