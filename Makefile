@@ -8,6 +8,11 @@ BIN     = $(VENV)/bin
 
 .PHONY: train test bench clean
 
+# uv writes no bytecode at install; Python writes it at the first import instead, so that the
+# suite's many processes (xdist workers, notebook kernels, CLI subprocesses) do not each compile
+# torch, TensorFlow and JAX from source where the environment sets PYTHONDONTWRITEBYTECODE.
+unexport PYTHONDONTWRITEBYTECODE
+
 # pip takes torch, honouring this machine's pip settings (a local CPU wheel where there is one),
 # and uv; uv installs the rest in a fraction of pip's time (about 20 s against 150 s).
 $(BIN)/.installed: pyproject.toml .ci/constraints.txt

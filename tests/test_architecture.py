@@ -13,6 +13,7 @@ transformer_jax modules, at module level or inside a function (a late import is 
 dependency), except those under ``if TYPE_CHECKING:``.
 """
 import ast
+import functools
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "transformer_jax"
@@ -59,7 +60,11 @@ def _imports(name: str, path: Path) -> set[str]:
     return {m for m in found if m in MODULES and m != name}
 
 
-GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
+@functools.cache
+def graph() -> dict[str, set[str]]:
+    """Module -> the package modules it imports; parsed on first use, not at collection (each
+    pytest-xdist worker collects every test module)."""
+    return {name: _imports(name, path) for name, path in MODULES.items()}
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -95,12 +100,12 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_import_graph_is_read_from_the_source():
     assert len(MODULES) > 40
-    assert "transformer_jax.layers.attention_base" in GRAPH["transformer_jax.layers.attention"]
-    assert "transformer_jax.models.t5" in GRAPH["transformer_jax.interop.hf.t5"]
+    assert "transformer_jax.layers.attention_base" in graph()["transformer_jax.layers.attention"]
+    assert "transformer_jax.models.t5" in graph()["transformer_jax.interop.hf.t5"]
 
 
 def test_no_import_cycle():
-    assert _cycles(GRAPH) == []
+    assert _cycles(graph()) == []
 
 
 def test_the_cycle_finder_finds_a_cycle():
@@ -115,11 +120,11 @@ def _under(prefix: str) -> list[str]:
 def test_layers_and_models_depend_downward_only():
     """layers imports nothing of the package but layers (and errors); models only layers."""
     for module in _under("transformer_jax.layers"):
-        for dep in GRAPH[module]:
+        for dep in graph()[module]:
             assert dep.startswith("transformer_jax.layers") or dep == "transformer_jax.errors", \
                 (module, dep)
     for module in _under("transformer_jax.models"):
-        for dep in GRAPH[module]:
+        for dep in graph()[module]:
             assert dep.startswith(("transformer_jax.layers", "transformer_jax.models",
                                    "transformer_jax.errors")), (module, dep)
 
@@ -127,7 +132,7 @@ def test_layers_and_models_depend_downward_only():
 def _reachable(start: str) -> set[str]:
     seen, todo = set(), [start]
     while todo:
-        for nxt in GRAPH[todo.pop()]:
+        for nxt in graph()[todo.pop()]:
             if nxt not in seen:
                 seen.add(nxt)
                 todo.append(nxt)
@@ -144,17 +149,17 @@ def test_the_training_stack_depends_downward_only():
     exception), nor a wiring module; tasks read a finished run through
     ``train/checkpoint.py`` and never reach the loop or the wiring; nothing imports the
     CLI; ``losses`` needs only ``errors``."""
-    assert "transformer_jax.train.checkpoint" in GRAPH["transformer_jax.tasks.classify"]
-    assert "transformer_jax.tasks" in GRAPH["transformer_jax.run"]
+    assert "transformer_jax.train.checkpoint" in graph()["transformer_jax.tasks.classify"]
+    assert "transformer_jax.tasks" in graph()["transformer_jax.run"]
     for name in _under("transformer_jax.train"):
-        assert not any(d.startswith("transformer_jax.tasks") for d in GRAPH[name]), name
+        assert not any(d.startswith("transformer_jax.tasks") for d in graph()[name]), name
         assert not _reachable(name) & (set(_under("transformer_jax.tasks")) | set(WIRING)), name
     for name in _under("transformer_jax.tasks"):
-        up = {d for d in GRAPH[name] if d.startswith("transformer_jax.train")}
+        up = {d for d in graph()[name] if d.startswith("transformer_jax.train")}
         assert up <= {"transformer_jax.train.checkpoint"}, (name, up)
         assert not _reachable(name) & set(WIRING), name
-    assert not any("transformer_jax.cli" in deps for deps in GRAPH.values())
-    assert GRAPH["transformer_jax.losses"] <= {"transformer_jax.errors"}
+    assert not any("transformer_jax.cli" in deps for deps in graph().values())
+    assert graph()["transformer_jax.losses"] <= {"transformer_jax.errors"}
     above = set(_under("transformer_jax.tasks")) | set(_under("transformer_jax.models")) | {
         "transformer_jax.train.loop", "transformer_jax.cli", *WIRING}
     assert not _reachable("transformer_jax.train.checkpoint") & above

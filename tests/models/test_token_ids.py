@@ -3,7 +3,9 @@
 position, how many there are and the table when the ids are concrete; under ``jax.jit``
 the program is the unchecked one unless wrapped in ``checked``, which reports the same
 message through checkify. Valid ids give the outputs they gave before."""
+import functools
 import re
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -44,10 +46,35 @@ def _models():
             for k, (m, ids, f) in out.items()}
 
 
-MODELS = _models()
 OWNER = {"gpt": "GPTConfig", "bert": "BertConfig", "t5": "T5Config",
          "transformer": "TransformerConfig"}
-CASES = [(family, arg) for family, (_, _, ids, _) in MODELS.items() for arg in ids]
+ID_ARGS = {"gpt": ("input_ids",), "bert": ("input_ids",),
+           "t5": ("input_ids", "decoder_input_ids"), "transformer": ("input_ids", "decoder_input_ids")}
+CASES = [(family, arg) for family, args in ID_ARGS.items() for arg in args]
+
+
+@functools.cache
+def _built():
+    models = _models()
+    assert {family: tuple(ids) for family, (_, _, ids, _) in models.items()} == ID_ARGS
+    return models
+
+
+class _Models(Mapping):
+    """The models of ``_models()``, built on first use rather than at collection (each
+    pytest-xdist worker collects every test module)."""
+
+    def __getitem__(self, family):
+        return _built()[family]
+
+    def __iter__(self):
+        return iter(ID_ARGS)
+
+    def __len__(self):
+        return len(ID_ARGS)
+
+
+MODELS = _Models()
 
 
 def with_bad(ids: dict, arg: str, *where_value) -> dict:
