@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 if __package__ in (None, ""):
