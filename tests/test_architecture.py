@@ -67,7 +67,7 @@ def graph() -> dict[str, set[str]]:
     return {name: _imports(name, path) for name, path in MODULES.items()}
 
 
-def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     """Strongly connected components of more than one module (Tarjan)."""
     index, low, stack, on_stack, out = {}, {}, [], set(), []
 
@@ -75,7 +75,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
         index[v] = low[v] = len(index)
         stack.append(v)
         on_stack.add(v)
-        for w in sorted(graph[v]):
+        for w in sorted(edges[v]):
             if w not in index:
                 visit(w)
                 low[v] = min(low[v], low[w])
@@ -92,7 +92,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
             if len(component) > 1:
                 out.append(sorted(component))
 
-    for v in sorted(graph):
+    for v in sorted(edges):
         if v not in index:
             visit(v)
     return out
@@ -109,8 +109,8 @@ def test_no_import_cycle():
 
 
 def test_the_cycle_finder_finds_a_cycle():
-    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
-    assert _cycles(graph) == [["a", "b", "c"]]
+    edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycles(edges) == [["a", "b", "c"]]
 
 
 def _under(prefix: str) -> list[str]:
