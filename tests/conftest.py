@@ -65,6 +65,16 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: (item.module.__name__ not in slow_modules, order[id(item)]))
 
 
+@pytest.fixture
+def here(capfd, caplog):
+    """``here(*ARGS)``: ``transformer-jax ARGS`` in this process (``tests/helpers.py``
+    ``cli_here``), read at the file descriptors: (exit status, stdout, warning:/error: lines)."""
+    import functools
+
+    from tests.helpers import cli_here
+    return functools.partial(cli_here, capfd=capfd, caplog=caplog)
+
+
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
     """A TFDS data directory per test module, where the embedded corpus is prepared once."""

@@ -224,21 +224,17 @@ def test_train_logs_zero_shot_and_retrieval(tmp_path):
     assert spec["family"] == "clip"
 
 
-def test_init_from_a_clip_directory_with_its_tokenizer_then_export(tmp_path, capfd, caplog):
+def test_init_from_a_clip_directory_with_its_tokenizer_then_export(tmp_path, here):
     """An HF CLIPModel directory with tokenizer files: the run takes its weights and its
     tokenizer (``hf:DIR``), trains, and ``export --format hf`` gives a CLIPModel with the
     JAX logits. (The tokenizer is a small byte-level BPE: a CLIP BPE cannot be built offline.)
     ``train`` and ``export`` are the CLI's ``main`` in this process (tests/helpers.py
     ``cli_here``: nothing here needs a process of its own)."""
-    import functools
-
     import transformers
 
-    from tests.helpers import cli_here
     from tests.tokenizer_dirs import gpt2_dir
     from transformer_jax.workdir import load_run
 
-    cli = functools.partial(cli_here, capfd=capfd, caplog=caplog)
     src, run, out = tmp_path / "clip", tmp_path / "run", tmp_path / "export"
     gpt2_dir(src)                                  # the tokenizer (its config.json is replaced)
     eos = transformers.AutoTokenizer.from_pretrained(src).eos_token_id
@@ -252,9 +248,9 @@ def test_init_from_a_clip_directory_with_its_tokenizer_then_export(tmp_path, cap
                                                    projection_dim=16)).save_pretrained(src)
     sets = ["batch_size=16", "log_every=1", "eval_every=2", "save_every=2", "eval_batches=1",
             "warmup_steps=1", "task.eval_images=32"]
-    code, _, lines = cli("train", "--experiment", "clip_digits", "--workdir", str(run),
-                         "--init-from", str(src), "--steps", "2",
-                         *[a for s in sets for a in ("--set", s)])
+    code, _, lines = here("train", "--experiment", "clip_digits", "--workdir", str(run),
+                          "--init-from", str(src), "--steps", "2",
+                          *[a for s in sets for a in ("--set", s)])
     assert code == 0, lines
     saved = json.loads((run / "config.json").read_text())
     assert saved["task_spec"]["tokenizer"] == f"hf:{src}"
@@ -265,7 +261,7 @@ def test_init_from_a_clip_directory_with_its_tokenizer_then_export(tmp_path, cap
     first = batch["input_ids"][0][batch["attention_mask"][0] > 0]
     assert first[-1] == eos and task.tokenizer.decode(first).startswith("a photo of the digit")
 
-    code, _, lines = cli("export", "--workdir", str(run), "--out", str(out), "--format", "hf")
+    code, _, lines = here("export", "--workdir", str(run), "--out", str(out), "--format", "hf")
     assert code == 0, lines
     hf = transformers.CLIPModel.from_pretrained(out).eval()
     with jax.default_matmul_precision("highest"):

@@ -12,7 +12,7 @@ import pytest
 
 peft = pytest.importorskip("peft")
 
-from tests.helpers import cli_here, tiny_cfg
+from tests.helpers import tiny_cfg
 from tests.interop.conftest import bert_model, gpt2_model, t5_model, torch, transformers, vit_model
 from tests.tokenizer_dirs import gpt2_dir
 from transformer_jax.errors import UserError
@@ -230,24 +230,21 @@ def test_a_lora_run_trains_the_adapters_alone_and_exports_merged(data_dir, hf_di
 
 # ----------------------------------------------------------------------------- the CLI
 
-def test_cli_init_from_with_the_checkpoints_tokenizer_then_export(data_dir, tmp_path, capfd, caplog):
+def test_cli_init_from_with_the_checkpoints_tokenizer_then_export(data_dir, tmp_path, here):
     """``train --init-from`` an HF GPT-2 directory with its own BPE tokenizer (LoRA), then
     ``export --merge``: the run tokenizes with ``hf:DIR`` (the ids AutoTokenizer gives), the
     export carries the tokenizer files, and AutoModel/AutoTokenizer reproduce our logits on
     the same text. The CLI's ``main`` runs in this process (nothing here needs a process of
     its own; tests/helpers.py ``cli_here``)."""
-    def cli(*args):
-        return cli_here(*args, capfd=capfd, caplog=caplog)
-
     hf_dir = tmp_path / "hf"
     gpt2_dir(hf_dir)                                   # tokenizer (701 ids) + a config
     tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
     gpt2_model(vocab_size=len(tokenizer), n_positions=64).save_pretrained(hf_dir)
     run, out = tmp_path / "run", tmp_path / "out"
-    code, stdout, lines = cli("train", "--init-from", str(hf_dir), "--workdir", str(run),
-                              "--no-progress", *(f"--set={o}" for o in SHORT),
-                              f"--set=data_dir={data_dir}", "--set=lora.rank=4",
-                              "--set=learning_rate=1e-2", "--set=schedule=constant")
+    code, stdout, lines = here("train", "--init-from", str(hf_dir), "--workdir", str(run),
+                               "--no-progress", *(f"--set={o}" for o in SHORT),
+                               f"--set=data_dir={data_dir}", "--set=lora.rank=4",
+                               "--set=learning_rate=1e-2", "--set=schedule=constant")
     assert code == 0, lines
     assert lines == [f"warning: --init-from {hf_dir}: the model is the checkpoint's (gpt); the "
                      "experiment's model settings num_layers=4 (checkpoint: 2), d_model=128 "
@@ -257,7 +254,7 @@ def test_cli_init_from_with_the_checkpoints_tokenizer_then_export(data_dir, tmp_
     saved = json.loads((run / "config.json").read_text())
     assert saved["experiment"]["tokenizer"] == f"hf:{hf_dir}"
     assert saved["model"]["vocab_size"] == len(tokenizer) and saved["model"]["lora"]["rank"] == 4
-    code, stdout, lines = cli("export", "--workdir", str(run), "--out", str(out), "--merge")
+    code, stdout, lines = here("export", "--workdir", str(run), "--out", str(out), "--merge")
     assert code == 0 and lines == [], lines
     assert {"tokenizer.json", "tokenizer_config.json", "model.safetensors",
             "config.json"} <= set(json.loads(stdout)["files"])
@@ -270,13 +267,13 @@ def test_cli_init_from_with_the_checkpoints_tokenizer_then_export(data_dir, tmp_
     with torch.no_grad():
         theirs = model(torch.tensor([ids])).logits.numpy()
     np.testing.assert_allclose(_ours(run, (jnp.asarray([ids]),)), theirs, rtol=0, atol=EXPORT_ATOL)
-    code, _, lines = cli("train", "--workdir", str(run), "--resume", "--no-progress",   # one step more
-                         *(f"--set={o}" for o in SHORT), f"--set=data_dir={data_dir}",
-                         "--set=learning_rate=1e-2", "--set=schedule=constant", "--steps=3")
+    code, _, lines = here("train", "--workdir", str(run), "--resume", "--no-progress",   # one step more
+                          *(f"--set={o}" for o in SHORT), f"--set=data_dir={data_dir}",
+                          "--set=learning_rate=1e-2", "--set=schedule=constant", "--steps=3")
     assert code == 0 and lines == [], lines        # no --init-from, no lora.*: from config.json
     assert json.loads((run / "config.json").read_text())["init_from"] == saved["init_from"]
     assert (run / "checkpoints" / "3").is_dir()
-    code, _, lines = cli("export", "--workdir", str(run), "--out", str(tmp_path / "x"))
+    code, _, lines = here("export", "--workdir", str(run), "--out", str(tmp_path / "x"))
     assert code == 2 and lines == ["error: this run trained LoRA adapters: export them with "
                                    "--format peft, or the merged model with --format hf --merge"]
 

@@ -9,7 +9,6 @@ is. Every run goes through the CLI's ``main`` in this process (the same lines an
 status, without a process start and its imports each; nothing here needs a process of
 its own).
 """
-import functools
 import json
 import shutil
 from pathlib import Path
@@ -34,8 +33,8 @@ LORA = ["--set=lora.rank=4", "--set=learning_rate=1e-2", "--set=warmup_steps=1"]
 
 def train(*args, data_dir):
     """``transformer-jax train`` with the short settings (for a module-scoped fixture)."""
-    return cli_here("train", "--no-progress", *(f"--set={o}" for o in SHORT), f"--set=data_dir={data_dir}",
-               *args)
+    return cli_here("train", "--no-progress", *(f"--set={o}" for o in SHORT),
+                    f"--set=data_dir={data_dir}", *args)
 
 
 def refused(capsys, *args, data_dir=None):
@@ -52,12 +51,6 @@ def flat(tree, prefix=()):
     for k, v in tree.items():
         out.update(flat(v, prefix + (k,)) if isinstance(v, dict) else {prefix + (k,): v})
     return out
-
-
-@pytest.fixture
-def here(capfd, caplog):
-    """``transformer-jax ARGS`` in this process: (exit status, stdout, warning:/error: lines)."""
-    return functools.partial(cli_here, capfd=capfd, caplog=caplog)
 
 
 def rows(workdir) -> list[dict]:

@@ -10,7 +10,6 @@ where the process itself is the point: a file-size limit (the full disk) and dro
 capabilities (the unwritable workdir) run ``transformer-jax`` in a subprocess.
 """
 import ctypes
-import functools
 import json
 import os
 import resource
@@ -42,12 +41,6 @@ def losses(workdir) -> dict[int, float]:
 
 def listing(workdir) -> list[str]:
     return sorted(p.name for p in (Path(workdir) / "checkpoints").iterdir())
-
-
-@pytest.fixture
-def here(capfd, caplog):
-    """``transformer-jax ARGS`` in this process: (exit status, stdout, warning:/error: lines)."""
-    return functools.partial(cli_here, capfd=capfd, caplog=caplog)
 
 
 @pytest.fixture(scope="module")
