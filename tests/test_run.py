@@ -183,17 +183,18 @@ def reference(tmp_path_factory, data_dir):
     the interrupted runs' own 400 shows). Trained once to 24 steps, in a subprocess as the
     runs it is compared with (the same process settings, so the same numbers to the bit);
     retrained longer only if a run stopped unusually late."""
-    runs = {}
+    longest: dict[int, float] = {}      # step -> loss of the longest reference run so far
 
     def losses_to(final):
-        if not runs or max(runs) < final:
+        if max(longest, default=0) < final:
             steps = max(final, 24)
             ref_dir = tmp_path_factory.mktemp("reference") / "run"
             out, _ = cli(cli_args(ref_dir, data_dir, steps)).communicate(timeout=300)
             got = losses(ref_dir)
             assert sorted(got) == list(range(1, steps + 1)), out
-            runs[steps] = got
-        return {s: loss for s, loss in runs[max(runs)].items() if s <= final}
+            longest.clear()
+            longest.update(got)
+        return {s: loss for s, loss in longest.items() if s <= final}
     return losses_to
 
 
