@@ -106,6 +106,11 @@ def test_eval_and_decode_steps_compile(generation, data_dir):
         assert report.fits and report.per_device_bytes > 0
         assert report.optimizer_bytes == 0
         assert (report.mosaic_kernels > 0) == (generation != "v3"), what
+    # seq_len 128: 64-token prompts, 64 tokens generated, the prompts split over the devices
+    assert report.decode_shape == dict(batch=8, prompt_len=64, new_tokens=64, max_len=256)
+    assert report.batch_bytes == 8 * 64 * 4 // report.devices + 2 * 4
+    assert report.estimated_step_seconds > 0 and "read per device per token" in \
+        report.estimate_basis
     vit = aot.compile_experiment(tiny("vit", data_dir), tpu, what="eval")
     assert vit.fits and vit.optimizer_bytes == 0
     with pytest.raises(UserError, match="decode compiles the KV-cache loop of a language model"):
@@ -264,8 +269,10 @@ def test_tpu_types_name_their_slices():
 @pytest.mark.slow
 def test_the_cli_reports_fits_or_not_with_its_exit_status(data_dir, capsys):
     """``transformer-jax compile``: exit 0 and a JSON last line when it fits; exit 2 and one
-    ``error:`` line naming the levers when the compiler runs out of HBM (a batch of 8,192
-    sequences on one v5e chip); bad TPU types and pallas on a v3 are one ``error:`` line.
+    ``error:`` line naming the levers for one chip (no mesh) when the compiler runs out of
+    HBM (a batch of 8,192 sequences on one v5e chip), with its need broken down into parts
+    that add up to it, the outputs (the train state, written over the donated one)
+    counted; bad TPU types and pallas on a v3 are one ``error:`` line.
     The fitting run takes a batch of 8: XLA:TPU's compile time grows with the batch (16 s
     at 8 sequences, 45 s at the default 32 on 2 cores), and one that fits shows as much."""
     from transformer_jax import cli
@@ -282,9 +289,14 @@ def test_the_cli_reports_fits_or_not_with_its_exit_status(data_dir, capsys):
     captured = capsys.readouterr()
     row = json.loads(captured.out.strip().splitlines()[-1])
     assert row["fits"] is False and row["per_device_bytes"] > 16 * GIB
+    assert row["per_device_bytes"] == (row["argument_bytes"] + row["temp_bytes"]
+                                       + row["output_bytes"] - row["alias_bytes"])
+    state = row["parameter_bytes"] + row["optimizer_bytes"]
+    assert state <= row["alias_bytes"] < row["output_bytes"] < state + 2**20
     errors = [ln for ln in captured.err.splitlines() if ln.startswith("error:")]
-    assert len(errors) == 1
-    for lever in ("--mesh fsdp=-1", "model.remat", "batch_size", "accum_steps"):
+    assert len(errors) == 1 and "shard the" not in errors[0]
+    for lever in ("--set model.remat=true", "--set batch_size=N", "--set accum_steps=N",
+                  "--set model.param_dtype=bfloat16", "--tpu v5e-4 with --mesh fsdp=-1"):
         assert lever in errors[0]
 
     assert cli.main(["compile", "--experiment", "stdlib_gpt", "--tpu", "v9-8"]) == 2
