@@ -106,6 +106,11 @@ def test_eval_and_decode_steps_compile(generation, data_dir):
         assert report.fits and report.per_device_bytes > 0
         assert report.optimizer_bytes == 0
         assert (report.mosaic_kernels > 0) == (generation != "v3"), what
+    # seq_len 128: 64-token prompts, 64 tokens generated, the prompts split over the devices
+    assert report.decode_shape == dict(batch=8, prompt_len=64, new_tokens=64, max_len=256)
+    assert report.batch_bytes == 8 * 64 * 4 // report.devices + 2 * 4
+    assert report.estimated_step_seconds > 0 and "read per device per token" in \
+        report.estimate_basis
     vit = aot.compile_experiment(tiny("vit", data_dir), tpu, what="eval")
     assert vit.fits and vit.optimizer_bytes == 0
     with pytest.raises(UserError, match="decode compiles the KV-cache loop of a language model"):
@@ -264,8 +269,10 @@ def test_tpu_types_name_their_slices():
 @pytest.mark.slow
 def test_the_cli_reports_fits_or_not_with_its_exit_status(data_dir, capsys):
     """``transformer-jax compile``: exit 0 and a JSON last line when it fits; exit 2 and one
-    ``error:`` line naming the levers when the compiler runs out of HBM (a batch of 8,192
-    sequences on one v5e chip); bad TPU types and pallas on a v3 are one ``error:`` line.
+    ``error:`` line naming the levers for one chip (no mesh) when the compiler runs out of
+    HBM (a batch of 8,192 sequences on one v5e chip), with its need broken down into parts
+    that add up to it, the outputs (the train state, written over the donated one)
+    counted; bad TPU types and pallas on a v3 are one ``error:`` line.
     The fitting run takes a batch of 8: XLA:TPU's compile time grows with the batch (16 s
     at 8 sequences, 45 s at the default 32 on 2 cores), and one that fits shows as much."""
     from transformer_jax import cli
@@ -282,9 +289,14 @@ def test_the_cli_reports_fits_or_not_with_its_exit_status(data_dir, capsys):
     captured = capsys.readouterr()
     row = json.loads(captured.out.strip().splitlines()[-1])
     assert row["fits"] is False and row["per_device_bytes"] > 16 * GIB
+    assert row["per_device_bytes"] == (row["argument_bytes"] + row["temp_bytes"]
+                                       + row["output_bytes"] - row["alias_bytes"])
+    state = row["parameter_bytes"] + row["optimizer_bytes"]
+    assert state <= row["alias_bytes"] < row["output_bytes"] < state + 2**20
     errors = [ln for ln in captured.err.splitlines() if ln.startswith("error:")]
-    assert len(errors) == 1
-    for lever in ("--mesh fsdp=-1", "model.remat", "batch_size", "accum_steps"):
+    assert len(errors) == 1 and "shard the" not in errors[0]
+    for lever in ("--set model.remat=true", "--set batch_size=N", "--set accum_steps=N",
+                  "--set model.param_dtype=bfloat16", "--tpu v5e-4 with --mesh fsdp=-1"):
         assert lever in errors[0]
 
     assert cli.main(["compile", "--experiment", "stdlib_gpt", "--tpu", "v9-8"]) == 2
@@ -309,3 +321,151 @@ def test_libtpu_on_a_cpu_host_stays_quiet(tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stderr == "", done.stderr
     assert done.stdout.splitlines()[:2] == ["[CpuDevice(id=0)]", "4"]
+
+
+def test_topology_names_are_checked_as_tpu_types_are(here):
+    """``--topology`` takes the grids the ``--tpu`` types lay out, and nothing else: a
+    name no slice has (v5e:3x3, v5e:2x3 (no v5e-6), v5e:4x2, v4 as 2-D) is one error
+    naming the nearest; what slips past reaches JAX and its refusal is one error too."""
+    for topology, name in (("v4:2x2x1", "v4-8"), ("v5e:2x4", "v5e-8"), ("v5e:1x1", "v5e-1"),
+                           ("v3:4x4", "v3-32"), ("v6e:16x16", "v6e-256")):
+        assert TpuSlice.from_topology(topology) == TpuSlice.parse(name), topology
+    nearest = {"v5e:3x3": "v5e:2x4 (8 chips) or v5e:4x4 (16 chips)",
+               "v5e:2x3": "v5e:2x2 (4 chips) or v5e:2x4 (8 chips)",
+               "v5e:4x2": "v5e:2x4 (8 chips)", "v4:2x2": "v4:2x2x1 (4 chips)",
+               "v4:2x2x3": "v4:2x2x2 (8 chips) or v4:2x2x4 (16 chips)"}
+    for topology, near in nearest.items():
+        with pytest.raises(UserError) as e:
+            TpuSlice.from_topology(topology)
+        gen = topology.split(":")[0]
+        assert str(e.value).startswith(f"--topology {topology!r} is not a {gen} slice: ")
+        assert str(e.value).endswith(f"nearest: {near}")
+    with pytest.raises(UserError) as e:
+        TpuSlice.from_topology("v5e:3x3")
+    listed = re.findall(r"(v5e:\w+) \(--tpu (v5e-\d+)\)", str(e.value))
+    assert listed == [("v5e:1x1", "v5e-1"), ("v5e:2x2", "v5e-4"), ("v5e:2x4", "v5e-8"),
+                      ("v5e:4x4", "v5e-16"), ("v5e:4x8", "v5e-32")]
+    assert all(TpuSlice.from_topology(t).name == n for t, n in listed)
+    with pytest.raises(UserError, match="power of two, at least 8"):
+        TpuSlice.parse("v4-9")                  # an odd core count is no slice either
+    # past the check (a slice made by hand): JAX's own refusal, as one UserError
+    import dataclasses
+    bad = dataclasses.replace(TpuSlice.parse("v5e-8"), topology="v5e:3x3", chips_per_host=None)
+    with pytest.raises(UserError, match=r"cannot make topology 'v5e:3x3' \(INVALID_ARGUMENT: "
+                                        r"Topology layout \"v5e:3x3\" is not divisible"):
+        bad.jax_devices()
+    for topology in ("v5e:3x3", "v5e:2x3"):
+        status, out, lines = here("compile", "--experiment", "stdlib_gpt", "--topology", topology)
+        assert (status, out) == (2, "")
+        assert len(lines) == 1 and lines[0].startswith(f"error: --topology {topology!r} is not")
+
+
+def test_decode_shape_fits_the_model_and_names_real_flags(data_dir, here):
+    """``--what decode`` generates 64 tokens, or half of a shorter ``seq_len``/``max_len``;
+    a ``--decode-tokens`` that leaves no room for a prompt is one error naming
+    ``--decode-tokens`` and ``model.max_len``, both of which exist."""
+    from transformer_jax.run import build
+    short = tiny("gpt", data_dir, "model.max_len=32", "seq_len=32")
+    long = tiny("gpt", data_dir, "model.max_len=256")
+    short_cfg, long_cfg = build(short, {})[0], build(long, {})[0]
+    assert aot.decode_shape(short, short_cfg, None) == dict(batch=8, prompt_len=16,
+                                                            new_tokens=16, max_len=32)
+    assert aot.decode_shape(long, long_cfg, None) == dict(batch=8, prompt_len=64,
+                                                          new_tokens=64, max_len=256)
+    assert aot.decode_shape(short, short_cfg, 31)["prompt_len"] == 1
+    assert aot.decode_shape(long, long_cfg, 200) == dict(batch=8, prompt_len=1,
+                                                         new_tokens=200, max_len=256)
+    message = ("--decode-tokens 64 does not fit the model's max_len 32 (with a prompt of at "
+               "least 1 token); give --decode-tokens 31 or fewer, or a longer model "
+               "(--set model.max_len=N)")
+    with pytest.raises(UserError) as e:
+        aot.decode_shape(short, short_cfg, 64)
+    assert str(e.value) == message
+    with pytest.raises(UserError, match="generate at least 1 token"):
+        aot.decode_shape(short, short_cfg, 0)
+    base = ["compile", "--experiment", "stdlib_gpt", "--tpu", "v5e-1",
+            f"--set=data_dir={data_dir}", "--set=model.max_len=32", "--set=seq_len=32"]
+    assert here(*base, "--what", "decode", "--decode-tokens", "64") == (2, "", [f"error: {message}"])
+    status, out, lines = here(*base, "--decode-tokens", "8")
+    assert (status, out) == (2, "") and lines == [
+        "error: --decode-tokens applies to --what decode, not --what train; drop it or add "
+        "--what decode"]
+
+
+def test_decode_report_has_its_shape_batch_and_a_roofline_time(data_dir, here):
+    """The decode loop's report (one small compile): its shape, the prompts and key as its
+    batch, and a time that is the prefill at the MFU plus each token reading the
+    parameters and the KV cache at the v5e's 0.82 TB/s."""
+    status, out, lines = here(
+        "compile", "--experiment", "stdlib_gpt", "--tpu", "v5e-1", "--what", "decode",
+        f"--set=data_dir={data_dir}", "--set=model.num_layers=2", "--set=model.max_len=32",
+        "--set=seq_len=32", "--set=batch_size=8", "--set=model.dropout_rate=0.0", "--json")
+    assert (status, lines) == (0, [])
+    text = out.strip().splitlines()
+    row = json.loads(text[-1])
+    assert "decode: batch 8, prompts of 16 tokens, 16 tokens generated (model max_len 32)" in text
+    assert row["decode_shape"] == dict(batch=8, prompt_len=16, new_tokens=16, max_len=32)
+    assert row["batch_bytes"] == 8 * 16 * 4 + 2 * 4          # int32 prompts, a uint32 key
+    assert row["optimizer_bytes"] == 0
+    # K and V of 2 layers, 8 rows of 32 positions of d_model 128, fp32 (and the cache's
+    # int32 position counters, a few bytes: rel 1e-5)
+    cache = 2 * 2 * 8 * 32 * 128 * 4
+    per_token = (row["parameter_bytes"] + cache) / 0.82e12
+    prefill = row["flops_per_step"] * 16 / 32 / (197e12 * 0.4)
+    assert row["estimated_step_seconds"] == pytest.approx(prefill + 16 * per_token, rel=1e-5)
+    assert row["estimate_basis"].endswith(
+        f"memory-bound: 2.2 MiB read per device per token (parameters "
+        f"{row['parameter_bytes'] / 2**20:.1f} MiB, KV cache 512.0 KiB) at 0.82 TB/s HBM")
+    assert any(ln.startswith("model FLOPs per step ") and "estimated decode time 0.0" in ln
+               for ln in text)
+
+
+def test_out_of_memory_advice_fits_the_slice(data_dir):
+    """The levers an out-of-memory report names are real config names, and the mesh only
+    where there is more than one device to shard over."""
+    from transformer_jax.run import build
+    cfg = tiny("gpt", data_dir)
+    model_cfg = build(cfg, {})[0]
+    one = {"data": 1, "fsdp": 1, "tensor": 1}
+    assert aot.levers(cfg, model_cfg, TpuSlice.parse("v5e-1"), one, "train") == [
+        "rematerialise the layers (--set model.remat=true)",
+        "lower the batch (--set batch_size=N, or --set accum_steps=N for the same batch in "
+        "micro-batches)",
+        "keep the parameters and AdamW moments in bf16 (--set model.param_dtype=bfloat16)",
+        "or take a larger slice (--tpu v5e-4 with --mesh fsdp=-1) or chips with more HBM "
+        "(v4, v5p, v6e)"]
+    eight = aot.levers(cfg, model_cfg, TpuSlice.parse("v5e-8"), dict(one, data=8), "train")
+    assert eight[0] == "shard the parameters and optimizer state over the devices (--mesh fsdp=-1)"
+    assert eight[-1].startswith("or take a larger slice (--tpu v5e-16 ")
+    sharded = aot.levers(cfg, model_cfg, TpuSlice.parse("v5e-8"), dict(one, fsdp=8), "train")
+    assert not any("shard the" in lever for lever in sharded)
+    remat = build(tiny("gpt", data_dir, "model.remat=true", "model.param_dtype=bfloat16"), {})[0]
+    assert aot.levers(cfg, remat, TpuSlice.parse("v5p-8"), dict(one, fsdp=4), "decode") == [
+        "lower the batch (--set batch_size=N)", "generate fewer tokens (--decode-tokens N)",
+        "or take a larger slice (--tpu v5p-16 with --mesh fsdp=-1)"]
+
+
+def test_memory_breakdown_from_the_compilers_need_counts_the_outputs():
+    """When the compiler states only its total need, the outputs come from the program:
+    the donated state written back counts as aliased (as the compiler's own
+    ``alias_size_in_bytes`` says for the same program), and the parts add up to the need."""
+    from jax.sharding import NamedSharding, PartitionSpec
+    mesh = jax.make_mesh((1,), ("data",), devices=jax.devices("cpu")[:1])
+    s = NamedSharding(mesh, PartitionSpec())
+    state = {"w": jax.ShapeDtypeStruct((256, 64), jnp.float32, sharding=s),
+             "mu": jax.ShapeDtypeStruct((256, 64), jnp.float32, sharding=s)}
+    batch = jax.ShapeDtypeStruct((8, 256), jnp.float32, sharding=s)
+
+    def step(state, x):
+        loss = jnp.sum((x @ state["w"]) ** 2)
+        return {"w": state["w"] * 0.5, "mu": state["mu"] + loss}, loss
+
+    fn = jax.jit(step, in_shardings=(s, s), out_shardings=(s, s), donate_argnums=(0,))
+    lowered = fn.trace(state, batch).lower()
+    need = "RESOURCE_EXHAUSTED: the total memory required for HLO temporaries (1.50G) exceeds"
+    over = aot._OverMemory(need)
+    arg, temp, out, alias = aot.memory_figures(over, lowered, (state, batch))
+    state_bytes = 2 * 256 * 64 * 4
+    assert (arg, out, alias) == (state_bytes + 8 * 256 * 4, state_bytes + 4, state_bytes)
+    assert arg + temp + out - alias == int(1.5 * GIB) == over.need
+    assert alias == lowered.compile().memory_analysis().alias_size_in_bytes

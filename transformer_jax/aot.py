@@ -13,7 +13,9 @@ compiler reports is what the hardware would need:
   program     the collectives it runs per step (count and bytes), the attention path the
               generation takes and the Mosaic kernels in it;
   time        the compile time; the model FLOPs per step and a step time *estimated* at a
-              stated MFU (not measured).
+              stated MFU (not measured); for the decode loop, its shape (batch, prompt,
+              tokens generated) and a time estimated from a roofline: the prefill at the
+              MFU, then each token reading the parameters and KV cache from HBM.
 
 :func:`compile_experiment` returns a :class:`CompileReport`; :func:`collectives` reads the
 collectives from a compiled program's HLO text, loops counted by their trip counts.
@@ -33,7 +35,7 @@ from .errors import UserError
 from .layers.attention_dispatch import tpu_generation_of
 from .models.base import attention_plan
 from .tasks import make_task
-from .tpu import GIB, TpuSlice
+from .tpu import GENERATIONS, GIB, TpuSlice
 from .train import finetune
 from .train.config import ExperimentConfig
 from .run import build, make_loss_scale, make_tx
@@ -41,6 +43,7 @@ from .train.step import create_train_state, eval_step, make_train_step
 
 WHAT = ("train", "eval", "decode")
 DEFAULT_MFU = 0.4
+DECODE_TOKENS = 64     # what --what decode generates by default (fewer for a short model)
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 
 
@@ -72,6 +75,9 @@ class CompileReport:
     estimated_step_seconds: float
     notes: list[str] = dataclasses.field(default_factory=list)
     out_of_memory: bool = False     # the compiler refused it for HBM
+    estimate_basis: str = ""        # what estimated_step_seconds is computed from
+    decode_shape: dict | None = None   # --what decode: batch, prompt_len, new_tokens, max_len
+    levers: list[str] = dataclasses.field(default_factory=list)   # what lowers the need
 
     @property
     def fits(self) -> bool:
@@ -84,25 +90,34 @@ class CompileReport:
 
     def describe(self) -> str:
         """The report as a few readable lines (the CLI prints them)."""
-        g = lambda n: f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2**20:.1f} MiB"  # noqa: E731
+        g = _size
         head = self.hbm_bytes - self.per_device_bytes
         lines = [
             f"{self.experiment} ({self.what} step) on {self.tpu}: {self.devices} devices, "
             f"{self.hosts} host(s), topology {self.topology}, mesh {self.mesh}",
             f"attention: {self.attention} ({self.mosaic_kernels} Mosaic kernel call(s) "
             "in the program)",
+        ]
+        if self.decode_shape:
+            d = self.decode_shape
+            lines.append(f"decode: batch {d['batch']}, prompts of {d['prompt_len']} tokens, "
+                         f"{d['new_tokens']} tokens generated (model max_len {d['max_len']})")
+        aliased = (f" ({g(self.alias_bytes)} of them written over donated arguments: "
+                   "counted once, as arguments)") if self.alias_bytes else ""
+        lines += [
             f"per device: arguments {g(self.argument_bytes)} (parameters "
             f"{g(self.parameter_bytes)}, optimizer state {g(self.optimizer_bytes)}, batch "
             f"{g(self.batch_bytes)}), temporaries {g(self.temp_bytes)}, outputs "
-            f"{g(self.output_bytes)} ({g(self.alias_bytes)} of them in donated buffers)",
+            f"{g(self.output_bytes)}{aliased}",
             f"total {g(self.per_device_bytes)} of {g(self.hbm_bytes)} HBM: "
             + (f"fits, {g(head)} headroom ({head / self.hbm_bytes:.0%})" if self.fits
                else f"does NOT fit, {g(max(0, -head))} over"),
             "collectives per step: " + (", ".join(
                 f"{k} x{v['count']} ({v['bytes'] / 2**20:.1f} MiB)"
                 for k, v in self.collectives.items()) or "none"),
-            f"model FLOPs per step {self.flops_per_step:.3g}; estimated step time "
-            f"{self.estimated_step_seconds * 1e3:.1f} ms at {self.mfu:.0%} MFU (an estimate, "
+            f"model FLOPs per step {self.flops_per_step:.3g}; estimated "
+            f"{'decode' if self.decode_shape else 'step'} time "
+            f"{_ms(self.estimated_step_seconds)} ({self.estimate_basis}; an estimate, "
             "not a measurement)",
             f"compiled in {self.compile_seconds:.1f} s",
         ]
@@ -111,9 +126,47 @@ class CompileReport:
     def not_fit_message(self) -> str:
         return (f"{self.experiment} needs {self.per_device_bytes / GIB:.2f} GiB per device on "
                 f"{self.tpu} (mesh {self.mesh}), which has {self.hbm_bytes / GIB:.0f} GiB HBM "
-                "per device; shard the state (--mesh fsdp=-1), rematerialise the layers "
-                "(--set model.remat=true), or lower the batch (--set batch_size=N, or "
-                "--set accum_steps=N for the same batch in micro-batches)")
+                f"per device; {', '.join(self.levers) or 'take a larger slice'}")
+
+
+def _size(n: int) -> str:
+    for unit, name in ((GIB, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if n >= unit:
+            return f"{n / unit:.2f} GiB" if unit == GIB else f"{n / unit:.1f} {name}"
+    return f"{n} B"
+
+
+def _ms(seconds: float) -> str:
+    ms = seconds * 1e3
+    return f"{ms:.1f} ms" if ms >= 1 else f"{ms:.3g} ms"
+
+
+def levers(cfg: ExperimentConfig, model_cfg, tpu: TpuSlice, mesh_shape: dict,
+           what: str) -> list[str]:
+    """What would lower the memory per device, by real flags and config fields: the mesh
+    only where it has more than one device to shard over, remat and the optimizer state
+    only for a train step, the larger slices and generations there are."""
+    out = []
+    sharded = mesh_shape.get("fsdp", 1) * mesh_shape.get("tensor", 1)
+    if tpu.devices > 1 and sharded < tpu.devices:
+        state = "parameters and optimizer state" if what == "train" else "parameters"
+        out.append(f"shard the {state} over the devices (--mesh fsdp=-1)")
+    if what == "train" and not getattr(model_cfg, "remat", True):
+        out.append("rematerialise the layers (--set model.remat=true)")
+    micro = cfg.batch_size // cfg.accum_steps
+    if micro > 1:
+        out.append("lower the batch (--set batch_size=N" + (
+            ", or --set accum_steps=N for the same batch in micro-batches)"
+            if what == "train" else ")"))
+    if what == "decode":
+        out.append("generate fewer tokens (--decode-tokens N)")
+    if str(getattr(model_cfg, "param_dtype", "")) == "float32":
+        state = "parameters and AdamW moments" if what == "train" else "parameters"
+        out.append(f"keep the {state} in bf16 (--set model.param_dtype=bfloat16)")
+    bigger = [g.name for g in GENERATIONS.values() if g.hbm_bytes > tpu.hbm_bytes]
+    out.append(f"or take a larger slice (--tpu {tpu.next_larger().name} with --mesh fsdp=-1)"
+               + (f" or chips with more HBM ({', '.join(bigger)})" if bigger else ""))
+    return out
 
 
 # ----------------------------------------------------------------------------- the task
@@ -224,14 +277,22 @@ def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
 def _per_device_bytes(abstract_tree, shardings) -> int:
     """Bytes one device holds of a tree of abstract arrays under ``shardings`` (the most
     loaded device: shards of indivisible dims are replicated)."""
-    total = 0
-    for a, s in zip(jax.tree_util.tree_leaves(abstract_tree), jax.tree_util.tree_leaves(shardings)):
-        shard = s.shard_shape(a.shape)
-        n = a.dtype.itemsize
-        for d in shard:
-            n *= d
-        total += n
-    return total
+    return sum(_leaf_bytes(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)) for a, s in
+               zip(jax.tree_util.tree_leaves(abstract_tree), jax.tree_util.tree_leaves(shardings)))
+
+
+def _leaf_bytes(a) -> int:
+    """Bytes one device holds of an abstract array (its shard, or all of it unsharded)."""
+    sharding = getattr(a, "sharding", None)
+    shape = sharding.shard_shape(a.shape) if hasattr(sharding, "shard_shape") else a.shape
+    n = a.dtype.itemsize
+    for d in shape:
+        n *= d
+    return n
+
+
+def _tree_bytes(tree) -> int:
+    return sum(_leaf_bytes(a) for a in jax.tree_util.tree_leaves(tree))
 
 
 def _mesh_for(cfg: ExperimentConfig, tpu: TpuSlice, mesh_spec: str | None):
@@ -252,8 +313,9 @@ def _check_batch(cfg: ExperimentConfig, mesh) -> None:
                         f"use a batch_size that is a multiple of {split * cfg.accum_steps}")
 
 
-def _state_and_step(cfg, task, model_cfg, model, mesh, what: str, decode_tokens: int):
-    """``(jitted function, abstract arguments, (parameter, optimizer, batch) bytes)``."""
+def _state_and_step(cfg, task, model_cfg, model, mesh, what: str, decode_tokens: int | None):
+    """``(jitted function, abstract arguments, (parameter, optimizer, batch) bytes, notes,
+    the decode shape or None)``."""
     rng = jax.random.PRNGKey(cfg.seed)
     init_args = task.init_args()
     tx, schedule = make_tx(cfg, model_cfg)
@@ -270,22 +332,22 @@ def _state_and_step(cfg, task, model_cfg, model, mesh, what: str, decode_tokens:
     rep = sh.replicated(mesh)
     batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_sh)
              for k, v in task.batch_shapes().items()}
-    batch_bytes = _per_device_bytes(batch, {k: batch_sh for k in batch})
+    batch_bytes = _tree_bytes(batch)
     if what == "train":
         step = make_train_step(loss_fn=task.loss_fn, label_smoothing=cfg.label_smoothing,
                                accum_steps=cfg.accum_steps, schedule=schedule)
         fn = jax.jit(step, in_shardings=(shardings, batch_sh), out_shardings=(shardings, rep),
                      donate_argnums=(0,))
         return fn, (sh.with_shardings(abstract, shardings), batch), \
-            (params_bytes, opt_bytes, batch_bytes), notes
+            (params_bytes, opt_bytes, batch_bytes), notes, None
     param_sh = _whole_param_shardings(abstract, shardings, split)
     params = sh.with_shardings(_whole_params(abstract, split), param_sh)
     if what == "eval":
         fn = jax.jit(lambda p, b: eval_step(p, b, model.apply, task.loss_fn),
                      in_shardings=(param_sh, batch_sh), out_shardings=rep)
-        return fn, (params, batch), (params_bytes, 0, batch_bytes), notes
-    return _decode_step(cfg, task, model, params, param_sh, mesh, decode_tokens) + (
-        (params_bytes, 0, 0), notes)
+        return fn, (params, batch), (params_bytes, 0, batch_bytes), notes, None
+    fn, args, shape = _decode_step(cfg, model, params, param_sh, mesh, decode_tokens)
+    return fn, args, (params_bytes, 0, _tree_bytes(args[1:])), notes, shape
 
 
 def _whole_params(abstract, split):
@@ -307,22 +369,42 @@ def _whole_param_shardings(abstract, shardings, split):
     return jax.tree_util.tree_map_with_path(lambda p, _: flat.get(p, rep), whole)
 
 
-def _decode_step(cfg, task, model, params, param_sh, mesh, new_tokens: int):
+def decode_shape(cfg: ExperimentConfig, model_cfg, new_tokens: int | None) -> dict:
+    """``{batch, prompt_len, new_tokens, max_len}`` of the decode loop compiled: a batch of
+    ``batch_size`` prompts that with the new tokens fill ``seq_len`` (at least one prompt
+    token). ``new_tokens`` None: 64, or half of ``seq_len`` / ``max_len`` when shorter."""
+    from .decode import decodes_past_max_len
+
+    max_len = getattr(model_cfg, "max_len", None)
+    room = min(cfg.seq_len, max_len or cfg.seq_len)
+    if new_tokens is None:
+        new_tokens = min(DECODE_TOKENS, max(1, room // 2))
+    elif new_tokens < 1:
+        raise UserError(f"--decode-tokens {new_tokens}: generate at least 1 token")
+    prompt_len = max(1, room - new_tokens)
+    if (max_len is not None and prompt_len + new_tokens > max_len
+            and not decodes_past_max_len(model_cfg)):
+        raise UserError(f"--decode-tokens {new_tokens} does not fit the model's max_len "
+                        f"{max_len} (with a prompt of at least 1 token); give --decode-tokens "
+                        f"{max_len - 1} or fewer, or a longer model (--set model.max_len=N)")
+    return dict(batch=cfg.batch_size, prompt_len=prompt_len, new_tokens=new_tokens,
+                max_len=max_len)
+
+
+def _decode_step(cfg, model, params, param_sh, mesh, new_tokens: int | None):
     """The decode loop of ``generate`` (prefill + ``new_tokens`` sampled tokens) for a
-    batch of ``batch_size`` prompts of half the model's length."""
+    batch of prompts (:func:`decode_shape`): ``(jitted function, arguments, shape)``."""
     from .decode import jitted_generate
 
     if cfg.task != "lm":
         raise UserError(f"--what decode compiles the KV-cache loop of a language model; "
                         f"{cfg.name!r} is a {cfg.task!r} experiment (use --what train or eval)")
-    max_len = model.config.max_len
-    prompt_len = max(1, min(cfg.seq_len, max_len) - new_tokens)
-    if prompt_len + new_tokens > max_len:
-        raise UserError(f"--decode-tokens {new_tokens} does not fit the model's max_len "
-                        f"{max_len}")
+    shape = decode_shape(cfg, model.config, new_tokens)
+    new_tokens = shape["new_tokens"]
     batch_sh = sh.batch_sharding(mesh)
     rep = sh.replicated(mesh)
-    prompt = jax.ShapeDtypeStruct((cfg.batch_size, prompt_len), "int32", sharding=batch_sh)
+    prompt = jax.ShapeDtypeStruct((shape["batch"], shape["prompt_len"]), "int32",
+                                  sharding=batch_sh)
 
     def decode(p, ids, rng):
         mask = jax.numpy.ones_like(ids)
@@ -331,15 +413,44 @@ def _decode_step(cfg, task, model, params, param_sh, mesh, new_tokens: int):
 
     key = jax.ShapeDtypeStruct((2,), "uint32", sharding=rep)
     fn = jax.jit(decode, in_shardings=(param_sh, batch_sh, rep), out_shardings=batch_sh)
-    return fn, (params, prompt, key)
+    return fn, (params, prompt, key), shape
+
+
+def decode_estimate(model, model_cfg, params, shape: dict, tpu: TpuSlice, mesh_shape: dict,
+                    mfu: float) -> tuple[float, float, str]:
+    """``(model FLOPs, seconds, basis)`` of the decode loop, a roofline: the prefill at
+    ``mfu`` of the bf16 peak, then each new token the slower of its FLOPs at ``mfu`` and
+    its HBM reads at the generation's bandwidth: every device reads its share of the
+    parameters (all of each weight its ``tensor`` shard keeps: fsdp gathers the rest) and
+    of the KV cache (as long as prompt + new tokens, split over the mesh)."""
+    from .decode import init_cache
+
+    b, p, n = shape["batch"], shape["prompt_len"], shape["new_tokens"]
+    forward = model_cfg.flops_per_token(p + n) / 3           # 2N of the 6N per token
+    compute = tpu.devices * tpu.peak_bf16 * mfu
+    nbytes = lambda tree: sum(a.size * a.dtype.itemsize  # noqa: E731
+                              for a in jax.tree_util.tree_leaves(tree))
+    param_read = nbytes(params) / mesh_shape.get("tensor", 1)
+    cache = nbytes(jax.eval_shape(lambda: init_cache(model, b, p + n))) / tpu.devices
+    per_token_memory = (param_read + cache) / tpu.hbm_bandwidth
+    per_token = max(per_token_memory, forward * b / compute)
+    prefill = forward * b * p / compute
+    bound = (f"memory-bound: {_size(int(param_read + cache))} read per device per token "
+             f"(parameters {_size(int(param_read))}, KV cache {_size(int(cache))}) at "
+             f"{tpu.hbm_bandwidth / 1e12:.3g} TB/s HBM" if per_token == per_token_memory else
+             f"compute-bound at {mfu:.0%} MFU")
+    basis = (f"prefill of {b}x{p} tokens at {mfu:.0%} MFU {_ms(prefill)}, then {n} tokens of "
+             f"{_ms(per_token)} each, {bound}")
+    return forward * b * (p + n), prefill + n * per_token, basis
 
 
 def compile_experiment(cfg: ExperimentConfig, tpu: TpuSlice | str, *, mesh: str | None = None,
                        what: str = "train", mfu: float = DEFAULT_MFU,
-                       decode_tokens: int = 64) -> CompileReport:
+                       decode_tokens: int | None = None) -> CompileReport:
     """Compile ``cfg``'s ``what`` step ("train", "eval" or "decode") for the slice ``tpu``
     on this host; see the module docstring. A program that does not fit is still reported
-    (``report.fits`` False); a compile failure other than memory is a UserError."""
+    (``report.fits`` False); a compile failure other than memory is a UserError.
+    ``decode_tokens``: the tokens ``--what decode`` generates (None: :func:`decode_shape`)."""
     tpu = TpuSlice.parse(tpu) if isinstance(tpu, str) else tpu
     if what not in WHAT:
         raise UserError(f"--what {what!r}: choose one of {WHAT}")
@@ -358,23 +469,24 @@ def compile_experiment(cfg: ExperimentConfig, tpu: TpuSlice | str, *, mesh: str 
         model_cfg, model = build(cfg, overrides)
         generation = tpu_generation_of(device_mesh.devices.flat[0].device_kind)
         plan = attention_plan(model_cfg, cfg.seq_len, "tpu", generation)
-        fn, args, (p_bytes, o_bytes, b_bytes), notes = _state_and_step(
+        fn, args, (p_bytes, o_bytes, b_bytes), notes, shape = _state_and_step(
             cfg, task, model_cfg, model, device_mesh, what, decode_tokens)
         start = time.perf_counter()
         with sh.use_mesh(device_mesh):
             lowered = fn.trace(*args).lower()
             compiled, oom = _compile(lowered, tpu)
         seconds = time.perf_counter() - start
-        flops = task.flops_per_step(model_cfg) if what == "train" else (
-            task.flops_per_step(model_cfg) / 3)          # forward only: 2N of 6N
-    if what == "decode":
-        flops = 2.0 * model_cfg.flops_per_token(cfg.seq_len) / 6.0 * cfg.batch_size * decode_tokens
-    mem = compiled.memory_analysis()
-    arg, temp, out, alias = (int(mem.argument_size_in_bytes), int(mem.temp_size_in_bytes),
-                             int(mem.output_size_in_bytes), int(mem.alias_size_in_bytes))
-    if isinstance(compiled, _OverMemory):      # the message's need, with our arguments
-        arg = p_bytes + o_bytes + b_bytes
-        temp = max(0, temp - arg)
+        mesh_shape = dict(device_mesh.shape)
+        if what == "decode":
+            flops, seconds_est, basis = decode_estimate(model, model_cfg, args[0], shape, tpu,
+                                                        mesh_shape, mfu)
+        else:
+            flops = task.flops_per_step(model_cfg) if what == "train" else (
+                task.flops_per_step(model_cfg) / 3)          # forward only: 2N of 6N
+            seconds_est = flops / (tpu.devices * tpu.peak_bf16 * mfu)
+            basis = (f"model FLOPs / ({tpu.devices} devices x {tpu.peak_bf16 / 1e12:.3g} "
+                     f"TFLOP/s bf16 x {mfu:.0%} MFU)")
+    arg, temp, out, alias = memory_figures(compiled, lowered, args)
     if oom:
         notes = [f"the compiler: {oom[:300]}", *notes]
     key = "eval" if what != "train" else "train"
@@ -387,8 +499,45 @@ def compile_experiment(cfg: ExperimentConfig, tpu: TpuSlice | str, *, mesh: str 
         output_bytes=out, alias_bytes=alias, per_device_bytes=arg + temp + out - alias,
         hbm_bytes=tpu.hbm_bytes, compile_seconds=seconds,
         collectives=collectives(compiled.as_text()), flops_per_step=flops, mfu=mfu,
-        estimated_step_seconds=flops / (tpu.devices * tpu.peak_bf16 * mfu), notes=notes[:4],
-        out_of_memory=bool(oom))
+        estimated_step_seconds=seconds_est, notes=notes[:4], out_of_memory=bool(oom),
+        estimate_basis=basis, decode_shape=shape,
+        levers=levers(cfg, model_cfg, tpu, mesh_shape, what))
+
+
+def memory_figures(compiled, lowered, args) -> tuple[int, int, int, int]:
+    """``(arguments, temporaries, outputs, aliased)`` bytes per device, as the compiler's
+    ``memory_analysis()`` gives them. Where it gave only its total need (:class:`_OverMemory`),
+    arguments and outputs come from the program's shapes and shardings, the outputs written
+    over donated arguments count as aliased (as the compiler counts them), and temporaries
+    are the rest, so that arguments + temporaries + outputs - aliased is the need."""
+    mem = compiled.memory_analysis()
+    figures = (int(mem.argument_size_in_bytes), int(mem.temp_size_in_bytes),
+               int(mem.output_size_in_bytes), int(mem.alias_size_in_bytes))
+    if not isinstance(compiled, _OverMemory):
+        return figures
+    arg = _tree_bytes(args)
+    out, alias = _output_bytes(lowered, args)
+    return arg, max(0, compiled.need - arg - out + alias), out, alias
+
+
+def _output_bytes(lowered, args) -> tuple[int, int]:
+    """``(outputs, aliased)`` bytes per device of a lowered program: each output of the
+    shape, dtype and shard of a donated argument takes that argument's buffer."""
+    outs = jax.tree_util.tree_leaves(lowered.out_info)
+    infos = jax.tree_util.tree_leaves(lowered.args_info)
+    leaves = jax.tree_util.tree_leaves(args)
+    key = lambda a: (tuple(a.shape), str(a.dtype), _leaf_bytes(a))  # noqa: E731
+    donated: dict = {}
+    if len(infos) == len(leaves):
+        for info, a in zip(infos, leaves):
+            if info.donated:
+                donated[key(a)] = donated.get(key(a), 0) + 1
+    alias = 0
+    for o in outs:
+        if donated.get(key(o), 0) > 0:
+            donated[key(o)] -= 1
+            alias += _leaf_bytes(o)
+    return sum(_leaf_bytes(o) for o in outs), alias
 
 
 def _compile(lowered, tpu: TpuSlice) -> tuple[Any, str]:

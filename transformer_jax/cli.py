@@ -11,7 +11,7 @@
   transformer-jax export --workdir DIR --out DIR [--format hf|peft] [--merge]
   transformer-jax sweep --experiment NAME|FILE --workdir DIR [--quick] [--parallel N] [--set k=v ...]
   transformer-jax compile --experiment NAME --tpu TYPE|--topology NAME [--mesh M] [--what train|eval|decode]
-                          [--set k=v ...] [--mfu F] [--json]
+                          [--decode-tokens N] [--set k=v ...] [--mfu F] [--json]
   transformer-jax compare-torch [--experiment NAME|FILE] [--workdir DIR] [--steps N] [--set k=v ...]
                                 [--init-from DIR] [--tolerance T] [--grad-tolerance G] [--float64-reference]
   transformer-jax experiments
@@ -145,6 +145,9 @@ def _add_compile_parser(sub) -> None:
                    help="device mesh (default: the experiment's)")
     c.add_argument("--what", choices=("train", "eval", "decode"), default="train",
                    help="the train step (default), the eval step, or generate's decode loop")
+    c.add_argument("--decode-tokens", type=int, default=None, metavar="N",
+                   help="--what decode: tokens generated after each prompt (default 64, or "
+                        "half of seq_len / model.max_len when shorter)")
     c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field (repeatable)")
     c.add_argument("--mfu", type=float, default=0.4,
@@ -357,10 +360,14 @@ def _compile(args) -> int:
 
     tpu = TpuSlice.parse(args.tpu) if args.tpu else TpuSlice.from_topology(args.topology)
     cfg = apply_overrides(load_experiment(args.experiment), list(args.overrides))
+    from .errors import UserError
     if not 0 < args.mfu <= 1:
-        from .errors import UserError
         raise UserError(f"--mfu {args.mfu} must be in (0, 1]")
-    report = compile_experiment(cfg, tpu, mesh=args.mesh, what=args.what, mfu=args.mfu)
+    if args.decode_tokens is not None and args.what != "decode":
+        raise UserError(f"--decode-tokens applies to --what decode, not --what {args.what}; "
+                        "drop it or add --what decode")
+    report = compile_experiment(cfg, tpu, mesh=args.mesh, what=args.what, mfu=args.mfu,
+                                decode_tokens=args.decode_tokens)
     print(report.describe(), flush=True)
     if args.json:
         print(json.dumps(report.to_dict()))

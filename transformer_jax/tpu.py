@@ -34,8 +34,8 @@ GIB = 1024 ** 3
 class Generation:
     """One TPU generation: ``name`` as in accelerator types, JAX's topology prefix, HBM and
     bf16 peak FLOP/s per JAX device, devices per chip, whether the type's number counts
-    cores (2 per chip) and whether its topologies are 3-D. (Which generations take the
-    Pallas kernel is ``layers.attention_dispatch.PALLAS_MIN_TPU_GENERATION``.)"""
+    cores (2 per chip), whether its topologies are 3-D, and HBM bandwidth per chip. (Which
+    generations take the Pallas kernel is ``layers.attention_dispatch.PALLAS_MIN_TPU_GENERATION``.)"""
     name: str
     topology_prefix: str
     hbm_bytes: int
@@ -44,15 +44,16 @@ class Generation:
     counts_cores: bool
     three_d: bool
     single_host_chips: int  # the most chips one host holds
+    chip_hbm_bandwidth: float  # bytes/s of one chip (Cloud TPU's published figure)
 
 
 GENERATIONS = {g.name: g for g in (
-    Generation("v2", "v2", 8 * GIB, 22.5e12, 2, True, False, 4),
-    Generation("v3", "v3", 16 * GIB, 61.5e12, 2, True, False, 4),
-    Generation("v4", "v4", 32 * GIB, 275e12, 1, True, True, 4),
-    Generation("v5p", "v5p", 95 * GIB, 459e12, 1, True, True, 4),
-    Generation("v5e", "v5e", 16 * GIB, 197e12, 1, False, False, 8),
-    Generation("v6e", "v6e", 32 * GIB, 918e12, 1, False, False, 8),
+    Generation("v2", "v2", 8 * GIB, 22.5e12, 2, True, False, 4, 0.7e12),
+    Generation("v3", "v3", 16 * GIB, 61.5e12, 2, True, False, 4, 0.9e12),
+    Generation("v4", "v4", 32 * GIB, 275e12, 1, True, True, 4, 1.2e12),
+    Generation("v5p", "v5p", 95 * GIB, 459e12, 1, True, True, 4, 2.8e12),
+    Generation("v5e", "v5e", 16 * GIB, 197e12, 1, False, False, 8, 0.82e12),
+    Generation("v6e", "v6e", 32 * GIB, 918e12, 1, False, False, 8, 1.6e12),
 )}
 ALIASES = {"v5litepod": "v5e", "v5lite": "v5e", "v6lite": "v6e"}
 
@@ -72,6 +73,37 @@ def _grid(chips: int, three_d: bool) -> tuple[int, ...]:
         dims[i] *= 2
     return tuple(dims)
 
+
+
+def _offered(gen: Generation, chips: int) -> bool:
+    """Whether Cloud TPU offers a ``gen`` slice of ``chips`` chips: a power of two, at
+    least 4 chips (8 cores) where the type counts cores, and no 2-chip v5e/v6e."""
+    if chips < 1 or chips & (chips - 1):
+        return False
+    return chips >= 4 if gen.counts_cores else chips != 2
+
+
+def _type_number(gen: Generation, chips: int) -> int:
+    """The number in the accelerator type: cores (2 per chip) or chips."""
+    return chips * 2 if gen.counts_cores else chips
+
+
+def _topology_name(gen: Generation, chips: int) -> str:
+    return f"{gen.topology_prefix}:{'x'.join(map(str, _grid(chips, gen.three_d)))}"
+
+
+def _topology_advice(gen: Generation, chips: int) -> str:
+    """The topologies ``gen`` slices have (the smallest five) and the nearest to ``chips``."""
+    sizes = [c for c in (2 ** k for k in range(12)) if _offered(gen, c)]
+    listed = ", ".join(f"{_topology_name(gen, c)} (--tpu {gen.name}-{_type_number(gen, c)})"
+                       for c in sizes[:5])
+    if _offered(gen, chips):                  # the right size, laid out otherwise
+        near = [chips]
+    else:
+        near = [c for c in sizes if c < chips][-1:] + [c for c in sizes if c > chips][:1]
+    nearest = " or ".join(f"{_topology_name(gen, c)} ({c} chip{'s' * (c > 1)})" for c in near)
+    return (f"{gen.name} slices are {listed}, ... (each side doubling in turn); "
+            f"nearest: {nearest}")
 
 @dataclasses.dataclass(frozen=True)
 class TpuSlice:
@@ -97,6 +129,18 @@ class TpuSlice:
         """bf16 peak FLOP/s of one JAX device."""
         return self.generation.peak_bf16
 
+    @property
+    def hbm_bandwidth(self) -> float:
+        """HBM bytes/s of one JAX device (a v2/v3 core has half its chip's)."""
+        return self.generation.chip_hbm_bandwidth / self.generation.devices_per_chip
+
+    def next_larger(self) -> "TpuSlice":
+        """The next larger slice of this generation (v5e-1 -> v5e-4, v4-8 -> v4-16)."""
+        chips = self.chips * 2
+        while not _offered(self.generation, chips):
+            chips *= 2
+        return self._of(self.generation, chips)
+
     def topology_kwargs(self) -> dict:
         kw = {}
         if self.generation.devices_per_chip == 1 and self.generation.counts_cores:
@@ -119,28 +163,20 @@ class TpuSlice:
                             f"choose one of {sorted(GENERATIONS)} (v5litepod = v5e)")
         gen, number = GENERATIONS[gen_name], int(m.group(2))
         chips = number // 2 if gen.counts_cores else number
-        smallest = 8 if gen.counts_cores else 1
-        if number < smallest or chips & (chips - 1):
+        if not _offered(gen, chips) or number != _type_number(gen, chips):
             sizes = "8, 16, 32, ..." if gen.counts_cores else "1, 4, 8, 16, ..."
+            if not gen.counts_cores and chips == 2:
+                raise UserError(f"--tpu {name!r}: {gen.name} slices come as -1, -4, -8, -16, ...")
             raise UserError(f"--tpu {name!r}: a {gen.name} slice has {sizes} "
                             f"{'cores' if gen.counts_cores else 'chips'} (a power of two"
                             f"{', at least 8' if gen.counts_cores else ''})")
-        if not gen.counts_cores and chips == 2:
-            raise UserError(f"--tpu {name!r}: {gen.name} slices come as -1, -4, -8, -16, ...")
-        grid = _grid(chips, gen.three_d)
-        topology = f"{gen.topology_prefix}:{'x'.join(map(str, grid))}"
-        per_host = None
-        if chips <= gen.single_host_chips:      # one host holds the whole slice
-            per_host = tuple(grid) + (1,) * (3 - len(grid))
-            hosts = 1
-        else:
-            hosts = chips // 4
-        return cls(name=f"{gen.name}-{number}", generation=gen, chips=chips, topology=topology,
-                   chips_per_host=per_host, hosts=hosts)
+        return cls._of(gen, chips)
 
     @classmethod
     def from_topology(cls, topology: str) -> "TpuSlice":
-        """A slice from JAX's own topology name (``"v5e:2x4"``, ``"v4:2x2x4"``)."""
+        """A slice from JAX's own topology name (``"v5e:2x4"``, ``"v4:2x2x4"``): one of the
+        grids ``--tpu`` types lay out (:func:`_grid`); any other is a UserError that lists
+        them and names the nearest."""
         m = re.fullmatch(r"\s*(v\d+[a-z]*):(\d+(?:x\d+){1,2})\s*", str(topology).lower())
         if m is None or ALIASES.get(m.group(1), m.group(1)) not in GENERATIONS:
             raise UserError(f"--topology {topology!r} is not a JAX TPU topology name; give "
@@ -148,12 +184,20 @@ class TpuSlice:
         gen = GENERATIONS[ALIASES.get(m.group(1), m.group(1))]
         dims = tuple(int(x) for x in m.group(2).split("x"))
         chips = math.prod(dims)
-        number = chips * 2 if gen.counts_cores else chips
+        if not (_offered(gen, chips) and dims == _grid(chips, gen.three_d)):
+            raise UserError(f"--topology {topology!r} is not a {gen.name} slice: "
+                            + _topology_advice(gen, chips))
+        return cls._of(gen, chips)
+
+    @classmethod
+    def _of(cls, gen: Generation, chips: int) -> "TpuSlice":
+        """The slice of ``chips`` chips of ``gen`` (a count :func:`_offered` accepts)."""
+        grid = _grid(chips, gen.three_d)
         per_host = None
-        if chips <= gen.single_host_chips:
-            per_host = dims + (1,) * (3 - len(dims))
-        return cls(name=f"{gen.name}-{number}", generation=gen, chips=chips,
-                   topology=f"{gen.topology_prefix}:{m.group(2)}", chips_per_host=per_host,
+        if chips <= gen.single_host_chips:      # one host holds the whole slice
+            per_host = tuple(grid) + (1,) * (3 - len(grid))
+        return cls(name=f"{gen.name}-{_type_number(gen, chips)}", generation=gen, chips=chips,
+                   topology=_topology_name(gen, chips), chips_per_host=per_host,
                    hosts=1 if per_host else chips // 4)
 
     def jax_devices(self) -> list:
@@ -164,8 +208,15 @@ class TpuSlice:
             raise UserError("compiling for a TPU needs the TPU compiler: pip install "
                             "'transformer_jax[tpu]' (libtpu, as jax[tpu] pins it)")
         from jax.experimental import topologies
-        topo = topologies.get_topology_desc(platform="tpu", topology_name=self.topology,
-                                            **self.topology_kwargs())
+        try:
+            topo = topologies.get_topology_desc(platform="tpu", topology_name=self.topology,
+                                                **self.topology_kwargs())
+        except Exception as e:  # noqa: BLE001 - JaxRuntimeError and the like, from libtpu
+            first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()),
+                         type(e).__name__)
+            raise UserError(f"the TPU compiler cannot make topology {self.topology!r} "
+                            f"({first[:300]}); give a --tpu type or one of its topologies: "
+                            + _topology_advice(self.generation, self.chips)) from None
         return list(topo.devices)
 
 
