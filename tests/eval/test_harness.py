@@ -106,7 +106,8 @@ def test_a_byte_level_runs_export_scores_as_its_workdir(byte_run, tasks_dir, tmp
             == ByteTokenizer().encode(text))
     reference = ours(workdir, tasks_dir)
     worst = compare(reference, theirs(export, tasks_dir))
-    print(f"byte-level workdir vs its export: max |diff| {worst:.3g}")
+    with capsys.disabled():
+        print(f"byte-level workdir vs its export: max |diff| {worst:.3g}")
     out = tmp_path / "init_from.json"
     code, _, lines = run_cli(capsys, "eval", "--tasks", ",".join(TASKS), "--init-from", export,
                              "--include-path", tasks_dir, "--limit", str(LIMIT),

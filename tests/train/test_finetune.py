@@ -212,7 +212,7 @@ def test_a_lora_run_trains_the_adapters_alone_and_exports_merged(data_dir, hf_di
         export(str(workdir), str(tmp_path / "merged"), merge=True)
     summary = export(str(workdir), str(tmp_path / "peft"), fmt="peft")   # the adapter alone
     assert summary["files"] == ["adapter_config.json", "adapter_model.safetensors",
-                                "tokenizer_config.json"]          # no base weights
+                                "tokenizer.json", "tokenizer_config.json"]   # no base weights
     peft_model = peft.PeftModel.from_pretrained(
         transformers.AutoModelForCausalLM.from_pretrained(hf_dirs["gpt2"]), tmp_path / "peft")
     inputs, theirs = _hf_logits(peft_model.eval(), "lm", np.random.default_rng(2))
