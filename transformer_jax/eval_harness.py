@@ -429,7 +429,7 @@ def checkpoint_step(workdir: str | os.PathLike) -> int | None:
         manager.close()
 
 
-def append_metrics(workdir: str | os.PathLike, step: int, row: dict[str, float]) -> None:
+def append_metrics(workdir: str | os.PathLike, step: int, row: dict) -> None:
     """One ``{"step": step, **row}`` line appended to the workdir's metrics.jsonl."""
     from . import storage
 
