@@ -374,3 +374,31 @@ def test_two_processes_train_into_one_bucket_and_resume_on_another_mesh(gcs, tmp
     _launch(workdir, data_dir, 4, "data=2,fsdp=2,tensor=2", "--resume")
     assert [r["step"] for r in read_metrics(workdir) if "loss" in r] == [1, 2, 3, 4]
     assert storage.is_file(f"{workdir}/config.json") and storage.is_file(f"{workdir}/loss.png")
+
+
+def test_staged_dir_gives_the_umask_modes_and_is_atomic(tmp_path):
+    """A directory filled by ``staged_dir`` has the modes ``mkdir``/``open`` give under the
+    umask (not mkdtemp's 0o700 nor a writer's 0o600), appears whole, and an exception leaves
+    nothing."""
+    old = os.umask(0o022)
+    try:
+        for mask, dir_mode, file_mode in ((0o022, 0o755, 0o644), (0o027, 0o750, 0o640)):
+            os.umask(mask)
+            final = tmp_path / f"out{mask:o}"
+            with storage.staged_dir(str(final)) as staging:
+                assert not final.exists()
+                os.mkdir(os.path.join(staging, "sub"), 0o700)
+                for name in ("a.bin", "sub/b.json"):
+                    os.close(os.open(os.path.join(staging, name), os.O_CREAT | os.O_WRONLY, 0o600))
+            modes = {p.relative_to(final).as_posix(): p.stat().st_mode & 0o777
+                     for p in [final, *final.rglob("*")]}
+            assert modes == {".": dir_mode, "sub": dir_mode, "a.bin": file_mode,
+                             "sub/b.json": file_mode}
+        os.umask(0o022)
+        with pytest.raises(RuntimeError):
+            with storage.staged_dir(str(tmp_path / "failed")) as staging:
+                (tmp_path / "failed_marker").write_text(staging)
+                raise RuntimeError("stop")
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["failed_marker", "out22", "out27"]
+    finally:
+        os.umask(old)

@@ -123,7 +123,8 @@ def _add_eval_parser(sub) -> None:
     h.add_argument("--include-path", default=None, metavar="DIR", help="more task YAMLs")
     h.add_argument("--num-fewshot", type=int, default=None, metavar="K")
     h.add_argument("--limit", type=float, default=None, metavar="N",
-                   help="at most N documents per task (a fraction below 1)")
+                   help="at most N >= 1 documents per task, or a fraction in (0, 1) of them "
+                        "(default: every document)")
     h.add_argument("--batch-size", type=int, default=16, metavar="B", help="rows per forward (16)")
     h.add_argument("--bootstrap-iters", type=int, default=100000, metavar="N",
                    help="bootstrap resamples for the stderr of perplexities (0: none)")
@@ -265,11 +266,18 @@ def _harness(args) -> int:
     from .errors import UserError
     from .train import distributed
 
-    if (args.workdir is None) == (args.init_from is None):
+    if args.workdir is None and args.init_from is None:
         raise UserError("eval --tasks needs one of --workdir DIR or --init-from DIR")
+    if args.workdir is not None and args.init_from is not None:
+        raise UserError("eval --tasks got both --workdir and --init-from; give --workdir DIR "
+                        "(a run's checkpoint) or --init-from DIR (an HF directory), not both")
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not tasks:
         raise UserError("--tasks names no task; give e.g. --tasks hellaswag,arc_easy")
+    limit = _harness_limit(args.limit)
+    if args.num_fewshot is not None and args.num_fewshot < 0:
+        raise UserError(f"--num-fewshot {args.num_fewshot}: give K >= 0 examples, or omit it "
+                        "for each task's default")
     if args.output and not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
         raise UserError(f"--output {args.output}: its directory does not exist; create it first")
     distributed.initialize(None, None, None)     # a pod or $TRANSFORMER_JAX_COORDINATOR...
@@ -284,7 +292,7 @@ def _harness(args) -> int:
     source = args.workdir or args.init_from
     lm = eval_harness.HarnessLM.from_dir(source, batch_size=args.batch_size)
     results = eval_harness.run_harness(lm, tasks, include_path=args.include_path,
-                                       num_fewshot=args.num_fewshot, limit=args.limit,
+                                       num_fewshot=args.num_fewshot, limit=limit,
                                        bootstrap_iters=args.bootstrap_iters)
     if results is None:       # another process than 0
         return 0
@@ -292,7 +300,9 @@ def _harness(args) -> int:
 
     print(make_table(results))
     if args.workdir is not None:
-        eval_harness.append_metrics(args.workdir, step, eval_harness.flat_metrics(results))
+        setting = eval_harness.harness_setting(tasks, args.num_fewshot, limit, results)
+        eval_harness.append_metrics(args.workdir, step,
+                                    {"harness": setting, **eval_harness.flat_metrics(results)})
         print(f"appended the harness metrics at step {step} to "
               f"{os.path.join(args.workdir, 'metrics.jsonl')}")
     if args.output:
@@ -300,6 +310,20 @@ def _harness(args) -> int:
             json.dump(results, f, indent=2, default=str)
         print(f"wrote {args.output}")
     return 0
+
+
+def _harness_limit(limit: float | None) -> int | float | None:
+    """``--limit`` as the harness takes it: None (every document), N >= 1 documents (an
+    int) or a fraction in (0, 1); anything else is a UserError."""
+    from .errors import UserError
+
+    if limit is None or 0 < limit < 1:
+        return limit
+    if limit >= 1 and float(limit).is_integer():
+        return int(limit)
+    problem = "would score no document" if limit <= 0 else "is not a whole number of documents"
+    raise UserError(f"--limit {limit:g} {problem}; omit --limit to use every document, or "
+                    "give N >= 1 documents per task or a fraction in (0, 1)")
 
 
 def _generate(args) -> int:

@@ -172,8 +172,9 @@ class HarnessLM(TemplateLM):
             raise UserError(f"{where}: a {family} model; the lm-evaluation-harness runs "
                             "decoder-only models here (GPT-2, Llama, Mistral)")
         if spec is None:
-            raise UserError(f"{where} holds no tokenizer (tokenizer.json, tokenizer.model or "
-                            "spiece.model); save the tokenizer with the model")
+            raise UserError(f"{where} holds no tokenizer (tokenizer.json, tokenizer.model, "
+                            "spiece.model, or ByT5's tokenizer_config.json); save the "
+                            "tokenizer with the model")
         from .models import model_from_config
         _, module = model_from_config(family, model_config)
         return cls(module, params, get_tokenizer(spec), **kwargs)
@@ -403,6 +404,16 @@ def flat_metrics(results: dict) -> dict[str, float]:
     return out
 
 
+def harness_setting(tasks: Sequence[str], num_fewshot: int | None, limit: float | None,
+                    results: dict) -> dict:
+    """What a metrics row's harness numbers were measured with: the tasks, ``--num-fewshot``
+    as given (None: each task's default), the shots each task ran with (the harness's
+    ``n-shot``) and ``--limit`` (None: every document)."""
+    shots = {task: int(n) for task, n in (results.get("n-shot") or {}).items()
+             if isinstance(n, (int, float))}
+    return {"tasks": list(tasks), "num_fewshot": num_fewshot, "n_shot": shots, "limit": limit}
+
+
 def checkpoint_step(workdir: str | os.PathLike) -> int | None:
     """The latest checkpoint step of a workdir, or None for another directory."""
     from . import storage
@@ -418,7 +429,7 @@ def checkpoint_step(workdir: str | os.PathLike) -> int | None:
         manager.close()
 
 
-def append_metrics(workdir: str | os.PathLike, step: int, row: dict[str, float]) -> None:
+def append_metrics(workdir: str | os.PathLike, step: int, row: dict) -> None:
     """One ``{"step": step, **row}`` line appended to the workdir's metrics.jsonl."""
     from . import storage
 

@@ -10,17 +10,18 @@ a PEFT directory.
                  base the run started from (``base_model_name_or_path``: its ``--init-from``).
 
 Tokenizer files: an ``hf:DIR`` tokenizer's own files are copied; the byte tokenizer is
-written as HF's ``ByT5Tokenizer`` (the same ids: pad 0, eos 1, unk 2, byte b -> b + 3) with
-BERT's [CLS]/[SEP]/[MASK] added after it where the run has them; a SentencePiece model as
-``spiece.model`` for ``T5Tokenizer`` (no extra ids). Nothing is written when the run is
-refused; the directory is filled in a temporary sibling and renamed into place.
+written as a ``tokenizer.json`` with the same ids (pad 0, eos 1, unk 2, byte b -> b + 3;
+BERT's [CLS]/[SEP]/[MASK] after it where the run has them) that adds no special token, so
+``AutoTokenizer`` and ``lm_eval --model hf`` see the run's ids (``data/byte_hf.py``); a
+SentencePiece model as ``spiece.model`` for ``T5Tokenizer`` (no extra ids). Nothing is
+written when the run is refused; the directory is filled in a temporary sibling and renamed
+into place, with the modes a plain ``mkdir``/``open`` gives (``storage.staged_dir``).
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
-import tempfile
 from typing import Any
 
 import numpy as np
@@ -85,18 +86,15 @@ def write_tokenizer(spec: str | None, out_dir: str, extra_specials: list[str] = 
                 written.append(name)
         return written
     if spec in (None, "byte", "bytes", "byt5"):
-        config = {"tokenizer_class": "ByT5Tokenizer", "extra_ids": 0, "eos_token": "</s>",
-                  "pad_token": "<pad>", "unk_token": "<unk>"}
-        if extra_specials:
-            config["additional_special_tokens"] = list(extra_specials)
-    else:
-        path = spec.split(":", 1)[1] if spec.split(":", 1)[0] in ("sentencepiece", "spm") else spec
-        from . import storage
-        with open(os.path.join(out_dir, "spiece.model"), "wb") as f:
-            f.write(storage.read_bytes(path))
-        written.append("spiece.model")
-        config = {"tokenizer_class": "T5Tokenizer", "extra_ids": 0, "eos_token": "</s>",
-                  "pad_token": "<pad>", "unk_token": "<unk>"}
+        from .data.byte_hf import write_byte_tokenizer
+        return write_byte_tokenizer(out_dir, extra_specials)
+    path = spec.split(":", 1)[1] if spec.split(":", 1)[0] in ("sentencepiece", "spm") else spec
+    from . import storage
+    with open(os.path.join(out_dir, "spiece.model"), "wb") as f:
+        f.write(storage.read_bytes(path))
+    written.append("spiece.model")
+    config = {"tokenizer_class": "T5Tokenizer", "extra_ids": 0, "eos_token": "</s>",
+              "pad_token": "<pad>", "unk_token": "<unk>"}
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2)
     return written + ["tokenizer_config.json"]
@@ -115,6 +113,7 @@ def _mlm_specials(task: Any) -> list[str]:
 def export(workdir: str, out_dir: str, *, fmt: str = "hf", merge: bool = False) -> dict:
     """Export the latest checkpoint of ``workdir`` to ``out_dir`` (see the module docstring);
     returns a summary (the files written, the architecture)."""
+    from . import storage
     from .layers import lora as lora_lib
     from .workdir import load_run
 
@@ -130,10 +129,7 @@ def export(workdir: str, out_dir: str, *, fmt: str = "hf", merge: bool = False) 
         from .layers import quant
         params = quant.dequantize_params(params)
     base = (run_config.get("init_from") or {}).get("path")
-    parent = os.path.dirname(os.path.abspath(out_dir)) or "."
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=".export-", dir=parent)
-    try:
+    with storage.staged_dir(out_dir) as staging:
         if fmt == "peft":
             if merge:
                 raise UserError("--merge folds the adapters into the model: use it with "
@@ -164,12 +160,6 @@ def export(workdir: str, out_dir: str, *, fmt: str = "hf", merge: bool = False) 
         if "tokenizer" in task.spec():          # text tasks (an image task has none)
             write_tokenizer(task.spec()["tokenizer"], staging, _mlm_specials(task))
         files = sorted(os.listdir(staging))
-        if os.path.isdir(out_dir):
-            os.rmdir(out_dir)
-        os.rename(staging, out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return {"out": out_dir, "format": fmt, "files": files, "architecture": architecture,
             "merged": bool(merge and lora is not None)}
 

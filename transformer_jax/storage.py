@@ -21,9 +21,11 @@ a path is made, so setting the variable before a run starts is enough.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -34,7 +36,7 @@ from etils import epath
 from .errors import UserError
 
 __all__ = ["path", "is_remote", "exists", "is_file", "is_dir", "makedirs", "read_text",
-           "read_bytes", "write_text", "write_bytes", "append_text", "TextLog",
+           "read_bytes", "write_text", "write_bytes", "append_text", "TextLog", "staged_dir",
            "configure_emulator", "emulator_url"]
 
 PathLike = Any   # str | os.PathLike | epath.Path
@@ -225,6 +227,45 @@ def append_text(p: PathLike, text: str) -> None:
         return
     old = p.read_bytes() if p.exists() else b""
     write_bytes(p, old + text.encode("utf-8"))
+
+
+def umask() -> int:
+    """The process's umask, read without changing it where Linux tells it (/proc)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)        # elsewhere: set and restore it at once
+    os.umask(mask)
+    return mask
+
+
+@contextlib.contextmanager
+def staged_dir(final: str):
+    """A new local directory ``final``, filled out of sight: yields a temporary sibling to
+    write in; then gives it and everything under it the modes a plain ``mkdir``/``open``
+    would (0o777 / 0o666 less the umask: ``tempfile.mkdtemp`` makes 0o700, safetensors
+    writes 0o600) and renames it to ``final`` (an empty directory there is replaced). On an
+    exception the sibling is removed and ``final`` is left as it was."""
+    parent = os.path.dirname(os.path.abspath(final)) or "."
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(final))}-", dir=parent)
+    try:
+        yield staging
+        mask = umask()
+        for root, dirs, files in os.walk(staging):
+            os.chmod(root, 0o777 & ~mask)
+            for name in files:
+                os.chmod(os.path.join(root, name), 0o666 & ~mask)
+        if os.path.isdir(final):
+            os.rmdir(final)
+        os.rename(staging, final)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
 
 
 class TextLog:

@@ -86,3 +86,20 @@ def finetuned(tmp_path_factory, gpt2_hf):
                  *(f"--set={s}" for s in sets)]) == 0
     assert main(["export", "--workdir", str(workdir), "--out", str(export)]) == 0
     return str(workdir), str(export)
+
+
+@pytest.fixture(scope="session")
+def byte_run(tmp_path_factory):
+    """A tiny GPT trained here 3 steps with the default byte tokenizer (tests/helpers.py
+    TINY_RUN), and its export as a Hugging Face directory: (workdir, export)."""
+    from tests.helpers import TINY_RUN
+    from transformer_jax.cli import main
+
+    root = tmp_path_factory.mktemp("byte_run")
+    workdir, export = root / "run", root / "export"
+    sets = [*TINY_RUN, "steps=3", "eval_every=3", "save_every=3", "sample_tokens=0",
+            f"data_dir={root / 'tfds'}"]
+    assert main(["train", "--no-progress", "--workdir", str(workdir),
+                 *(f"--set={s}" for s in sets)]) == 0
+    assert main(["export", "--workdir", str(workdir), "--out", str(export)]) == 0
+    return str(workdir), str(export)

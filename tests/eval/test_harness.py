@@ -50,15 +50,21 @@ def _scores(resps):
     return floats, rest
 
 
-def compare(a: dict, b: dict) -> float:
-    """Assert two harness results agree (module docstring); the largest |difference| of a
-    request's log-likelihood."""
-    worst = 0.0
+def compare_metrics(a: dict, b: dict) -> None:
+    """Assert two harness results have the same metrics, within 1e-4 relative."""
     assert set(a["results"]) == set(b["results"])
     for task, metrics in a["results"].items():
         for key, value in metrics.items():
             if isinstance(value, float) and "_stderr" not in key:
                 assert value == pytest.approx(b["results"][task][key], rel=TOL, abs=TOL), (task, key)
+
+
+def compare(a: dict, b: dict) -> float:
+    """Assert two harness results agree (module docstring); the largest |difference| of a
+    request's log-likelihood."""
+    worst = 0.0
+    compare_metrics(a, b)
+    for task in a["results"]:
         sa = sorted(a["samples"][task], key=lambda s: s["doc_id"])
         sb = sorted(b["samples"][task], key=lambda s: s["doc_id"])
         assert [s["doc_id"] for s in sa] == [s["doc_id"] for s in sb] and sa
@@ -88,6 +94,49 @@ def test_a_run_trained_here_matches_the_hf_backend_on_its_export(finetuned, task
     print(f"fine-tuned workdir vs its export: max |diff| {worst:.3g}")
 
 
+def test_a_byte_level_runs_export_scores_as_its_workdir(byte_run, tasks_dir, tmp_path, capsys):
+    """A byte-level run's export (issue 46.1): its tokenizer adds no ``</s>``, so the HF
+    backend on the export scores every request as the workdir does; ``eval --init-from`` reads
+    the export's tokenizer back, with the same metrics."""
+    from transformer_jax.data.tokenizers import ByteTokenizer
+
+    workdir, export = byte_run
+    text = "def f(x):\n    return 'é'  # 🙂"
+    assert (transformers.AutoTokenizer.from_pretrained(export)(text)["input_ids"]
+            == ByteTokenizer().encode(text))
+    reference = ours(workdir, tasks_dir)
+    worst = compare(reference, theirs(export, tasks_dir))
+    with capsys.disabled():
+        print(f"byte-level workdir vs its export: max |diff| {worst:.3g}")
+    out = tmp_path / "init_from.json"
+    code, _, lines = run_cli(capsys, "eval", "--tasks", ",".join(TASKS), "--init-from", export,
+                             "--include-path", tasks_dir, "--limit", str(LIMIT),
+                             "--bootstrap-iters", "0", "--output", str(out))
+    assert code == 0, lines
+    compare_metrics(reference, json.loads(out.read_text()))
+
+
+def test_an_older_byte_export_reads_back_with_the_byte_tokenizer(byte_run, tmp_path):
+    """Exports written before (a ByT5Tokenizer tokenizer_config.json alone) and now both give
+    ``--init-from`` the "byte" tokenizer, which the harness then uses."""
+    import shutil
+
+    from transformer_jax.data.tokenizers import ByteTokenizer
+    from transformer_jax.eval_harness import HarnessLM
+    from transformer_jax.train.finetune import load_source
+
+    _, export = byte_run
+    old = tmp_path / "old"
+    old.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copyfile(Path(export) / name, old / name)
+    (old / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "ByT5Tokenizer", "extra_ids": 0, "eos_token": "</s>",
+         "pad_token": "<pad>", "unk_token": "<unk>"}))
+    assert load_source(export).tokenizer == load_source(old).tokenizer == "byte"
+    assert type(HarnessLM.from_dir(old).tokenizer_) is ByteTokenizer
+
+
 def run_cli(capsys, *args):
     """``transformer-jax ARGS`` in this process: (exit status, stdout, the error: lines)."""
     from transformer_jax.cli import main
@@ -108,13 +157,45 @@ def test_cli_prints_the_table_writes_the_json_and_a_metrics_row(finetuned, tasks
     results = json.loads(out.read_text())["results"]["stdlib_choice"]
     rows = (Path(workdir) / "metrics.jsonl").read_text().splitlines()
     assert rows[:-1] == before
-    assert json.loads(rows[-1]) == {"step": 3, "harness/stdlib_choice/acc": results["acc,none"],
-                                    "harness/stdlib_choice/acc_norm": results["acc_norm,none"]}
+    assert json.loads(rows[-1]) == {
+        "step": 3, "harness": {"tasks": ["stdlib_choice"], "num_fewshot": None,
+                               "n_shot": {"stdlib_choice": 0}, "limit": 2},
+        "harness/stdlib_choice/acc": results["acc,none"],
+        "harness/stdlib_choice/acc_norm": results["acc_norm,none"]}
+    # the same step again with two shots: a second row that says so
+    code, _, lines = run_cli(capsys, "eval", "--tasks", "stdlib_choice", "--workdir", workdir,
+                             "--include-path", tasks_dir, "--limit", "3", "--num-fewshot", "2",
+                             "--output", str(out))
+    assert code == 0, lines
+    results = json.loads(out.read_text())["results"]["stdlib_choice"]
+    rows = (Path(workdir) / "metrics.jsonl").read_text().splitlines()
+    assert len(rows) == len(before) + 2
+    assert json.loads(rows[-1]) == {
+        "step": 3, "harness": {"tasks": ["stdlib_choice"], "num_fewshot": 2,
+                               "n_shot": {"stdlib_choice": 2}, "limit": 3},
+        "harness/stdlib_choice/acc": results["acc,none"],
+        "harness/stdlib_choice/acc_norm": results["acc_norm,none"]}
 
 
 def test_cli_refusals(tmp_path, capsys, tasks_dir):
     assert run_cli(capsys, "eval", "--tasks", "stdlib_choice")[::2] == (
         2, ["error: eval --tasks needs one of --workdir DIR or --init-from DIR"])
+    assert run_cli(capsys, "eval", "--tasks", "stdlib_choice", "--workdir", str(tmp_path / "a"),
+                   "--init-from", str(tmp_path / "b"))[::2] == (
+        2, ["error: eval --tasks got both --workdir and --init-from; give --workdir DIR (a "
+            "run's checkpoint) or --init-from DIR (an HF directory), not both"])
+    # --limit 0 / -1 (a "no limit" habit) and a fractional count: refused before any model
+    # loads (the workdir does not even exist), nothing written
+    for limit, problem in (("0", "would score no document"), ("-1", "would score no document"),
+                           ("2.5", "is not a whole number of documents")):
+        assert run_cli(capsys, "eval", "--tasks", "stdlib_choice", "--workdir",
+                       str(tmp_path / "run"), "--limit", limit)[::2] == (
+            2, [f"error: --limit {limit} {problem}; omit --limit to use every document, or "
+                "give N >= 1 documents per task or a fraction in (0, 1)"])
+    assert run_cli(capsys, "eval", "--tasks", "stdlib_choice", "--workdir", str(tmp_path / "run"),
+                   "--num-fewshot", "-1")[::2] == (
+        2, ["error: --num-fewshot -1: give K >= 0 examples, or omit it for each task's default"])
+    assert not (tmp_path / "run").exists()
     assert run_cli(capsys, "eval", "--workdir", str(tmp_path), "--limit", "2")[::2] == (
         2, ["error: --limit go with --tasks (the lm-evaluation-harness)"])
     bert = tmp_path / "bert"

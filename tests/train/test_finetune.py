@@ -4,6 +4,7 @@
 ``export`` back to an HF directory that ``AutoModel*.from_pretrained`` loads strictly and
 that reproduces our logits within 1e-5 (fp32)."""
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -140,12 +141,12 @@ def test_init_from_hf_then_export(data_dir, hf_dirs, tmp_path, capsys, kind, sou
         inputs, theirs_logits = _hf_logits(adapted.eval(), kind, np.random.default_rng(0))
         np.testing.assert_allclose(_ours(run_dir, inputs), theirs_logits, rtol=0,
                                    atol=EXPORT_ATOL)
-    if kind != "image":           # the byte tokenizer as HF's ByT5Tokenizer: the same ids
+    if kind != "image":           # the byte tokenizer's files: the same ids, no </s> added
         tokenizer = transformers.AutoTokenizer.from_pretrained(out)
         _, _, _, task = load_run(run_dir)
         text = "def f(x):\n    return 'é'"
         ids = (task.vocab.tokenizer if hasattr(task, "vocab") else task.tokenizer).encode(text)
-        assert tokenizer(text, add_special_tokens=False)["input_ids"] == ids
+        assert tokenizer(text)["input_ids"] == ids
 
 
 def test_init_from_takes_the_checkpoints_model_and_reports_what_does_not_apply(
@@ -211,7 +212,7 @@ def test_a_lora_run_trains_the_adapters_alone_and_exports_merged(data_dir, hf_di
         export(str(workdir), str(tmp_path / "merged"), merge=True)
     summary = export(str(workdir), str(tmp_path / "peft"), fmt="peft")   # the adapter alone
     assert summary["files"] == ["adapter_config.json", "adapter_model.safetensors",
-                                "tokenizer_config.json"]          # no base weights
+                                "tokenizer.json", "tokenizer_config.json"]   # no base weights
     peft_model = peft.PeftModel.from_pretrained(
         transformers.AutoModelForCausalLM.from_pretrained(hf_dirs["gpt2"]), tmp_path / "peft")
     inputs, theirs = _hf_logits(peft_model.eval(), "lm", np.random.default_rng(2))
@@ -254,8 +255,16 @@ def test_cli_init_from_with_the_checkpoints_tokenizer_then_export(data_dir, tmp_
     saved = json.loads((run / "config.json").read_text())
     assert saved["experiment"]["tokenizer"] == f"hf:{hf_dir}"
     assert saved["model"]["vocab_size"] == len(tokenizer) and saved["model"]["lora"]["rank"] == 4
-    code, stdout, lines = here("export", "--workdir", str(run), "--out", str(out), "--merge")
+    umask = os.umask(0o022)
+    try:
+        code, stdout, lines = here("export", "--workdir", str(run), "--out", str(out), "--merge")
+    finally:
+        os.umask(umask)
     assert code == 0 and lines == [], lines
+    # what others may read, as mkdir/open give it under umask 022 (not mkdtemp's 0o700, nor
+    # the 0o600 safetensors writes)
+    assert {p.name: p.stat().st_mode & 0o777 for p in [out, *out.iterdir()]} == {
+        "out": 0o755, **{name: 0o644 for name in json.loads(stdout)["files"]}}
     assert {"tokenizer.json", "tokenizer_config.json", "model.safetensors",
             "config.json"} <= set(json.loads(stdout)["files"])
     exported = transformers.AutoTokenizer.from_pretrained(out)

@@ -11,7 +11,8 @@ or a transformer_jax workdir (its latest checkpoint). The run then:
   decides (:data:`HEAD_FIELDS`: BERT's head and classes, ViT's classes and channels, CLIP's
   channels); other settings that differ from ``DIR``'s are reported once and not used;
 * uses ``DIR``'s tokenizer when the experiment asks for the default byte tokenizer
-  (``hf:DIR`` for an HF directory with tokenizer files; a workdir's own tokenizer);
+  (``hf:DIR`` for an HF directory with tokenizer files, ``byte`` for the byte tokenizer's
+  files that ``export`` writes; a workdir's own tokenizer);
 * loads every parameter whose path and shape the new model shares (:class:`Start`); a task
   head that differs (another number of classes, a classifier on an MLM checkpoint) is
   initialised fresh, and the run says which leaves;
@@ -153,14 +154,26 @@ def _hf_source(path: str) -> Source:
     from ..interop.hf import from_hf          # loads the converters only when asked
 
     module, params = from_hf(path)
-    tokenizer = f"hf:{path}" if any(os.path.isfile(os.path.join(path, name))
-                                    for name in _TOKENIZER_FILES) else None
+    tokenizer = _tokenizer_of(path)
     config = module.config.replace(lora=None) if module.config.lora is not None else module.config
     params = jax.tree_util.tree_map(np.asarray, params)
     if module.config.lora is not None:
         params = jax.tree_util.tree_map(np.asarray, lora_lib.merge(params, module.config.lora))
     return Source(path=path, kind="hf", family=_family_of(config), model_config=config.to_dict(),
                   params=params, tokenizer=tokenizer)
+
+
+def _tokenizer_of(path: str) -> str | None:
+    """The tokenizer spec of an HF directory: "byte" for the byte tokenizer's files (what
+    ``export`` writes for a byte-level run, or ByT5's), ``hf:DIR`` for other tokenizer files,
+    None without any."""
+    from ..data.byte_hf import is_byte_tokenizer
+
+    if is_byte_tokenizer(path):
+        return "byte"
+    if any(os.path.isfile(os.path.join(path, name)) for name in _TOKENIZER_FILES):
+        return f"hf:{path}"
+    return None
 
 
 def _workdir_source(path: str) -> Source:
