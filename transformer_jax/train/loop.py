@@ -141,7 +141,8 @@ def evaluate(params, apply_fn, task: Task, eval_fn=None, model=None, *,
     # each sum per its weight (``weight``, or ``X_weight`` for ``X_*``: losses.metric_names)
     out = {f"eval_{metric}": totals[k] / totals[w] if totals[w] > 0 else 0.0
            for k, (metric, w) in metric_names(totals).items()}
-    out["eval_ppl"] = math.exp(min(out["eval_loss"], 50.0))
+    for metric, name in task.PERPLEXITY.items():   # only the token cross-entropies the task names
+        out[f"eval_{name}"] = math.exp(min(out[f"eval_{metric}"], 50.0))
     out["eval_tokens"] = weight
     if model is not None:
         local_params = params if local_params is None else local_params
