@@ -12,6 +12,8 @@ lives in ``workdir``:
   tb/              TensorBoard event files
   samples.txt      text generated at each eval
   loss.png         the loss curve, written at the end
+  wandb/           with ``log.wandb``: the W&B run's files, and ``run_id``, the W&B run a
+                   resumed run continues (``train/wandb_log.py``)
 
 Per step, :func:`run_loop` calls :func:`_advance` (the next batch, already on the devices,
 through the compiled step: ``train/step.py``), :meth:`MetricsLog.record` (logging),
@@ -415,8 +417,8 @@ def run_loop(run: Run, *, progress: bool = True, on_log: LogCallback | None = No
     on the way out, whatever stops the loop.
     """
     cfg = run.cfg
-    bar = log = None
-    step, eval_row, stop = run.start, None, _StopRequest()
+    bar = log = png = None
+    step, eval_row, stop, done = run.start, None, _StopRequest(), False
     try:
         end = _last_step(run, stop_at)
         summary = _summary(run, end)
@@ -443,14 +445,18 @@ def run_loop(run: Run, *, progress: bool = True, on_log: LogCallback | None = No
                                    paused=False)
                     break
             log.finish()
+        if run.main:
+            run.writer.flush()            # the plot reads metrics.jsonl
+            png = plot_loss(run.workdir)
+            run.writer.image("loss_curve", png)
+        done = True
     finally:
         if bar is not None:
             bar.close()
         run.ckpt.close()   # waits for pending async saves
-        run.writer.close()
+        run.writer.close(failed=not done)
     summary.update(final_step=step, loss=log.last_loss, seconds=time.perf_counter() - log.t_start,
                    **(eval_row or {}))
     if run.main:
-        png = plot_loss(run.workdir)
         summary["loss_png"] = str(png) if png else None
     return summary
