@@ -280,8 +280,8 @@ def test_log_fields_are_set_as_log_dot_field_and_checked():
     old = {k: v for k, v in ExperimentConfig().to_dict().items() if k != "log"}
     assert ExperimentConfig.from_dict(old).log == LogConfig()
     for override, message in [
-        ("log.wandbb=true", "unknown LogConfig field(s): 'wandbb' (did you mean 'wandb'?); "
-                            "valid fields: ['wandb', 'wandb_mode', 'wandb_project', 'wandb_run_name']"),
+        ("log.wandbb=true", "unknown LogConfig field(s): 'wandbb' (did you mean 'wandb'?); valid "
+                            "fields: ['wandb', 'wandb_mode', 'wandb_project', 'wandb_run_name']"),
         ("log.wandb=1", "LogConfig.wandb must be True or False, got 1"),
         ("log.wandb_mode=cloud", "LogConfig.wandb_mode='cloud' is unknown; choose 'online', "
                                  "'offline' or None (online with an API key, else offline)"),

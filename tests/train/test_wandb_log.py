@@ -45,7 +45,8 @@ def history(records) -> dict[int, dict]:
     rows = {}
     for r in records:
         if r.WhichOneof("record_type") == "history":
-            row = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in r.history.item}
+            row = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json)
+                   for i in r.history.item}
             rows.setdefault(row["_step"], {}).update(row)
     return rows
 
@@ -114,7 +115,8 @@ def test_without_wandb_one_error_line_and_nothing_written(tmp_path, data_dir, he
 def test_the_mode_is_offline_without_a_key(tmp_path, offline, monkeypatch):
     assert wandb_log.resolve_mode(LogConfig(wandb=True)) == "offline"
     assert wandb_log.resolve_mode(LogConfig(wandb=True, wandb_mode="online")) == "online"
-    (tmp_path / "netrc").write_text("machine api.wandb.ai\n  login user\n  password " + "k" * 40 + "\n")
+    key = "k" * 40
+    (tmp_path / "netrc").write_text(f"machine api.wandb.ai\n  login user\n  password {key}\n")
     monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))      # what `wandb login` writes
     assert wandb_log.resolve_mode(LogConfig(wandb=True)) == "online"
     monkeypatch.setenv("WANDB_MODE", "offline")

@@ -42,8 +42,8 @@ Eval is one ordered pass; the last batch is filled with weight-0 rows.
 
 Loss: token cross-entropy on ``labels`` (teacher forcing). Metrics: ``eval_loss`` (nats per
 target token; ``eval_ppl`` is its exp), ``eval_accuracy`` (teacher-forced token accuracy)
-and, from decoding the first ``decode_batches`` eval batches with greedy (``beam_size=1``) or beam search,
-``eval_exact_match``: the fraction of examples whose decoded output equals the target
+and, from decoding the first ``decode_batches`` eval batches with greedy (``beam_size=1``)
+or beam search, ``eval_exact_match``: the fraction of examples whose decoded output equals the target
 exactly, and ``eval_bleu``: corpus BLEU (sacrebleu; tokenizer ``bleu_tokenize``, by default
 "char" for the identifier transforms and "13a", WMT's, for TFDS datasets). ``generate`` decodes the prompt as a source (sampling flags are ignored; the task
 decodes greedily or with ``beam_size`` beams).

@@ -68,7 +68,8 @@ def has_api_key() -> bool:
 
 def resolve_mode(log: LogConfig) -> str:
     """``log.wandb_mode``, else ``$WANDB_MODE``, else online with an API key, offline without."""
-    return log.wandb_mode or os.environ.get("WANDB_MODE") or ("online" if has_api_key() else "offline")
+    chosen = log.wandb_mode or os.environ.get("WANDB_MODE")
+    return chosen or ("online" if has_api_key() else "offline")
 
 
 def local_dir(workdir) -> Path:
