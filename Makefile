@@ -18,7 +18,7 @@ unexport PYTHONDONTWRITEBYTECODE
 $(BIN)/.installed: pyproject.toml .ci/constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q -c .ci/constraints.txt torch uv
-	$(BIN)/uv pip install -q --python $(BIN)/python -c .ci/constraints.txt -e ".[test,tpu,eval,docs]"
+	$(BIN)/uv pip install -q --python $(BIN)/python -c .ci/constraints.txt -e ".[test,tpu,eval,docs,wandb]"
 	touch $@
 
 train: $(BIN)/.installed

@@ -22,6 +22,8 @@ from transformer_jax.compare_torch import (  # noqa: E402
     summarize)
 from transformer_jax.train.config import apply_overrides, load_experiment  # noqa: E402
 
+from .helpers import cli_here  # noqa: E402
+
 STEPS = 8
 # ViT on the digits hovers at ln 10 for its first 8 steps (warm-up, 10 classes), so it
 # trains twice as long for its curve to fall clearly.
@@ -201,6 +203,20 @@ def test_refused_before_anything_runs(data_dir, tmp_path, monkeypatch):
     with pytest.raises(UserError, match=r"with torch, which is not installed; pip install"):
         compare(small_config("stdlib_gpt", data_dir), tmp_path / "c", steps=3)
     assert not (tmp_path / "a").exists() and not (tmp_path / "c").exists()
+
+
+def test_a_task_without_a_twin_is_refused_before_the_steps_are_mended(tmp_path):
+    """clip_digits (warm-up 50) at --steps 10: the first error is that the contrastive task
+    has no PyTorch twin, not that the warm-up should shrink (which would mend nothing)."""
+    from transformer_jax.compare_torch import FORWARDS
+
+    code, out, lines = cli_here("compare-torch", "--experiment", "clip_digits", "--steps", 10,
+                                "--workdir", tmp_path / "clip")
+    assert code == 2 and out == ""
+    assert lines == [f"error: task='contrastive' has no PyTorch twin in compare-torch; it "
+                     f"compares the tasks {sorted(FORWARDS)}"]
+    assert sorted(FORWARDS) == ["classify", "image_classification", "lm", "mlm", "seq2seq"]
+    assert not (tmp_path / "clip").exists()
 
 
 def test_a_diverged_side_is_never_within():

@@ -107,6 +107,10 @@ def test_sigterm_then_restart_gives_the_rows_of_an_uninterrupted_sweep(tmp_path,
     with pytest.raises(UserError, match=r"a was trained with other settings than the sweep gives "
                                         r"it now \(seed: 0 then, 1 now\)"):
         run_sweep(str(experiment), work, progress=False, overrides=["seed=1"])
+    # other logging settings change no result: the finished members stand
+    again = run_sweep(str(experiment), work, progress=False,
+                      overrides=["eval_batches=2", "log.wandb_project=elsewhere"])
+    assert again["rows"] == rows and (work / "results.jsonl").read_text() == want
 
 
 def test_an_interrupted_sweep_prints_the_whole_command_that_continues_it(tmp_path, capsys,

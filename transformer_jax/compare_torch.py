@@ -115,10 +115,7 @@ def comparable(cfg) -> tuple[Any, list[str]]:
     UserError naming a setting that has no PyTorch twin here."""
     from .train.config import apply_overrides
 
-    _require_torch()
-    if cfg.task not in FORWARDS:
-        raise UserError(f"task={cfg.task!r} has no PyTorch twin in compare-torch; it compares "
-                        f"the tasks {sorted(FORWARDS)}")
+    _require_twin(cfg)
     if cfg.parallelism != "jit":
         raise UserError(f"parallelism={cfg.parallelism!r}: compare-torch runs the jit train "
                         "step (the same numbers); drop --set parallelism")
@@ -138,6 +135,14 @@ def comparable(cfg) -> tuple[Any, list[str]]:
              for name, value in sorted(_untwinned(settings).items())]
     # with init_from the model is the checkpoint's: its family's fields are the ones to set
     return apply_overrides(cfg.replace(model=family), changes), notes
+
+
+def _require_twin(cfg) -> None:
+    """What no setting mends comes first: a task without a PyTorch twin, then PyTorch itself."""
+    if cfg.task not in FORWARDS:
+        raise UserError(f"task={cfg.task!r} has no PyTorch twin in compare-torch; it compares "
+                        f"the tasks {sorted(FORWARDS)}")
+    _require_torch()
 
 
 def _require_torch() -> None:
@@ -390,7 +395,9 @@ def compare(cfg, workdir, *, steps: int, tolerance: float = DEFAULT_TOLERANCE,
     each float32 run strays from it (``loss_f64``,
     ``grad_norm_f64`` in the rows; the ``max_*_vs_f64`` figures): the yardstick for the
     drift between the two. ``recipe_hook(recipe, torch_model) -> recipe`` changes the
-    PyTorch side (tests use it to plant a difference the comparison must catch)."""
+    PyTorch side (tests use it to plant a difference the comparison must catch). What
+    cannot be compared at all is refused before what a flag mends (``--steps``, a setting)."""
+    _require_twin(cfg)
     _check_steps(cfg, steps)
     for flag, value in (("--tolerance", tolerance), ("--grad-tolerance", grad_tolerance)):
         if not value > 0:

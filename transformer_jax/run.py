@@ -37,6 +37,7 @@ from .train.loop import LogCallback, Prefetcher, Run, run_loop
 from .train.monitor import MetricsWriter, peak_flops_per_device
 from .train.optim import make_optimizer, make_schedule
 from .train.resume import NothingToDo, restore, saved_run_config, set_aside_newer, write_config
+from .train.wandb_log import WandbLog, require_wandb
 from .train.step import (LossScale, compile_train_step, create_train_state, eval_step,
                          make_train_step)
 
@@ -112,6 +113,7 @@ def setup(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
     workdir = storage.path(workdir)
     resume = resume or resume_from is not None
     storage.check_workdir(workdir)
+    require_wandb(cfg.log)   # log.wandb without the package: refused before anything is written
     make_schedule(cfg.schedule, **cfg.schedule_kwargs(d_model=1))   # refuses e.g. warmup >= steps early
     cfg, source, saved = _fine_tuning_config(cfg, workdir, resume)
     placement = make_placement(cfg.parallelism, cfg.mesh, cfg.batch_size, cfg.accum_steps)
@@ -177,11 +179,14 @@ def setup(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
         loss_fn=task.loss_fn, label_smoothing=cfg.label_smoothing, accum_steps=cfg.accum_steps,
         schedule=schedule, axis_name=placement.axis_name))
     resumed = restored is not None
+    wandb = (WandbLog.open(cfg.log, workdir, run_config, resumed=resumed)
+             if cfg.log.wandb and is_main() else None)
     return Run(cfg=cfg, workdir=workdir, placement=placement, task=task, model=model,
                run_config=run_config, ckpt=ckpt, batches=Prefetcher(train_it, placement.put_batch),
                train_step=train_step,
                eval_fn=placement.eval_fn(lambda p, b: eval_step(p, b, model.apply, task.loss_fn)),
-               writer=MetricsWriter(workdir, resume_step=start if resumed else None, enabled=is_main()),
+               writer=MetricsWriter(workdir, resume_step=start if resumed else None,
+                                    enabled=is_main(), wandb=wandb),
                state=state, start=start, resumed=resumed, tokens_per_step=task.tokens_per_step(),
                flops_per_step=task.flops_per_step(model_cfg), peak_flops=peak_flops_per_device(),
                watch=LossWatch(cfg.loss_spike_factor, cfg.loss_spike_window, warn=warn))

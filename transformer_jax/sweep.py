@@ -257,7 +257,8 @@ class _Sweep:
         ``--set``, nor an experiment file changed since."""
         saved = json.loads(storage.read_text(workdir / "config.json"))["experiment"]
         now = json.loads(json.dumps(self.configs[member.name].to_dict()))
-        changed = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
+        changed = sorted(k for k in set(saved) | set(now)   # logging changes no result
+                         if k != "log" and saved.get(k) != now.get(k))
         if changed:
             diff = "; ".join(f"{k}: {saved.get(k)!r} then, {now.get(k)!r} now" for k in changed[:4])
             raise UserError(f"{workdir} was trained with other settings than the sweep gives it "

@@ -212,6 +212,7 @@ def test_train_logs_zero_shot_and_retrieval(tmp_path):
     evals = [r for r in rows if "eval_zero_shot_accuracy" in r]
     assert evals and evals[-1]["step"] == 4
     last = evals[-1]
+    assert [k for k in last if "ppl" in k] == []   # a contrastive loss has no perplexity
     for key in ("eval_zero_shot_accuracy", "eval_i2t_recall_at_1", "eval_t2i_recall_at_1"):
         assert 0.0 <= last[key] <= 1.0
     # 40 held-out images: every figure is a whole number of fortieths

@@ -2,6 +2,8 @@
 draws, exact resume and process sharding, the objective against HF ``BertForPreTraining``,
 and the metrics' two weights (pairs, masked tokens) in the train step's and the eval
 loop's normalisation. The CLI runs are in tests/train/test_pretrain_cli.py."""
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -280,7 +282,14 @@ def test_eval_metrics_add_up_over_batches_before_dividing():
     weights = np.concatenate([b["weights"].ravel() for b in batches])
     hits = np.concatenate([(b["targets"] == b["input_ids"]).ravel() for b in batches])
     assert got["eval_mlm_accuracy"] == pytest.approx(hits[weights > 0].mean())
-    assert {"eval_loss", "eval_mlm_loss", "eval_nsp_loss"} <= set(got)
+    assert set(got) == {"eval_loss", "eval_mlm_loss", "eval_mlm_accuracy", "eval_mlm_ppl",
+                        "eval_nsp_loss", "eval_nsp_accuracy", "eval_tokens"}
+    # the one perplexity is the MLM's, exp(cross-entropy per masked token) by hand (a hit
+    # costs log(261 + e^5) - 5, a miss log(261 + e^5)); eval_loss (MLM + NSP) has none
+    hit = hits[weights > 0]
+    want_mlm = (np.log(261 + np.exp(5)) - 5 * hit).mean()
+    assert got["eval_mlm_loss"] == pytest.approx(want_mlm, rel=1e-5)
+    assert got["eval_mlm_ppl"] == pytest.approx(math.exp(want_mlm), rel=1e-5)
 
 
 def test_the_experiment_builds_the_model_its_docstring_describes(tmp_path):

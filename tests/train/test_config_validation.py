@@ -18,7 +18,8 @@ from transformer_jax.errors import UserError
 from transformer_jax.models.base import RelationError
 from transformer_jax import run as run_module
 from transformer_jax.train import optim
-from transformer_jax.train.config import TASK_MODEL_FIELDS, ExperimentConfig, apply_overrides
+from transformer_jax.train.config import (TASK_MODEL_FIELDS, ExperimentConfig, LogConfig,
+                                          apply_overrides)
 
 from tests.helpers import numeric_fields, probes
 
@@ -264,6 +265,33 @@ def test_unknown_model_fields_are_refused_when_set():
         apply_overrides(ExperimentConfig(), ["model=t5", "model.n_positions=8"])
     with pytest.raises(UserError, match=r"^override key 3 is not a field name \(str\)$"):
         apply_overrides(ExperimentConfig(), {3: 1})
+
+
+def test_log_fields_are_set_as_log_dot_field_and_checked():
+    """``log.FIELD`` sets one LogConfig field; the config round-trips through JSON as a dict;
+    a config.json from before ``log`` existed reads as the defaults."""
+    cfg = apply_overrides(ExperimentConfig(), ["log.wandb=true", "log.wandb_project=demo"])
+    assert cfg.log == LogConfig(wandb=True, wandb_project="demo")
+    assert cfg.to_dict()["log"] == {"wandb": True, "wandb_project": "demo",
+                                    "wandb_run_name": None, "wandb_mode": None}
+    assert ExperimentConfig.from_dict(cfg.to_dict()) == cfg
+    assert apply_overrides(cfg, ["log={'wandb_mode': 'offline'}"]).log == LogConfig(
+        wandb=True, wandb_project="demo", wandb_mode="offline")
+    old = {k: v for k, v in ExperimentConfig().to_dict().items() if k != "log"}
+    assert ExperimentConfig.from_dict(old).log == LogConfig()
+    for override, message in [
+        ("log.wandbb=true", "unknown LogConfig field(s): 'wandbb' (did you mean 'wandb'?); valid "
+                            "fields: ['wandb', 'wandb_mode', 'wandb_project', 'wandb_run_name']"),
+        ("log.wandb=1", "LogConfig.wandb must be True or False, got 1"),
+        ("log.wandb_mode=cloud", "LogConfig.wandb_mode='cloud' is unknown; choose 'online', "
+                                 "'offline' or None (online with an API key, else offline)"),
+        ("log.wandb_project=", "LogConfig.wandb_project must be a non-empty string, got ''"),
+        ("log=true", "log must be a dict (e.g. log={'wandb': True}), got True; or set one "
+                     "field as log.FIELD=value"),
+    ]:
+        with pytest.raises(UserError) as info:
+            apply_overrides(ExperimentConfig(), [override])
+        assert str(info.value) == message
 
 
 # ----------------------------------------------------------------------------- the CLI

@@ -75,6 +75,11 @@ class Task(abc.ABC):
     #: before the batch reaches a device): an id outside is a UserError naming the
     #: dataset, split, batch key, position, id and table size.
     ID_FIELDS: ClassVar[dict[str, str]] = {}
+    #: eval metrics that are a token-level cross-entropy (nats per token of a language
+    #: model: next token, masked token, target token) -> the name of their perplexity; the
+    #: eval reports ``eval_<name> = exp(eval_<metric>)``. Empty (no perplexity) where the
+    #: loss is no such cross-entropy: classes, image-caption pairs, a sum of two losses.
+    PERPLEXITY: ClassVar[dict[str, str]] = {}
     #: train batches made this many ahead on a background thread, overlapping the step
     #: (0: made when asked for, on the caller's thread)
     BACKGROUND_DEPTH: ClassVar[int] = 2

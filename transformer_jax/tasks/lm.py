@@ -70,6 +70,7 @@ class LMTask(Task):
     OPTIONS = {"train_tokens": None}
     loss_fn = staticmethod(lm_loss)
     ID_FIELDS = {"inputs": "vocab_size", "targets": "vocab_size"}
+    PERPLEXITY = {"loss": "ppl"}   # eval_ppl: per next token
     BATCH = {"inputs": ("int32", ("T",)), "targets": ("int32", ("T",)),
              "weights": ("float32", ("T",))}
 

@@ -32,8 +32,8 @@ The random draws are SplitMix64 hashes of (seed, batch number, global row,
 position) -- the same on every platform, and the same rows whatever the process count --
 so a resumed run sees exactly the masks the uninterrupted run saw.
 
-Metrics: ``eval_loss`` (MLM cross-entropy per masked token, nats) and ``eval_accuracy``
-(masked-token accuracy).
+Metrics: ``eval_loss`` (MLM cross-entropy per masked token, nats), ``eval_ppl`` (its
+perplexity, ``exp(eval_loss)``) and ``eval_accuracy`` (masked-token accuracy).
 """
 from __future__ import annotations
 
@@ -336,6 +336,7 @@ class MLMTask(Task):
     MODELS = ("bert",)
     OPTIONS = {"mask_prob": 0.15, "mask_token_prob": 0.8, "random_token_prob": 0.1}
     loss_fn = staticmethod(mlm_loss)
+    PERPLEXITY = {"loss": "ppl"}   # eval_ppl: per masked token
     ID_FIELDS = {"input_ids": "vocab_size", "targets": "vocab_size"}
     BATCH = {"input_ids": ("int32", ("T",)), "targets": ("int32", ("T",)),
              "weights": ("float32", ("T",)), "attention_mask": ("int32", ("T",))}

@@ -40,7 +40,9 @@ averages HF's per-batch losses, and ``eval_loss`` averages the eval batches' (it
 ``eval_mlm_loss + eval_nsp_loss`` with one eval batch). Metrics (train; eval with ``eval_``): ``loss`` (eval: the
 objective without label smoothing), ``mlm_loss`` and ``mlm_accuracy`` per masked token,
 ``nsp_loss`` and ``nsp_accuracy`` per pair (their own weights ``mlm_weight`` and
-``nsp_weight``: :func:`~transformer_jax.losses.metric_names`); ``tokens`` counts pairs.
+``nsp_weight``: :func:`~transformer_jax.losses.metric_names`); ``tokens`` counts pairs. The eval's
+one perplexity is the MLM's, ``eval_mlm_ppl = exp(eval_mlm_loss)``; ``eval_loss`` (MLM + NSP)
+has none.
 
 Options: ``next_prob`` (0.5), ``mask_prob`` (0.15), ``mask_token_prob`` (0.8),
 ``random_token_prob`` (0.1).
@@ -214,6 +216,7 @@ class PretrainTask(Task):
     OPTIONS = {"next_prob": 0.5, "mask_prob": 0.15, "mask_token_prob": 0.8,
                "random_token_prob": 0.1}
     loss_fn = staticmethod(pretraining_loss)
+    PERPLEXITY = {"mlm_loss": "mlm_ppl"}   # eval_mlm_ppl; eval_loss adds NSP: no eval_ppl
     ID_FIELDS = {"input_ids": "vocab_size", "targets": "vocab_size",
                  "token_type_ids": "type_vocab_size"}
     BATCH = {"input_ids": ("int32", ("T",)), "token_type_ids": ("int32", ("T",)),

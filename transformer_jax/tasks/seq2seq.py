@@ -41,9 +41,9 @@ and drops each epoch's last partial batch; its state ``{"epoch", "index"}`` resu
 Eval is one ordered pass; the last batch is filled with weight-0 rows.
 
 Loss: token cross-entropy on ``labels`` (teacher forcing). Metrics: ``eval_loss`` (nats per
-target token), ``eval_accuracy`` (teacher-forced token accuracy) and, from decoding the
-first ``decode_batches`` eval batches with greedy (``beam_size=1``) or beam search,
-``eval_exact_match``: the fraction of examples whose decoded output equals the target
+target token; ``eval_ppl`` is its exp), ``eval_accuracy`` (teacher-forced token accuracy)
+and, from decoding the first ``decode_batches`` eval batches with greedy (``beam_size=1``)
+or beam search, ``eval_exact_match``: the fraction of examples whose decoded output equals the target
 exactly, and ``eval_bleu``: corpus BLEU (sacrebleu; tokenizer ``bleu_tokenize``, by default
 "char" for the identifier transforms and "13a", WMT's, for TFDS datasets). ``generate`` decodes the prompt as a source (sampling flags are ignored; the task
 decodes greedily or with ``beam_size`` beams).
@@ -276,6 +276,7 @@ class Seq2SeqTask(Task):
                "target_key": "en", "beam_size": 1, "length_penalty": 1.0, "decode_batches": 4,
                "bleu_tokenize": None}
     loss_fn = staticmethod(seq2seq_loss)
+    PERPLEXITY = {"loss": "ppl"}   # eval_ppl: per target token
     ID_FIELDS = {"inputs": "vocab_size", "targets": "vocab_size", "labels": "vocab_size"}
     BATCH = {"inputs": ("int32", ("S",)), "input_mask": ("int32", ("S",)),
              "targets": ("int32", ("T",)), "labels": ("int32", ("T",)),

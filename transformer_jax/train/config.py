@@ -2,7 +2,8 @@
 
 An experiment file is a Python module defining ``get_config() -> ExperimentConfig``; its
 docstring gives the command, the runtime and the metric it reaches. ``--set key=value``
-overrides any field; ``--set model.FIELD=value`` overrides a field of the model config.
+overrides any field; ``--set model.FIELD=value`` overrides a field of the model config,
+``--set log.FIELD=value`` one of the logging config (:class:`LogConfig`).
 """
 from __future__ import annotations
 
@@ -31,6 +32,33 @@ Field = dataclasses.field
 TASK_MODEL_FIELDS = frozenset({"vocab_size", "pad_token_id", "eos_token_id",
                                "decoder_start_token_id", "num_classes", "num_channels",
                                "image_size", "head"})
+
+
+#: the W&B modes ``LogConfig.wandb_mode`` takes (None: chosen when the run starts)
+WANDB_MODES = ("online", "offline")
+
+
+@dataclasses.dataclass(frozen=True)
+class LogConfig(PresetConfig):
+    """Where a run logs besides metrics.jsonl and TensorBoard (``--set log.FIELD=value``).
+
+    ``wandb``: also to Weights & Biases (``train/wandb_log.py``; the ``wandb`` extra), in
+    the project ``wandb_project``, as ``wandb_run_name`` (None: the workdir's name), in
+    ``wandb_mode`` "online" or "offline" (None: ``$WANDB_MODE``, else online where an API
+    key is set up and offline where none is). None of it changes what the run computes.
+    """
+    wandb: bool = False
+    wandb_project: str = "transformer_jax"
+    wandb_run_name: str | None = None
+    wandb_mode: str | None = None
+
+    def __post_init__(self):
+        self._require_bools("wandb")
+        self._require_str("wandb_project")
+        self._require_str("wandb_run_name", allow_none=True)
+        if self.wandb_mode is not None and self.wandb_mode not in WANDB_MODES:
+            raise UserError(f"LogConfig.wandb_mode={self.wandb_mode!r} is unknown; choose "
+                            "'online', 'offline' or None (online with an API key, else offline)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +126,8 @@ class ExperimentConfig(PresetConfig):
     loss_spike_window: int = 100
     sample_prompt: str = "def "
     sample_tokens: int = 96
+    # logging beyond metrics.jsonl and TensorBoard (W&B): ``--set log.wandb=true``
+    log: LogConfig = Field(default_factory=LogConfig)
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {}
 
@@ -105,7 +135,11 @@ class ExperimentConfig(PresetConfig):
         """Every field on its own, then the relations between fields, then the model as far
         as it is known before the task fixes the fields its data decides (:meth:`_check_model`).
         Each mistake is a UserError naming ``ExperimentConfig.FIELD``, the value and what is
-        allowed."""
+        allowed. ``log`` may be given as a dict of :class:`LogConfig` fields (as JSON holds it)."""
+        if isinstance(self.log, dict):
+            object.__setattr__(self, "log", LogConfig.from_dict(self.log))
+        elif not isinstance(self.log, LogConfig):
+            raise self._bad("log", "a LogConfig or a dict of its fields")
         self._check_fields()
         self._check_relations()
         self._check_model()
@@ -273,8 +307,9 @@ def _check_type(name: str, value: Any) -> None:
 def apply_overrides(cfg: ExperimentConfig, overrides: list[str] | dict[str, Any]) -> ExperimentConfig:
     """Apply ``key=value`` strings (or a dict).
 
-    ``model.FIELD`` goes into ``model_overrides`` and ``task.OPTION`` into ``task_options``;
-    ``model_overrides={...}`` / ``task_options={...}`` merge a dict into them; ``lora.FIELD``
+    ``model.FIELD`` goes into ``model_overrides``, ``task.OPTION`` into ``task_options`` and
+    ``log.FIELD`` into ``log`` (:class:`LogConfig`); ``model_overrides={...}`` /
+    ``task_options={...}`` / ``log={...}`` merge a dict into them; ``lora.FIELD``
     sets one field of the model's LoRA config (``model.lora``, a dict of
     :class:`~transformer_jax.layers.lora.LoraConfig` fields).
     """
@@ -290,6 +325,7 @@ def apply_overrides(cfg: ExperimentConfig, overrides: list[str] | dict[str, Any]
     changes: dict[str, Any] = {}
     model_overrides = dict(cfg.model_overrides)
     task_options = dict(cfg.task_options)
+    log: dict[str, Any] = {}
     names = {f.name for f in dataclasses.fields(ExperimentConfig)}
     model_keys: list[str] = []          # the model fields named here: refused now if unknown
     for key, value in items:
@@ -306,6 +342,13 @@ def apply_overrides(cfg: ExperimentConfig, overrides: list[str] | dict[str, Any]
             lora[key[len("lora."):]] = value
             model_overrides["lora"] = lora
             model_keys.append("lora")
+        elif key.startswith("log."):
+            log[key[len("log."):]] = value
+        elif key == "log":
+            if not isinstance(value, dict):
+                raise UserError(f"log must be a dict (e.g. log={{'wandb': True}}), got {value!r}; "
+                                "or set one field as log.FIELD=value")
+            log.update(value)
         elif key in ("model_overrides", "task_options"):
             if not isinstance(value, dict):
                 raise UserError(f"{key} must be a dict (e.g. {key}={{'num_layers': 2}}), got "
@@ -319,11 +362,14 @@ def apply_overrides(cfg: ExperimentConfig, overrides: list[str] | dict[str, Any]
         else:
             hint = difflib.get_close_matches(key, names, n=1)
             raise UserError(f"unknown config field {key!r}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
-                            + "; model fields are set as model.FIELD=value, task options as task.OPTION=value")
+                            + "; model fields are set as model.FIELD=value, task options as "
+                            "task.OPTION=value, logging as log.FIELD=value")
     family = changes.get("model", cfg.model)
     if model_keys and isinstance(family, str) and family in FAMILIES:
         FAMILIES[family][0].require_known_fields(dict.fromkeys(model_keys))
-    return cfg.replace(**changes, model_overrides=model_overrides, task_options=task_options)
+    LogConfig.require_known_fields(log)
+    return cfg.replace(**changes, model_overrides=model_overrides, task_options=task_options,
+                       log={**cfg.log.to_dict(), **log})
 
 
 # ----------------------------------------------------------------------------- experiments

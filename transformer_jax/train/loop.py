@@ -12,6 +12,8 @@ lives in ``workdir``:
   tb/              TensorBoard event files
   samples.txt      text generated at each eval
   loss.png         the loss curve, written at the end
+  wandb/           with ``log.wandb``: the W&B run's files, and ``run_id``, the W&B run a
+                   resumed run continues (``train/wandb_log.py``)
 
 Per step, :func:`run_loop` calls :func:`_advance` (the next batch, already on the devices,
 through the compiled step: ``train/step.py``), :meth:`MetricsLog.record` (logging),
@@ -141,7 +143,8 @@ def evaluate(params, apply_fn, task: Task, eval_fn=None, model=None, *,
     # each sum per its weight (``weight``, or ``X_weight`` for ``X_*``: losses.metric_names)
     out = {f"eval_{metric}": totals[k] / totals[w] if totals[w] > 0 else 0.0
            for k, (metric, w) in metric_names(totals).items()}
-    out["eval_ppl"] = math.exp(min(out["eval_loss"], 50.0))
+    for metric, name in task.PERPLEXITY.items():   # only the token cross-entropies the task names
+        out[f"eval_{name}"] = math.exp(min(out[f"eval_{metric}"], 50.0))
     out["eval_tokens"] = weight
     if model is not None:
         local_params = params if local_params is None else local_params
@@ -414,8 +417,8 @@ def run_loop(run: Run, *, progress: bool = True, on_log: LogCallback | None = No
     on the way out, whatever stops the loop.
     """
     cfg = run.cfg
-    bar = log = None
-    step, eval_row, stop = run.start, None, _StopRequest()
+    bar = log = png = None
+    step, eval_row, stop, done = run.start, None, _StopRequest(), False
     try:
         end = _last_step(run, stop_at)
         summary = _summary(run, end)
@@ -442,14 +445,18 @@ def run_loop(run: Run, *, progress: bool = True, on_log: LogCallback | None = No
                                    paused=False)
                     break
             log.finish()
+        if run.main:
+            run.writer.flush()            # the plot reads metrics.jsonl
+            png = plot_loss(run.workdir)
+            run.writer.image("loss_curve", png)
+        done = True
     finally:
         if bar is not None:
             bar.close()
         run.ckpt.close()   # waits for pending async saves
-        run.writer.close()
+        run.writer.close(failed=not done)
     summary.update(final_step=step, loss=log.last_loss, seconds=time.perf_counter() - log.t_start,
                    **(eval_row or {}))
     if run.main:
-        png = plot_loss(run.workdir)
         summary["loss_png"] = str(png) if png else None
     return summary

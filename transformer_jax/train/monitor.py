@@ -1,6 +1,8 @@
 """What a run shows and keeps: metrics.jsonl, TensorBoard events, a loss-curve PNG, and MFU.
 
 All three files go through :mod:`transformer_jax.storage`, so the workdir may be a bucket.
+With ``log.wandb`` the same rows, samples and plot also go to Weights & Biases
+(:mod:`transformer_jax.train.wandb_log`).
 
 MFU (model FLOPs utilisation) = achieved training FLOP/s / peak FLOP/s. Achieved FLOPs
 follow the PaLM/nanoGPT convention (``GPTConfig.flops_per_token``). The peak comes from a
@@ -66,12 +68,15 @@ class MetricsWriter:
     rows and events are rewritten at most every ``flush_secs`` and by :meth:`flush` and
     :meth:`close`, so call :meth:`flush` before each checkpoint. On resume, rows past
     ``resume_step`` (logged after the checkpoint the run resumes from) are dropped so the
-    file reads as one uninterrupted run. Only process 0 writes.
+    file reads as one uninterrupted run. Only process 0 writes. ``wandb``: a
+    :class:`~transformer_jax.train.wandb_log.WandbLog` that gets every row, text and image
+    too, and is finished by :meth:`close`.
     """
 
     def __init__(self, workdir: PathLike, *, resume_step: int | None = None, enabled: bool = True,
-                 flush_secs: float = 30.0):
+                 flush_secs: float = 30.0, wandb=None):
         self.enabled = enabled
+        self.wandb = wandb if enabled else None
         self.path = storage.path(workdir) / "metrics.jsonl"
         self._log = self._tb = None
         if not enabled:
@@ -100,10 +105,19 @@ class MetricsWriter:
             for k, v in row.items():
                 if k != "step" and isinstance(v, (int, float)):
                     self._tb.add_scalar(k, v, step)
+        if self.wandb is not None:
+            self.wandb.write(step, {k: v for k, v in row.items() if k != "step"})
 
     def text(self, tag: str, step: int, text: str) -> None:
         if self.enabled and self._tb is not None:
             self._tb.add_text(tag, text, step)
+        if self.wandb is not None:
+            self.wandb.text(tag, step, text)
+
+    def image(self, tag: str, png) -> None:
+        """A PNG file (the loss curve) for W&B; TensorBoard and metrics.jsonl keep none."""
+        if self.wandb is not None and png is not None:
+            self.wandb.image(tag, png)
 
     def flush(self) -> None:
         """Stores every row and event written so far (in a bucket: rewrites the objects)."""
@@ -112,11 +126,15 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.flush()
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """Stores and closes every file; finishes the W&B run (``failed``: as crashed)."""
         if self._log is not None:
             self._log.close()
         if self._tb is not None:
             self._tb.close()
+        if self.wandb is not None:
+            self.wandb.finish(failed)
+            self.wandb = None
 
 
 def _plain(v: Any) -> Any:
