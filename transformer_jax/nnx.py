@@ -95,8 +95,8 @@ def to_nnx(module: nn.Module, *args: Any, rngs: nnx.Rngs | int | None = None,
         draws its ``dropout`` stream (else ``params``) when called with
         ``deterministic=False``. Default ``nnx.Rngs(0)``.
       params: Linen params to load instead of the random ones (the tree that
-        ``module.apply({"params": params}, ...)`` takes, e.g. from ``from_hf``); their
-        paths and shapes are checked.
+        ``module.apply({"params": params}, ...)`` takes, e.g. from ``from_hf``, boxed or
+        not); their paths and shapes are checked.
       mesh: place every parameter on this mesh by its logical axis names and ``rules``
         (default: this package's rules, as in :mod:`transformer_jax.sharding`). Call the
         model inside ``sharding.use_mesh(mesh)`` so its activation constraints apply too.
@@ -108,12 +108,14 @@ def to_nnx(module: nn.Module, *args: Any, rngs: nnx.Rngs | int | None = None,
         rngs = nnx.Rngs(rngs)
     model = nnx.bridge.ToNNX(module, rngs=nnx.Rngs(0) if rngs is None else rngs)
 
+    if params is not None:     # checked before tracing: the error comes without jax's notes
+        shapes = jax.eval_shape(lambda: module.init(jax.random.key(0), *args, **kwargs))["params"]
+        params = _replace(nn.meta.unbox(shapes), nn.meta.unbox(params))
+
     def init(model, params):
         nnx.bridge.lazy_init(model, *args, **kwargs)
         state = nnx.state(model, nnx.Param)
-        values = nnx.to_pure_dict(state)
-        if params is not None:
-            values = _replace(values, params)
+        values = nnx.to_pure_dict(state) if params is None else params
         if mesh is not None:
             names = _logical_names(model)
 
