@@ -16,6 +16,7 @@ import optax
 import flax.linen as nn
 import pytest
 from flax import nnx
+from jax.sharding import AxisType
 
 from transformer_jax import to_nnx
 from transformer_jax.errors import UserError
@@ -89,6 +90,16 @@ def test_params_load_and_are_checked(families):
                                         r"h_0/mlp/wo/bias \(and 37 more\); .*without the outer "
                                         r"\{'params': \.\.\.\}$"):
         to_nnx(module, ids, params={"params": params})
+
+
+def test_a_mesh_the_models_cannot_use_is_a_user_error(families):
+    module, (ids,), _, _ = families["gpt"]
+    with pytest.raises(UserError, match=r"^to_nnx: the mesh's axes are Explicit; .* needs Auto axes"):
+        to_nnx(module, ids, mesh=jax.make_mesh((1,), ("model",), axis_types=(AxisType.Explicit,)))
+    with pytest.raises(UserError, match=r"^to_nnx: the logical-axis rules map onto mesh axes data, "
+                                        r"fsdp, tensor, which the mesh \(model\) lacks; build it "
+                                        r"with transformer_jax.sharding.make_mesh"):
+        to_nnx(module, ids, mesh=jax.make_mesh((1,), ("model",), axis_types=(AxisType.Auto,)))
 
 
 def test_hugging_face_weights_in_the_nnx_module():

@@ -28,7 +28,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 
 from . import sharding as sh
 from .errors import UserError
@@ -80,9 +80,25 @@ def _replace(values: Any, params: Any) -> Any:
     return jax.tree_util.tree_map_with_path(lambda p, _: given[_keys(p)], values)
 
 
+def _check_mesh_axes(mesh: Mesh, rules) -> None:
+    types = getattr(mesh, "axis_types", None) or ()
+    if any(t != AxisType.Auto for t in types):
+        raise UserError(f"to_nnx: the mesh's axes are {', '.join(t.name for t in types)}; the models "
+                        "constrain their activations as hints, which needs Auto axes: build the "
+                        "mesh with transformer_jax.sharding.make_mesh (or axis_types=Auto)")
+    named = {a for _, axes in rules if axes is not None
+             for a in ((axes,) if isinstance(axes, str) else axes)}
+    missing = sorted(named - set(mesh.axis_names))
+    if missing:
+        raise UserError(f"to_nnx: the logical-axis rules map onto mesh axes {', '.join(missing)}, "
+                        f"which the mesh ({', '.join(mesh.axis_names)}) lacks; build it with "
+                        "transformer_jax.sharding.make_mesh (axes data, fsdp, tensor) or pass "
+                        "rules= that name your mesh's axes")
+
+
 # ----------------------------------------------------------------------------- public
 
-def to_nnx(module: nn.Module, *args: Any, rngs: nnx.Rngs | int | None = None,
+def to_nnx(module: nn.Module, *args: Any, rngs: nnx.Rngs | jax.Array | int | None = None,
            params: Any = None, mesh: Mesh | None = None, rules=sh.LOGICAL_AXIS_RULES,
            **kwargs: Any) -> nnx.bridge.ToNNX:
     """A Linen ``module`` as an initialised NNX module (``nnx.bridge.ToNNX``).
@@ -91,19 +107,23 @@ def to_nnx(module: nn.Module, *args: Any, rngs: nnx.Rngs | int | None = None,
       module: e.g. ``GPT(GPTConfig.preset("tiny"))``, or the module ``from_hf`` returns.
       *args, **kwargs: example inputs, as for ``module.init`` (e.g. ``ids``; for T5
         ``ids, decoder_ids``); only their shapes and dtypes matter.
-      rngs: the ``nnx.Rngs`` (or a seed) for the initialisation; the wrapper keeps it and
-        draws its ``dropout`` stream (else ``params``) when called with
+      rngs: the ``nnx.Rngs`` (or a key, or a seed) for the initialisation; the wrapper
+        keeps it and draws its ``dropout`` stream (else ``params``) when called with
         ``deterministic=False``. Default ``nnx.Rngs(0)``.
       params: Linen params to load instead of the random ones (the tree that
         ``module.apply({"params": params}, ...)`` takes, e.g. from ``from_hf``, boxed or
         not); their paths and shapes are checked.
-      mesh: place every parameter on this mesh by its logical axis names and ``rules``
-        (default: this package's rules, as in :mod:`transformer_jax.sharding`). Call the
-        model inside ``sharding.use_mesh(mesh)`` so its activation constraints apply too.
+      mesh: place every parameter on this mesh (Auto axes, e.g. ``sharding.make_mesh``)
+        by its logical axis names and ``rules`` (default: this package's, as in
+        :mod:`transformer_jax.sharding`; a dimension the mesh does not divide is
+        replicated). Call the model inside ``sharding.use_mesh(mesh)`` so its activation
+        constraints apply too.
 
     The initialisation runs under ``nnx.jit`` (compiled, and sharded from the start on a
     mesh). ``linen_params(model)`` gives the Linen params back (for ``to_hf``, ``apply``).
     """
+    if mesh is not None:
+        _check_mesh_axes(mesh, rules)
     if isinstance(rngs, int):
         rngs = nnx.Rngs(rngs)
     model = nnx.bridge.ToNNX(module, rngs=nnx.Rngs(0) if rngs is None else rngs)
