@@ -11,6 +11,7 @@ import pytest
 import transformers
 
 from tests.tokenizer_dirs import CORPUS, spiece_model
+from transformer_jax.data.byte_hf import is_byte_tokenizer
 from transformer_jax.data.harness_tasks import docstrings
 from transformer_jax.data.hf_tokenizer import HFTokenizer
 from transformer_jax.data.spm_hf import (OLD_CONFIG, sentencepiece_export,
@@ -125,3 +126,4 @@ def test_sentencepiece_export(models, tmp_path):
     assert {n: sentencepiece_export(str(d)) for n, d in dirs.items()} == {
         "now": str(dirs["now"] / "spiece.model"), "old": str(dirs["old"] / "spiece.model"),
         "t5": None, "edited": None, "damaged": None, "none": None}
+    assert not is_byte_tokenizer(str(dirs["now"]))      # a Unigram's vocab is a list

@@ -20,7 +20,7 @@ float32's rounding of the running sum, the two may pick different ones (the same
 or two pieces apart). Runs of spaces make such ties (``▁▁`` + ``x`` against ``▁`` + ``▁x``;
 eight spaces + ``for`` against seven + ``▁for``): in ``tests/data/test_spm_hf.py``, 0.4% of
 the lines of code and docstring paragraphs; in whole source files, one place in 2,000-10,000
-tokens. prose without such runs encodes the same.
+tokens. Prose without such runs encodes the same.
 """
 from __future__ import annotations
 
