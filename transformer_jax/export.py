@@ -13,13 +13,13 @@ Tokenizer files: an ``hf:DIR`` tokenizer's own files are copied; the byte tokeni
 written as a ``tokenizer.json`` with the same ids (pad 0, eos 1, unk 2, byte b -> b + 3;
 BERT's [CLS]/[SEP]/[MASK] after it where the run has them) that adds no special token, so
 ``AutoTokenizer`` and ``lm_eval --model hf`` see the run's ids (``data/byte_hf.py``); a
-SentencePiece model as ``spiece.model`` for ``T5Tokenizer`` (no extra ids). Nothing is
+SentencePiece model as ``spiece.model`` and as a ``tokenizer.json`` built from it that adds
+no special token either (``data/spm_hf.py``). Nothing is
 written when the run is refused; the directory is filled in a temporary sibling and renamed
 into place, with the modes a plain ``mkdir``/``open`` gives (``storage.staged_dir``).
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from typing import Any
@@ -90,14 +90,8 @@ def write_tokenizer(spec: str | None, out_dir: str, extra_specials: list[str] = 
         return write_byte_tokenizer(out_dir, extra_specials)
     path = spec.split(":", 1)[1] if spec.split(":", 1)[0] in ("sentencepiece", "spm") else spec
     from . import storage
-    with open(os.path.join(out_dir, "spiece.model"), "wb") as f:
-        f.write(storage.read_bytes(path))
-    written.append("spiece.model")
-    config = {"tokenizer_class": "T5Tokenizer", "extra_ids": 0, "eos_token": "</s>",
-              "pad_token": "<pad>", "unk_token": "<unk>"}
-    with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
-        json.dump(config, f, indent=2)
-    return written + ["tokenizer_config.json"]
+    from .data.spm_hf import write_sentencepiece_tokenizer
+    return write_sentencepiece_tokenizer(storage.read_bytes(path), out_dir, extra_specials)
 
 
 def _mlm_specials(task: Any) -> list[str]:

@@ -103,3 +103,22 @@ def byte_run(tmp_path_factory):
                  *(f"--set={s}" for s in sets)]) == 0
     assert main(["export", "--workdir", str(workdir), "--out", str(export)]) == 0
     return str(workdir), str(export)
+
+
+@pytest.fixture(scope="session")
+def spm_run(tmp_path_factory):
+    """A tiny GPT trained here 3 steps with a SentencePiece unigram (600 pieces, trained on
+    tests/tokenizer_dirs.py's CORPUS), and its export: (workdir, export)."""
+    from tests.helpers import TINY_RUN
+    from transformer_jax.cli import main
+    from transformer_jax.data.tokenizers import train_sentencepiece
+
+    root = tmp_path_factory.mktemp("spm_run")
+    workdir, export = root / "run", root / "export"
+    train_sentencepiece(CORPUS, 600, root / "spm.model", num_threads=1)
+    sets = [*TINY_RUN, "steps=3", "eval_every=3", "save_every=3", "sample_tokens=0",
+            f"tokenizer=sentencepiece:{root / 'spm.model'}", f"data_dir={root / 'tfds'}"]
+    assert main(["train", "--no-progress", "--workdir", str(workdir),
+                 *(f"--set={s}" for s in sets)]) == 0
+    assert main(["export", "--workdir", str(workdir), "--out", str(export)]) == 0
+    return str(workdir), str(export)

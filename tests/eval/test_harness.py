@@ -137,6 +137,30 @@ def test_an_older_byte_export_reads_back_with_the_byte_tokenizer(byte_run, tmp_p
     assert type(HarnessLM.from_dir(old).tokenizer_) is ByteTokenizer
 
 
+def test_a_sentencepiece_runs_export_scores_as_its_workdir(spm_run, tasks_dir, tmp_path, capsys):
+    """A SentencePiece run's export: its tokenizer.json adds no ``</s>``, so the HF backend
+    on the export scores as the workdir does; ``--init-from`` reads it back as the run's
+    SentencePiece model (spiece.model), with the same metrics."""
+    from transformer_jax.data.tokenizers import SentencePieceTokenizer
+    from transformer_jax.train.finetune import load_source
+
+    workdir, export = spm_run
+    text = "def f(x):\n    return 'é'  # 🙂"
+    ours_tok = SentencePieceTokenizer(str(Path(export) / "spiece.model"))
+    assert transformers.AutoTokenizer.from_pretrained(export)(text)["input_ids"] == ours_tok.encode(text)
+    assert load_source(export).tokenizer == f"sentencepiece:{Path(export) / 'spiece.model'}"
+    reference = ours(workdir, tasks_dir)
+    worst = compare(reference, theirs(export, tasks_dir))
+    with capsys.disabled():
+        print(f"SentencePiece workdir vs its export: max |diff| {worst:.3g}")
+    out = tmp_path / "init_from.json"
+    code, _, lines = run_cli(capsys, "eval", "--tasks", ",".join(TASKS), "--init-from", export,
+                             "--include-path", tasks_dir, "--limit", str(LIMIT),
+                             "--bootstrap-iters", "0", "--output", str(out))
+    assert code == 0, lines
+    compare_metrics(reference, json.loads(out.read_text()))
+
+
 def run_cli(capsys, *args):
     """``transformer-jax ARGS`` in this process: (exit status, stdout, the error: lines)."""
     from transformer_jax.cli import main

@@ -89,6 +89,8 @@ def is_byte_tokenizer(directory: str) -> bool:
                             for name in ("spiece.model", "tokenizer.model")))
     model = tokenizer.get("model") or {}
     vocab = model.get("vocab") or {}
+    if model.get("type") != "BPE" or not isinstance(vocab, dict):     # a Unigram's is a list
+        return False
     extra = [t for t, i in sorted(vocab.items(), key=lambda kv: kv[1]) if i >= 256 + BYTE_OFFSET]
     return (model.get("type") == "BPE" and not model.get("merges")
             and tokenizer.get("normalizer") is None and tokenizer.get("post_processor") is None

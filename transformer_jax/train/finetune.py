@@ -12,7 +12,8 @@ or a transformer_jax workdir (its latest checkpoint). The run then:
   channels); other settings that differ from ``DIR``'s are reported once and not used;
 * uses ``DIR``'s tokenizer when the experiment asks for the default byte tokenizer
   (``hf:DIR`` for an HF directory with tokenizer files, ``byte`` for the byte tokenizer's
-  files that ``export`` writes; a workdir's own tokenizer);
+  files that ``export`` writes, ``sentencepiece:DIR/spiece.model`` for a SentencePiece
+  run's export; a workdir's own tokenizer);
 * loads every parameter whose path and shape the new model shares (:class:`Start`); a task
   head that differs (another number of classes, a classifier on an MLM checkpoint) is
   initialised fresh, and the run says which leaves;
@@ -165,12 +166,16 @@ def _hf_source(path: str) -> Source:
 
 def _tokenizer_of(path: str) -> str | None:
     """The tokenizer spec of an HF directory: "byte" for the byte tokenizer's files (what
-    ``export`` writes for a byte-level run, or ByT5's), ``hf:DIR`` for other tokenizer files,
-    None without any."""
+    ``export`` writes for a byte-level run, or ByT5's), ``sentencepiece:DIR/spiece.model``
+    for a SentencePiece run's export, ``hf:DIR`` for other tokenizer files, None without any."""
     from ..data.byte_hf import is_byte_tokenizer
+    from ..data.spm_hf import sentencepiece_export
 
     if is_byte_tokenizer(path):
         return "byte"
+    spiece = sentencepiece_export(path)
+    if spiece is not None:
+        return f"sentencepiece:{spiece}"
     if any(os.path.isfile(os.path.join(path, name)) for name in _TOKENIZER_FILES):
         return f"hf:{path}"
     return None
