@@ -1,0 +1,167 @@
+"""``hf:`` datasets (transformer_jax/data/hf_datasets.py) read from local files in their real
+formats (parquet written by ``datasets``, a ``save_to_disk`` directory), without TensorFlow;
+and the one-line refusals of TFDS datasets that need TensorFlow to prepare."""
+import io
+
+import datasets
+import numpy as np
+import pytest
+from PIL import Image
+
+from tests.helpers import cli_here
+from transformer_jax import data
+from transformer_jax.data import images as image_data
+from transformer_jax.data.hf_datasets import parse_hf_spec
+from transformer_jax.data.sources import open_source
+from transformer_jax.errors import UserError
+
+TEXTS = [f"document {i}: " + "word " * (i % 7 + 1) for i in range(60)]
+
+
+@pytest.fixture(autouse=True)
+def hf_cache(tmp_path, monkeypatch):
+    """`datasets` converts data files into Arrow in its cache: one per test."""
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
+
+
+@pytest.fixture
+def parquet_dir(tmp_path):
+    """A downloaded-repository layout: data/train-*.parquet, data/validation-*.parquet."""
+    root = tmp_path / "corpus"
+    (root / "data").mkdir(parents=True)
+    datasets.Dataset.from_dict({"text": TEXTS[:48], "id": list(range(48))}).to_parquet(
+        str(root / "data" / "train-00000-of-00001.parquet"))
+    datasets.Dataset.from_dict({"text": TEXTS[48:], "id": list(range(48, 60))}).to_parquet(
+        str(root / "data" / "validation-00000-of-00001.parquet"))
+    return root
+
+
+def test_parse_hf_spec():
+    assert parse_hf_spec("hf:nyu-mll/glue:sst2") == ("nyu-mll/glue", "sst2")
+    assert parse_hf_spec("hf:Salesforce/wikitext:wikitext-103-raw-v1") == (
+        "Salesforce/wikitext", "wikitext-103-raw-v1")
+    assert parse_hf_spec("hf:/tmp/corpus") == ("/tmp/corpus", None)
+    assert parse_hf_spec("hf:/tmp/c:sub") == ("/tmp/c", "sub")
+    with pytest.raises(UserError, match="names no data"):
+        parse_hf_spec("hf:")
+
+
+def test_parquet_splits_and_texts(parquet_dir):
+    spec = f"hf:{parquet_dir}"
+    assert data.load_texts(spec, "train") == TEXTS[:48]
+    assert data.load_texts(spec, "validation") == TEXTS[48:]
+    with pytest.raises(UserError) as e:
+        open_source(spec, "test")
+    assert str(e.value) == (f"dataset {spec!r} has splits ['train', 'validation'], not 'test'; "
+                            "set eval_split (or the split) to one of them")
+
+
+def test_save_to_disk_and_single_file(tmp_path):
+    dd = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": TEXTS[:30]}),
+                               "test": datasets.Dataset.from_dict({"text": TEXTS[30:]})})
+    dd.save_to_disk(str(tmp_path / "saved"))
+    assert data.load_texts(f"hf:{tmp_path / 'saved'}", "test") == TEXTS[30:]
+    datasets.Dataset.from_dict({"text": TEXTS}).to_parquet(str(tmp_path / "one.parquet"))
+    assert data.load_texts(f"hf:{tmp_path / 'one.parquet'}", "train") == TEXTS
+    with pytest.raises(UserError, match=r"has splits \['train'\], not 'validation'"):
+        open_source(f"hf:{tmp_path / 'one.parquet'}", "validation")
+    with pytest.raises(UserError, match="neither a local file or directory nor a Hub repository"):
+        open_source(f"hf:{tmp_path / 'missing'}", "train")
+
+
+def _batches(it, n):
+    return [next(it) for _ in range(n)]
+
+
+@pytest.mark.parametrize("mode", ["memory", "stream"])
+def test_lm_iterator_resumes_exactly(parquet_dir, tmp_path, mode):
+    def make():
+        return data.make_lm_iterator(f"hf:{parquet_dir}", "train", tokenizer="byte", seq_len=16,
+                                     batch_size=4, seed=3, mode=mode, data_dir=str(tmp_path / "d"))
+
+    it = make()
+    assert type(it).__name__ == {"memory": "MemoryLMIterator", "stream": "StreamingLMIterator"}[mode]
+    first = _batches(it, 5)
+    state = it.get_state()
+    rest = _batches(it, 12)   # runs past an epoch boundary
+    resumed = make()
+    resumed.set_state(state)
+    for a, b in zip(rest, _batches(resumed, 12)):
+        for key in ("inputs", "targets", "weights"):
+            np.testing.assert_array_equal(a[key], b[key])
+    # the same batches as the same documents passed as a list of strings
+    listed = data.make_lm_iterator(TEXTS[:48], "train", tokenizer="byte", seq_len=16,
+                                   batch_size=4, seed=3, mode=mode)
+    for a, b in zip(first + rest, _batches(listed, 17)):
+        np.testing.assert_array_equal(a["inputs"], b["inputs"])
+
+
+def _png(array):
+    buf = io.BytesIO()
+    Image.fromarray(array).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture
+def image_parquet(tmp_path):
+    rng = np.random.default_rng(0)
+    arrays = rng.integers(0, 256, size=(12, 8, 8, 3), dtype=np.uint8)
+    labels = [i % 3 for i in range(12)]
+    features = datasets.Features({"img": datasets.Image(),
+                                  "label": datasets.ClassLabel(names=["cat", "dog", "fish"]),
+                                  "caption": datasets.Value("string")})
+    root = tmp_path / "images"
+    root.mkdir()
+    ds = datasets.Dataset.from_dict(
+        {"img": [{"bytes": _png(a), "path": None} for a in arrays], "label": labels,
+         "caption": [f"picture number {i}" for i in range(12)]}, features=features)
+    ds.to_parquet(str(root / "train.parquet"))
+    ds.to_parquet(str(root / "test.parquet"))
+    return root, arrays, labels
+
+
+def test_image_source_and_info(image_parquet):
+    root, arrays, labels = image_parquet
+    spec = f"hf:{root}"
+    info = image_data.dataset_info(spec)
+    assert info == image_data.DatasetInfo(spec, 3, 3, 255.0, ("cat", "dog", "fish"), True)
+    it = image_data.make_image_iterator(spec, "test", image_size=8, batch_size=5, shuffle=False,
+                                        repeat=False, info=info)
+    batches = list(it)
+    images = np.concatenate([b["images"] for b in batches])[:12]
+    expected = arrays.astype(np.float32) * (2 / 255) - 1
+    np.testing.assert_allclose(images, expected, atol=1e-6)
+    assert np.concatenate([b["labels"] for b in batches])[:12].tolist() == labels
+
+
+def test_contrastive_captions_from_hf(image_parquet, tmp_path):
+    from transformer_jax.tasks import make_task
+    from transformer_jax.train.config import apply_overrides, load_experiment
+
+    root, _, _ = image_parquet
+    cfg = apply_overrides(load_experiment("clip_digits"), [
+        f"dataset=hf:{root}", "task.caption_key=caption", "batch_size=4",
+        f"data_dir={tmp_path / 'd'}"])
+    task = make_task(cfg, tmp_path / "run")
+    assert task.caption_key == "caption" and task.info.num_classes == 0
+    batch = next(iter(task.make_iterator("test", 0, 1, train=False)))
+    rows = [task.tokenizer.decode(batch["input_ids"][r][batch["attention_mask"][r] > 0][:-1]
+                                  .tolist()) for r in range(4)]   # eos dropped
+    assert rows == [f"picture number {i}" for i in range(4)]
+
+
+def test_refusals_need_tensorflow(tmp_path):
+    empty = tmp_path / "tfds"
+    code, _, lines = cli_here("train", "--experiment", "vit_digits", "--workdir", tmp_path / "w",
+                              "--set", "dataset=cifar10", "--set", f"data_dir={empty}")
+    assert code == 2 and lines == [
+        f"error: dataset 'cifar10' is not prepared in {empty}, and TFDS needs TensorFlow (not "
+        "installed) to find or prepare it: use dataset=hf:uoft-cs/cifar10 (no TensorFlow "
+        "needed), or run `tfds build cifar10 --file_format=array_record` where TensorFlow is "
+        f"installed and copy its cifar10/ folder into {empty} (or set data_dir=gs://BUCKET/DIR); "
+        "see docs/datasets.md"]
+    assert not (tmp_path / "w").exists()
+    code, _, lines = cli_here("train", "--experiment", "clip_digits", "--workdir", tmp_path / "w",
+                              "--set", "dataset=coco_captions", "--set", f"data_dir={empty}")
+    assert code == 2 and len(lines) == 1 and lines[0].startswith(
+        f"error: dataset 'coco_captions' is not prepared in {empty}, and TFDS needs TensorFlow")
