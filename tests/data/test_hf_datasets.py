@@ -165,3 +165,72 @@ def test_refusals_need_tensorflow(tmp_path):
                               "--set", "dataset=coco_captions", "--set", f"data_dir={empty}")
     assert code == 2 and len(lines) == 1 and lines[0].startswith(
         f"error: dataset 'coco_captions' is not prepared in {empty}, and TFDS needs TensorFlow")
+
+
+SENTENCES = ["a fine film", "dull and long", "loved it", "a waste", "great acting", "boring"]
+
+
+def test_classify_reads_labelled_sentences(tmp_path):
+    """glue/sst2's columns (sentence, ClassLabel label, idx), saved as .arrow files by
+    save_to_disk; the classes come from the ClassLabel."""
+    from transformer_jax.tasks import make_task
+    from transformer_jax.train.config import apply_overrides, load_experiment
+
+    features = datasets.Features({"sentence": datasets.Value("string"),
+                                  "label": datasets.ClassLabel(names=["negative", "positive"]),
+                                  "idx": datasets.Value("int32")})
+    split = datasets.Dataset.from_dict({"sentence": SENTENCES, "label": [1, 0, 1, 0, 1, 0],
+                                        "idx": list(range(6))}, features=features)
+    datasets.DatasetDict({"train": split, "validation": split}).save_to_disk(str(tmp_path / "sst2"))
+    cfg = apply_overrides(load_experiment("bert_classify_stdlib"), [
+        f"dataset=hf:{tmp_path / 'sst2'}", "eval_split=validation", "batch_size=2", "seq_len=16",
+        f"data_dir={tmp_path / 'd'}"])
+    task = make_task(cfg, tmp_path / "run")
+    assert task.classes == ["negative", "positive"]
+    enc = task.encoded("validation")
+    assert enc["labels"].tolist() == [1, 0, 1, 0, 1, 0]
+    tok = task.vocab.tokenizer
+    first = enc["input_ids"][0]
+    assert first[0] == task.vocab.cls_id and tok.decode(first[1:1 + len(tok.encode(
+        SENTENCES[0]))].tolist()) == SENTENCES[0]
+
+
+def test_seq2seq_reads_translation_pairs(tmp_path):
+    """wmt14's layout: a translation column of {de, en} dicts, in parquet files."""
+    from transformer_jax.tasks import make_task
+    from transformer_jax.train.config import apply_overrides, load_experiment
+
+    pairs = [("ein Haus", "a house"), ("der Hund", "the dog"), ("gut", "good")]
+    root = tmp_path / "wmt"
+    root.mkdir()
+    ds = datasets.Dataset.from_dict({"translation": [{"de": d, "en": e} for d, e in pairs]},
+                                    features=datasets.Features({"translation":
+                                                                datasets.Translation(["de", "en"])}))
+    ds.to_parquet(str(root / "train-00000.parquet"))
+    ds.to_parquet(str(root / "validation-00000.parquet"))
+    cfg = apply_overrides(load_experiment("t5_stdlib_seq2seq"), [
+        f"dataset=hf:{root}", "eval_split=validation", "batch_size=2",
+        f"data_dir={tmp_path / 'd'}", "task.source_key=de", "task.target_key=en"])
+    task = make_task(cfg, tmp_path / "run")
+    got = task._pairs("validation", train=False)
+    assert got.get(range(3)) == pairs
+
+
+@pytest.mark.parametrize("experiment, dataset, alternative", [
+    ("stdlib_gpt", "lm1b", "hf:Salesforce/wikitext:wikitext-103-raw-v1"),
+    ("bert_classify_stdlib", "glue/sst2", "hf:nyu-mll/glue:sst2"),
+    ("t5_stdlib_seq2seq", "wmt14_translate/de-en", "hf:wmt/wmt14:de-en"),
+])
+def test_text_refusals_name_the_hf_alternative(tmp_path, experiment, dataset, alternative):
+    empty = tmp_path / "tfds"
+    code, _, lines = cli_here("train", "--experiment", experiment, "--workdir", tmp_path / "w",
+                              "--set", f"dataset={dataset}", "--set", f"data_dir={empty}",
+                              "--set", "eval_split=validation")
+    base = dataset.split("/")[0]
+    assert code == 2 and lines == [
+        f"error: dataset {dataset!r} is not prepared in {empty}, and TFDS needs TensorFlow (not "
+        f"installed) to find or prepare it: use dataset={alternative} (no TensorFlow needed), or "
+        f"run `tfds build {dataset} --file_format=array_record` where TensorFlow is installed "
+        f"and copy its {base}/ folder into {empty} (or set data_dir=gs://BUCKET/DIR); see "
+        "docs/datasets.md"]
+    assert not (tmp_path / "w").exists()
