@@ -217,9 +217,11 @@ def test_seq2seq_reads_translation_pairs(tmp_path):
 
 
 @pytest.mark.parametrize("experiment, dataset, alternative", [
-    ("stdlib_gpt", "lm1b", "hf:Salesforce/wikitext:wikitext-103-raw-v1"),
-    ("bert_classify_stdlib", "glue/sst2", "hf:nyu-mll/glue:sst2"),
-    ("t5_stdlib_seq2seq", "wmt14_translate/de-en", "hf:wmt/wmt14:de-en"),
+    ("stdlib_gpt", "lm1b", "hf:Salesforce/wikitext:wikitext-103-raw-v1 (no TensorFlow needed)"),
+    ("bert_classify_stdlib", "glue/sst2", "hf:nyu-mll/glue:sst2 (no TensorFlow needed)"),
+    ("t5_stdlib_seq2seq", "wmt14_translate/de-en", "hf:wmt/wmt14:de-en (no TensorFlow needed)"),
+    ("vit_b16_tpu_v5e_1", "imagenet2012",
+     "hf:DIR (ImageNet as parquet files with image and label columns)"),
 ])
 def test_text_refusals_name_the_hf_alternative(tmp_path, experiment, dataset, alternative):
     empty = tmp_path / "tfds"
@@ -229,7 +231,7 @@ def test_text_refusals_name_the_hf_alternative(tmp_path, experiment, dataset, al
     base = dataset.split("/")[0]
     assert code == 2 and lines == [
         f"error: dataset {dataset!r} is not prepared in {empty}, and TFDS needs TensorFlow (not "
-        f"installed) to find or prepare it: use dataset={alternative} (no TensorFlow needed), or "
+        f"installed) to find or prepare it: use dataset={alternative}, or "
         f"run `tfds build {dataset} --file_format=array_record` where TensorFlow is installed "
         f"and copy its {base}/ folder into {empty} (or set data_dir=gs://BUCKET/DIR); see "
         "docs/datasets.md"]

@@ -100,7 +100,9 @@ def _load(dataset: str, split: str):
                                      split="train")
     if os.path.isdir(local):
         if config is not None and not os.path.isdir(os.path.join(local, config)):
-            raise UserError(f"dataset {dataset!r}: {local} has no subdirectory {config!r}")
+            have = sorted(e.name for e in os.scandir(local) if e.is_dir())
+            raise UserError(f"dataset {dataset!r}: {local} has no subdirectory {config!r}; "
+                            f"name one of {have} or drop ':{config}'")
         try:
             loaded = datasets.load_dataset(local, data_dir=config)
         except (FileNotFoundError, ValueError) as e:

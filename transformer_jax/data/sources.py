@@ -30,14 +30,14 @@ def default_data_dir() -> str:
     return os.environ.get("TFDS_DATA_DIR") or os.path.expanduser("~/tensorflow_datasets")
 
 
-#: TFDS names (before the "/") -> a source that prepares without TensorFlow.
+#: TFDS names (with or without the config) -> a dataset that needs no TensorFlow.
 NO_TENSORFLOW_ALTERNATIVES = {
-    "lm1b": "hf:Salesforce/wikitext:wikitext-103-raw-v1",
-    "cifar10": "hf:uoft-cs/cifar10",
-    "glue/sst2": "hf:nyu-mll/glue:sst2",
-    "wmt14_translate/de-en": "hf:wmt/wmt14:de-en",
-    "imagenet2012": "hf:LOCAL_DIR (ImageNet as parquet files with image and label columns)",
-    "coco_captions": "hf:LOCAL_DIR (parquet files with image and caption columns)",
+    "lm1b": "hf:Salesforce/wikitext:wikitext-103-raw-v1 (no TensorFlow needed)",
+    "cifar10": "hf:uoft-cs/cifar10 (no TensorFlow needed)",
+    "glue/sst2": "hf:nyu-mll/glue:sst2 (no TensorFlow needed)",
+    "wmt14_translate/de-en": "hf:wmt/wmt14:de-en (no TensorFlow needed)",
+    "imagenet2012": "hf:DIR (ImageNet as parquet files with image and label columns)",
+    "coco_captions": "hf:DIR (parquet files with image and caption columns)",
 }
 
 
@@ -68,7 +68,7 @@ def check_tfds_dataset(dataset: str, data_dir: str | None = None) -> None:
     config = dataset.split(":")[0]
     alternative = NO_TENSORFLOW_ALTERNATIVES.get(config) or NO_TENSORFLOW_ALTERNATIVES.get(
         _base_name(dataset))
-    use = f"use dataset={alternative} (no TensorFlow needed), or " if alternative else ""
+    use = f"use dataset={alternative}, or " if alternative else ""
     raise UserError(
         f"dataset {dataset!r} is not prepared in {data_dir}, and TFDS needs TensorFlow (not "
         f"installed) to find or prepare it: {use}run `tfds build {config} "
