@@ -36,6 +36,18 @@ def parquet_dir(tmp_path):
     return root
 
 
+def write_splits(root, splits: dict, fmt: str) -> str:
+    """``splits`` (name -> Dataset) as a Hub repository's parquet files or a save_to_disk
+    directory of Arrow files under ``root``; returns the ``hf:`` name."""
+    if fmt == "arrow":
+        datasets.DatasetDict(splits).save_to_disk(str(root))
+    else:
+        (root / "data").mkdir(parents=True)
+        for name, split in splits.items():
+            split.to_parquet(str(root / "data" / f"{name}-00000-of-00001.parquet"))
+    return f"hf:{root}"
+
+
 def test_parse_hf_spec():
     assert parse_hf_spec("hf:nyu-mll/glue:sst2") == ("nyu-mll/glue", "sst2")
     assert parse_hf_spec("hf:Salesforce/wikitext:wikitext-103-raw-v1") == (
@@ -134,45 +146,73 @@ def test_image_source_and_info(image_parquet):
     assert np.concatenate([b["labels"] for b in batches])[:12].tolist() == labels
 
 
-def test_contrastive_captions_from_hf(image_parquet, tmp_path):
+@pytest.fixture
+def caption_parquet(tmp_path):
+    """coco-like image-caption pairs: JPEG images and a list of captions, no labels."""
+    rng = np.random.default_rng(1)
+    arrays = rng.integers(0, 256, size=(8, 12, 10, 3), dtype=np.uint8)
+
+    def jpeg(a):
+        buf = io.BytesIO()
+        Image.fromarray(a).save(buf, format="JPEG")
+        return {"bytes": buf.getvalue(), "path": None}
+
+    ds = datasets.Dataset.from_dict(
+        {"image": [jpeg(a) for a in arrays],
+         "caption": [[f"picture number {i}", f"another view of {i}"] for i in range(8)]},
+        features=datasets.Features({"image": datasets.Image(),
+                                    "caption": datasets.Sequence(datasets.Value("string"))}))
+    return write_splits(tmp_path / "captions", {"train": ds, "test": ds}, "parquet")
+
+
+def test_contrastive_captions_from_hf(caption_parquet, tmp_path):
     from transformer_jax.tasks import make_task
     from transformer_jax.train.config import apply_overrides, load_experiment
 
-    root, _, _ = image_parquet
     cfg = apply_overrides(load_experiment("clip_digits"), [
-        f"dataset=hf:{root}", "task.caption_key=caption", "batch_size=4",
-        f"data_dir={tmp_path / 'd'}"])
+        f"dataset={caption_parquet}", "batch_size=4", f"data_dir={tmp_path / 'd'}"])
     task = make_task(cfg, tmp_path / "run")
-    assert task.caption_key == "caption" and task.info.num_classes == 0
+    assert (task.caption_key, task.info.num_classes, task.info.num_channels) == ("caption", 0, 3)
     batch = next(iter(task.make_iterator("test", 0, 1, train=False)))
     rows = [task.tokenizer.decode(batch["input_ids"][r][batch["attention_mask"][r] > 0][:-1]
                                   .tolist()) for r in range(4)]   # eos dropped
-    assert rows == [f"picture number {i}" for i in range(4)]
+    assert rows == [f"picture number {i}" for i in range(4)]   # eval: each image's first
+    assert batch["images"].shape[1:] == (task.image_size, task.image_size, 3)
+    assert batch["labels"].tolist() == [-1] * 4
 
 
-def test_refusals_need_tensorflow(tmp_path):
-    empty = tmp_path / "tfds"
+def test_image_classification_refuses_a_caption_set(caption_parquet, tmp_path):
     code, _, lines = cli_here("train", "--experiment", "vit_digits", "--workdir", tmp_path / "w",
-                              "--set", "dataset=cifar10", "--set", f"data_dir={empty}")
+                              "--set", f"dataset={caption_parquet}")
     assert code == 2 and lines == [
-        f"error: dataset 'cifar10' is not prepared in {empty}, and TFDS needs TensorFlow (not "
-        "installed) to find or prepare it: use dataset=hf:uoft-cs/cifar10 (no TensorFlow "
-        "needed), or run `tfds build cifar10 --file_format=array_record` where TensorFlow is "
-        f"installed and copy its cifar10/ folder into {empty} (or set data_dir=gs://BUCKET/DIR); "
-        "see docs/datasets.md"]
-    assert not (tmp_path / "w").exists()
-    code, _, lines = cli_here("train", "--experiment", "clip_digits", "--workdir", tmp_path / "w",
-                              "--set", "dataset=coco_captions", "--set", f"data_dir={empty}")
-    assert code == 2 and len(lines) == 1 and lines[0].startswith(
-        f"error: dataset 'coco_captions' is not prepared in {empty}, and TFDS needs TensorFlow")
+        f"error: dataset {caption_parquet!r} has no label column to classify by (image-caption "
+        "pairs?); train task=contrastive on it, or use a dataset with a ClassLabel column"]
+
+
+def test_vit_trains_on_hf_images(image_parquet, tmp_path):
+    """vit_digits on PNG images in parquet: a run; the model takes the hf set's classes and
+    channels, and the run records its class names."""
+    root, _, _ = image_parquet
+    small = ["model.num_layers=1", "model.d_model=32", "model.num_heads=2", "model.mlp_dim=64",
+             "steps=2", "batch_size=4", "warmup_steps=1", "eval_every=2", "eval_batches=1",
+             "save_every=2", "log_every=1"]
+    code, _, lines = cli_here("train", "--experiment", "vit_digits", "--workdir", tmp_path / "w",
+                              "--no-progress", "--set", f"dataset=hf:{root}",
+                              *[x for kv in small for x in ("--set", kv)])
+    assert code == 0, lines
+    import json
+    config = json.loads((tmp_path / "w" / "config.json").read_text())
+    assert (config["model"]["num_classes"], config["model"]["num_channels"]) == (3, 3)
+    assert config["task_spec"]["label_names"] == ["cat", "dog", "fish"]
 
 
 SENTENCES = ["a fine film", "dull and long", "loved it", "a waste", "great acting", "boring"]
 
 
-def test_classify_reads_labelled_sentences(tmp_path):
-    """glue/sst2's columns (sentence, ClassLabel label, idx), saved as .arrow files by
-    save_to_disk; the classes come from the ClassLabel."""
+@pytest.mark.parametrize("fmt", ["parquet", "arrow"])
+def test_classify_reads_labelled_sentences(tmp_path, fmt):
+    """glue/sst2's columns (sentence, ClassLabel label, idx); the classes come from the
+    ClassLabel (kept in the parquet files' metadata, as on the Hub)."""
     from transformer_jax.tasks import make_task
     from transformer_jax.train.config import apply_overrides, load_experiment
 
@@ -181,9 +221,9 @@ def test_classify_reads_labelled_sentences(tmp_path):
                                   "idx": datasets.Value("int32")})
     split = datasets.Dataset.from_dict({"sentence": SENTENCES, "label": [1, 0, 1, 0, 1, 0],
                                         "idx": list(range(6))}, features=features)
-    datasets.DatasetDict({"train": split, "validation": split}).save_to_disk(str(tmp_path / "sst2"))
+    spec = write_splits(tmp_path / "sst2", {"train": split, "validation": split}, fmt)
     cfg = apply_overrides(load_experiment("bert_classify_stdlib"), [
-        f"dataset=hf:{tmp_path / 'sst2'}", "eval_split=validation", "batch_size=2", "seq_len=16",
+        f"dataset={spec}", "eval_split=validation", "batch_size=2", "seq_len=16",
         f"data_dir={tmp_path / 'd'}"])
     task = make_task(cfg, tmp_path / "run")
     assert task.classes == ["negative", "positive"]
@@ -195,22 +235,20 @@ def test_classify_reads_labelled_sentences(tmp_path):
         SENTENCES[0]))].tolist()) == SENTENCES[0]
 
 
-def test_seq2seq_reads_translation_pairs(tmp_path):
-    """wmt14's layout: a translation column of {de, en} dicts, in parquet files."""
+@pytest.mark.parametrize("fmt", ["parquet", "arrow"])
+def test_seq2seq_reads_translation_pairs(tmp_path, fmt):
+    """wmt14's layout: a translation column of {de, en} dicts."""
     from transformer_jax.tasks import make_task
     from transformer_jax.train.config import apply_overrides, load_experiment
 
     pairs = [("ein Haus", "a house"), ("der Hund", "the dog"), ("gut", "good")]
-    root = tmp_path / "wmt"
-    root.mkdir()
     ds = datasets.Dataset.from_dict({"translation": [{"de": d, "en": e} for d, e in pairs]},
                                     features=datasets.Features({"translation":
                                                                 datasets.Translation(["de", "en"])}))
-    ds.to_parquet(str(root / "train-00000.parquet"))
-    ds.to_parquet(str(root / "validation-00000.parquet"))
+    spec = write_splits(tmp_path / "wmt", {"train": ds, "validation": ds}, fmt)
     cfg = apply_overrides(load_experiment("t5_stdlib_seq2seq"), [
-        f"dataset=hf:{root}", "eval_split=validation", "batch_size=2",
-        f"data_dir={tmp_path / 'd'}", "task.source_key=de", "task.target_key=en"])
+        f"dataset={spec}", "eval_split=validation", "batch_size=2",
+        f"data_dir={tmp_path / 'd'}"])   # the task's default keys: de, en
     task = make_task(cfg, tmp_path / "run")
     got = task._pairs("validation", train=False)
     assert got.get(range(3)) == pairs
