@@ -274,3 +274,21 @@ def test_text_refusals_name_the_hf_alternative(tmp_path, experiment, dataset, al
         f"and copy its {base}/ folder into {empty} (or set data_dir=gs://BUCKET/DIR); see "
         "docs/datasets.md"]
     assert not (tmp_path / "w").exists()
+
+
+def test_lm_task_reads_the_text_key(tmp_path):
+    """The LM task's text_key option: an hf corpus whose documents are in ``content``."""
+    from transformer_jax.tasks import make_task
+    from transformer_jax.train.config import apply_overrides, load_experiment
+
+    ds = datasets.Dataset.from_dict({"content": TEXTS[:40], "url": ["u"] * 40})
+    spec = write_splits(tmp_path / "web", {"train": ds, "validation": ds}, "parquet")
+    cfg = apply_overrides(load_experiment("stdlib_gpt"), [
+        f"dataset={spec}", "task.text_key=content", "seq_len=16", "batch_size=4",
+        f"data_dir={tmp_path / 'd'}"])
+    batch = next(iter(make_task(cfg, tmp_path / "run").make_iterator("validation", 0, 1,
+                                                                      train=False)))
+    listed = next(iter(data.make_lm_iterator(TEXTS[:40], "validation", tokenizer="byte",
+                                             seq_len=16, batch_size=4, shuffle=False,
+                                             repeat=False)))
+    np.testing.assert_array_equal(batch["inputs"], listed["inputs"])
