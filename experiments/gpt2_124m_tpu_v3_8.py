@@ -27,7 +27,9 @@ packed into windows of 512 tokens. WikiText-103 holds about 103M words, so 20k s
 over it many times (how much that overfits: not measured here). TFDS ``lm1b`` (30M
 sentences) stays available where TensorFlow is installed to prepare it (or its prepared
 array_record folder is copied into ``data_dir``): ``--set dataset=lm1b --set
-eval_split=test``; docs/datasets.md lists the other corpora. Mixed precision: bf16 compute, fp32 parameters and Adam moments; layers
+eval_split=test``; docs/datasets.md lists the other corpora.
+
+Mixed precision: bf16 compute, fp32 parameters and Adam moments; layers
 scanned (compile time flat in depth) and rematerialised (activation memory). Attention:
 ``attention_impl="auto"`` takes XLA's attention on v2/v3 (Mosaic compiles Pallas kernels
 for v4 and later only) and the Pallas flash kernel on the v4-32 and v5e variants of this

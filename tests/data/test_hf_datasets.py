@@ -92,7 +92,8 @@ def test_lm_iterator_resumes_exactly(parquet_dir, tmp_path, mode):
                                      batch_size=4, seed=3, mode=mode, data_dir=str(tmp_path / "d"))
 
     it = make()
-    assert type(it).__name__ == {"memory": "MemoryLMIterator", "stream": "StreamingLMIterator"}[mode]
+    kind = {"memory": "MemoryLMIterator", "stream": "StreamingLMIterator"}[mode]
+    assert type(it).__name__ == kind
     first = _batches(it, 5)
     state = it.get_state()
     rest = _batches(it, 12)   # runs past an epoch boundary
@@ -242,9 +243,9 @@ def test_seq2seq_reads_translation_pairs(tmp_path, fmt):
     from transformer_jax.train.config import apply_overrides, load_experiment
 
     pairs = [("ein Haus", "a house"), ("der Hund", "the dog"), ("gut", "good")]
+    features = datasets.Features({"translation": datasets.Translation(["de", "en"])})
     ds = datasets.Dataset.from_dict({"translation": [{"de": d, "en": e} for d, e in pairs]},
-                                    features=datasets.Features({"translation":
-                                                                datasets.Translation(["de", "en"])}))
+                                    features=features)
     spec = write_splits(tmp_path / "wmt", {"train": ds, "validation": ds}, fmt)
     cfg = apply_overrides(load_experiment("t5_stdlib_seq2seq"), [
         f"dataset={spec}", "eval_split=validation", "batch_size=2",

@@ -25,7 +25,8 @@ from typing import Any, Sequence
 
 from transformer_jax.errors import UserError
 
-__all__ = ["HFImageSource", "HFSource", "image_columns", "is_hf_dataset", "open_hf_source", "parse_hf_spec"]
+__all__ = ["HFImageSource", "HFSource", "image_columns", "is_hf_dataset", "open_hf_source",
+           "parse_hf_spec"]
 
 PREFIX = "hf:"
 _FILE_BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".json": "json", ".jsonl": "json",

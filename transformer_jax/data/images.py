@@ -14,7 +14,8 @@ Datasets:
   prepared one (:func:`~transformer_jax.data.sources.check_tfds_dataset`).
 * ``"hf:PATH_OR_REPO[:CONFIG]"``: a Hugging Face dataset with an ``Image`` column and
   (for classification) a ``ClassLabel`` column, e.g. ``"hf:uoft-cs/cifar10"`` (columns
-  ``img``, ``label``) or local parquet files (:class:`~transformer_jax.data.hf_datasets.HFImageSource`).
+  ``img``, ``label``) or local parquet files
+  (:class:`~transformer_jax.data.hf_datasets.HFImageSource`).
 
 Preprocessing (one function, :func:`preprocess_image`), to ``image_size`` S:
 

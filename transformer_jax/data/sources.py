@@ -1,7 +1,7 @@
 """Document sources: TensorFlow Datasets *data sources* (``tfds.data_source``, random access
 over the ``array_record`` file format; reading needs no TensorFlow), Hugging Face
-``datasets`` (``"hf:PATH_OR_REPO[:CONFIG]"``, :mod:`transformer_jax.data.hf_datasets`), the embedded
-``python_stdlib`` dataset (built locally on first use, see
+``datasets`` (``"hf:PATH_OR_REPO[:CONFIG]"``, :mod:`transformer_jax.data.hf_datasets`), the
+embedded ``python_stdlib`` dataset (built locally on first use, see
 :mod:`transformer_jax.data.stdlib_corpus`), or any in-memory sequence of documents; and
 reading them: :func:`read_examples` (in one call where the source allows),
 :func:`document_text`, :func:`iter_texts`, :func:`load_texts`.
@@ -18,8 +18,8 @@ import numpy as np
 
 from transformer_jax.errors import UserError
 
-__all__ = ["READ_CHUNK", "check_tfds_dataset", "default_data_dir", "document_text", "iter_text_chunks", "iter_texts",
-           "load_texts", "open_source", "read_examples"]
+__all__ = ["READ_CHUNK", "check_tfds_dataset", "default_data_dir", "document_text",
+           "iter_text_chunks", "iter_texts", "load_texts", "open_source", "read_examples"]
 
 #: Documents read per data-source call.
 READ_CHUNK = 512
@@ -49,8 +49,8 @@ def check_tfds_dataset(dataset: str, data_dir: str | None = None) -> None:
     """Refuses, up front, a TFDS dataset that cannot be read here: one that is not prepared
     under ``data_dir`` while TensorFlow (which TFDS's builders need to prepare them) is not
     installed (prepared: a ``dataset_info.json`` under ``data_dir/NAME[/CONFIG]/VERSION``,
-    looked for without TFDS's builders, which import TensorFlow). ``python_stdlib`` prepares without TensorFlow; under ``tfds.testing.mock_data``
-    nothing is prepared."""
+    looked for without TFDS's builders, which import TensorFlow). ``python_stdlib`` prepares
+    without TensorFlow; under ``tfds.testing.mock_data`` nothing is prepared."""
     if _base_name(dataset) == "python_stdlib" or importlib.util.find_spec("tensorflow"):
         return
     import tensorflow_datasets as tfds
@@ -83,8 +83,8 @@ def open_source(dataset: Any, split: str, *, data_dir: str | None = None):
     Args:
       dataset: a TFDS dataset name (``"python_stdlib"``, ``"lm1b"``, optionally
         with ``/config:version``), an ``"hf:PATH_OR_REPO[:CONFIG]"`` Hugging Face
-        dataset (:mod:`~transformer_jax.data.hf_datasets`), or an in-memory sequence of documents (str,
-        UTF-8 bytes, or dicts with a text field).
+        dataset (:mod:`~transformer_jax.data.hf_datasets`), or an in-memory sequence of
+        documents (str, UTF-8 bytes, or dicts with a text field).
       split: the split name, e.g. ``"train"``, ``"validation"``, ``"test"``.
       data_dir: TFDS data directory (default :func:`default_data_dir`).
 
