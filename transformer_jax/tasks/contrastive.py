@@ -310,8 +310,9 @@ class ContrastiveTask(Task):
             raise UserError("task 'contrastive' needs images; set dataset=digits (offline), a TFDS "
                             "image-classification set (cifar10) or an image-caption set")
         if not isinstance(cfg.dataset, str):
-            raise UserError("task 'contrastive' reads a dataset by name: 'digits' or a TFDS image "
-                            f"dataset, not an in-memory {type(cfg.dataset).__name__}")
+            raise UserError("task 'contrastive' reads a dataset by name: 'digits', a TFDS image "
+                            "dataset or hf:PATH_OR_REPO, not an in-memory "
+                            f"{type(cfg.dataset).__name__}")
         limit = self.options["eval_images"]
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
             raise UserError(f"task.eval_images={limit!r} must be an integer >= 1 (the held-out "
