@@ -293,3 +293,73 @@ def test_lm_task_reads_the_text_key(tmp_path):
                                              seq_len=16, batch_size=4, shuffle=False,
                                              repeat=False)))
     np.testing.assert_array_equal(batch["inputs"], listed["inputs"])
+
+
+@pytest.fixture
+def spm_texts(monkeypatch):
+    """The texts each SentencePiece training gets (the real training still runs)."""
+    calls = []
+    train = data.train_sentencepiece
+
+    def spy(texts, *args, **kwargs):
+        calls.append(list(texts))
+        return train(texts, *args, **kwargs)
+
+    monkeypatch.setattr(data, "train_sentencepiece", spy)
+    return calls
+
+
+PAIRS = [("a fine film", "it was great"), ("dull and long", "too slow"), ("loved it", "yes")]
+
+
+@pytest.mark.parametrize("pair", [False, True], ids=["sentence", "sentence1+sentence2"])
+def test_classify_sentencepiece_trains_on_the_task_fields(tmp_path, spm_texts, pair):
+    """glue/sst2 (``sentence``) and a sentence-pair set (``text_b_key``): SentencePiece
+    trains on the fields the examples are read from, not on a missing ``text``."""
+    from transformer_jax.tasks import make_task
+    from transformer_jax.train.config import apply_overrides, load_experiment
+
+    a, b = [p[0] for p in PAIRS] * 4, [p[1] for p in PAIRS] * 4
+    columns = ({"sentence1": a, "sentence2": b} if pair else {"sentence": a})
+    ds = datasets.Dataset.from_dict({**columns, "label": [0, 1, 1] * 4})
+    spec = write_splits(tmp_path / "glue", {"train": ds, "validation": ds}, "parquet")
+    keys = ["task.text_key=sentence1", "task.text_b_key=sentence2"] if pair else []
+    cfg = apply_overrides(load_experiment("bert_classify_stdlib"), [
+        f"dataset={spec}", "eval_split=validation", "batch_size=2", "seq_len=24",
+        "tokenizer=sentencepiece", "sentencepiece_vocab_size=300", "task.num_classes=2",
+        f"data_dir={tmp_path / 'd'}", *keys])
+    task = make_task(cfg, tmp_path / "run")
+    assert spm_texts == [a + b if pair else a]
+    assert task.tokenizer_spec == f"sentencepiece:{tmp_path / 'run' / 'spm.model'}"
+    tok = task.vocab.tokenizer
+    enc = task.encoded("validation")
+    n = len(tok.encode(a[0]))
+    assert enc["input_ids"][0, 0] == task.vocab.cls_id
+    assert tok.decode(enc["input_ids"][0, 1:1 + n].tolist()) == a[0]
+
+
+@pytest.mark.parametrize("experiment", ["bert_mlm_stdlib", "bert_pretrain_stdlib"])
+def test_bert_pretraining_reads_the_text_key(tmp_path, spm_texts, experiment):
+    """mlm and pretrain: ``task.text_key`` names the documents' field, for the batches and
+    for SentencePiece; the batches equal those of the same documents in ``text``."""
+    from transformer_jax.tasks import make_task
+    from transformer_jax.train.config import apply_overrides, load_experiment
+
+    docs = [t + "\n" + t.upper() for t in TEXTS[:40]]   # pretrain pairs lines of a document
+
+    def first_batch(column, tokenizer, run):
+        ds = datasets.Dataset.from_dict({column: docs})
+        spec = write_splits(tmp_path / f"{run}_{column}", {"train": ds, "validation": ds}, "parquet")
+        cfg = apply_overrides(load_experiment(experiment), [
+            f"dataset={spec}", f"task.text_key={column}", "seq_len=16", "batch_size=4",
+            f"tokenizer={tokenizer}", "sentencepiece_vocab_size=300",
+            f"data_dir={tmp_path / 'd'}"])
+        task = make_task(cfg, tmp_path / run)
+        return next(iter(task.make_iterator("validation", 0, 1, train=False)))
+
+    first_batch("content", "sentencepiece", "spm")
+    assert spm_texts == [docs]
+    ours, theirs = first_batch("content", "byte", "a"), first_batch("text", "byte", "b")
+    assert ours.keys() == theirs.keys()
+    for key in ours:
+        np.testing.assert_array_equal(ours[key], theirs[key])

@@ -21,7 +21,8 @@ Data (``cfg.dataset``):
   ``sentence``), optional ``text_b_key`` and integer ``label_key`` (default ``label``); the
   number of classes comes from the dataset's ``ClassLabel`` (or option ``num_classes``).
 
-Tokens: the base tokenizer (``cfg.tokenizer``, bytes by default) with BERT's [CLS]/[SEP]/
+Tokens: the base tokenizer (``cfg.tokenizer``, bytes by default; ``sentencepiece`` trains
+on the train split's ``text_key`` and ``text_b_key`` fields) with BERT's [CLS]/[SEP]/
 [MASK]: its own where it has them (a WordPiece ``hf:DIR``), else appended
 (:class:`~transformer_jax.tasks.mlm.MLMVocab`). Over-long inputs are cut
 to ``seq_len``: b keeps its start, and a keeps its *end* when b follows it (the context
@@ -199,7 +200,10 @@ class ClassifyTask(Task):
         tok_spec = spec
         if spec is None and self.options["pretrained"] is not None:
             tok_spec = _read_pretrained_config(self.options["pretrained"])["task_spec"]
-        tokenizer, self.tokenizer_spec = build_tokenizer(cfg, self.workdir, tok_spec)
+        # SentencePiece trains on the fields the examples are read from
+        keys = ("text",) if self.stdlib else tuple(
+            self.options[k] for k in ("text_key", "text_b_key") if self.options[k] is not None)
+        tokenizer, self.tokenizer_spec = build_tokenizer(cfg, self.workdir, tok_spec, keys)
         self.vocab = MLMVocab(tokenizer)
         self.classes = (list(spec["classes"]) if spec is not None else self._class_names())
         self._encoded: dict[str, dict[str, np.ndarray]] = {}
