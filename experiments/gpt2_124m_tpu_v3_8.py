@@ -1,4 +1,4 @@
-"""GPT-2 124M on LM1B, data parallel over the 8 TPU cores of a TPU v3-8 (or v2-8).
+"""GPT-2 124M on WikiText-103 (or LM1B), data parallel over the 8 TPU cores of a TPU v3-8 (or v2-8).
 
 Colab retired its v2-8 in September 2025 and offers single chips now: there, use
 ``gpt2_124m_tpu_v5e_1``. On a v3-8 / v2-8 TPU VM (or a notebook that still has one):
@@ -19,9 +19,17 @@ losses. ``--mesh fsdp=8`` shards parameters and Adam state 8 ways (0.19 GB per c
 then all-gathers each weight where it is used): the knob for GPT-2 medium/large on the
 8 GB cores of a v2-8. Checkpoints restore onto any mesh (``--resume --mesh ...``).
 
-Data: TFDS ``lm1b`` (prepared by TFDS on first use; needs a network), a 32k SentencePiece
-vocabulary trained into the workdir from 200k training sentences, packed into windows of
-512 tokens. Mixed precision: bf16 compute, fp32 parameters and Adam moments; layers
+Data: WikiText-103 (``hf:Salesforce/wikitext:wikitext-103-raw-v1``, Hugging Face
+``datasets``: downloaded into ``$HF_HOME`` on first use, needs a network, no TensorFlow;
+train and validation splits; the train split has 1.8M rows, so it is packed in stream
+mode), a 32k SentencePiece vocabulary trained into the workdir from 200k training rows,
+packed into windows of 512 tokens. WikiText-103 holds about 103M words, so 20k steps pass
+over it many times (how much that overfits: not measured here). TFDS ``lm1b`` (30M
+sentences) stays available where TensorFlow is installed to prepare it (or its prepared
+array_record folder is copied into ``data_dir``): ``--set dataset=lm1b --set
+eval_split=test``; docs/datasets.md lists the other corpora.
+
+Mixed precision: bf16 compute, fp32 parameters and Adam moments; layers
 scanned (compile time flat in depth) and rematerialised (activation memory). Attention:
 ``attention_impl="auto"`` takes XLA's attention on v2/v3 (Mosaic compiles Pallas kernels
 for v4 and later only) and the Pallas flash kernel on the v4-32 and v5e variants of this
@@ -36,8 +44,8 @@ cores), 7.35 GiB of 8 with ``--mesh fsdp=-1``.
 Runtime: not measured (this machine has no TPU). Estimate from the model FLOPs: 7.14e8
 training FLOP per token (``GPTConfig.flops_per_token(512)``) x 131,072 tokens per step =
 9.36e13 FLOP per step; at 40% of the v3-8's 8 x 61.5 TFLOP/s bf16 peak that is 0.48 s per
-step, ~2.6 h for 20k steps (2.6B tokens, ~3 epochs of lm1b); a v2-8 (8 x 22.5 TFLOP/s) takes
-~7.2 h. Metric: not measured; ``eval_ppl`` (per SentencePiece token on lm1b's test split)
+step, ~2.6 h for 20k steps (2.6B tokens; ~3 epochs of lm1b); a v2-8 (8 x 22.5 TFLOP/s) takes
+~7.2 h. Metric: not measured; ``eval_ppl`` (per SentencePiece token on the validation split)
 is logged every 2000 steps.
 """
 from transformer_jax.train.config import ExperimentConfig
@@ -50,8 +58,8 @@ def get_config() -> ExperimentConfig:
         model_preset="gpt2",
         model_overrides=dict(max_len=512, dtype="bfloat16", scan_layers=True, remat=True,
                              dropout_rate=0.1, attention_dropout_rate=0.0),
-        dataset="lm1b",
-        eval_split="test",
+        dataset="hf:Salesforce/wikitext:wikitext-103-raw-v1",
+        eval_split="validation",
         tokenizer="sentencepiece",
         sentencepiece_vocab_size=32000,
         seq_len=512,

@@ -1,4 +1,5 @@
-"""GPT-2 124M on LM1B on a TPU v4-32 pod slice: 16 chips on 4 hosts, one process per host.
+"""GPT-2 124M on WikiText-103 (or LM1B) on a TPU v4-32 pod slice: 16 chips on 4 hosts, one
+process per host.
 
 Commands (from your machine; NFS_IP:/share is a file share every host mounts, e.g. a
 Filestore instance in the same VPC; REPO is this repository):

@@ -1,4 +1,4 @@
-"""GPT-2 124M on LM1B on one TPU chip: Colab's v5e-1 (also right for its v6e-1).
+"""GPT-2 124M on WikiText-103 (or LM1B) on one TPU chip: Colab's v5e-1 (also right for its v6e-1).
 
 Command (in a Colab TPU runtime; Google Drive keeps the run across disconnects):
 
@@ -12,7 +12,13 @@ Check it first, from any machine (the TPU compiler runs on a CPU host):
 
     transformer-jax compile --experiment gpt2_124m_tpu_v5e_1 --tpu v5e-1
 
-Recipe: the v3-8 recipe (``gpt2_124m_tpu_v3_8``: lm1b, 32k SentencePiece vocabulary, bf16
+Data: WikiText-103 through Hugging Face ``datasets``
+(``hf:Salesforce/wikitext:wikitext-103-raw-v1``), which Colab's TPU runtime (no
+TensorFlow) downloads and reads as is; TFDS ``lm1b`` needs TensorFlow to prepare, so there
+it is refused in one line unless its prepared folder is copied into ``data_dir``
+(docs/datasets.md).
+
+Recipe: the v3-8 recipe (``gpt2_124m_tpu_v3_8``: WikiText-103, 32k SentencePiece vocabulary, bf16
 compute, fp32 parameters and AdamW moments, scanned and rematerialised layers, dropout
 on the residual stream only) with 1024-token windows and a batch of 64 sequences (65,536
 tokens per step) taken as 2 micro-batches of 32, which one 16 GiB chip holds.

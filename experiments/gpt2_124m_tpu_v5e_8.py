@@ -1,4 +1,4 @@
-"""GPT-2 124M on LM1B on the 8 chips of a Kaggle TPU v5e-8 (one host).
+"""GPT-2 124M on WikiText-103 (or LM1B) on the 8 chips of a Kaggle TPU v5e-8 (one host).
 
 Command (in a Kaggle notebook with the TPU v5e-8 accelerator; /kaggle/working keeps
 the run for the session, save it as a dataset version to keep it longer):

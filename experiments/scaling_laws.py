@@ -3,10 +3,11 @@
 Commands::
 
     transformer-jax sweep --experiment scaling_laws --workdir runs/scaling --quick
-    transformer-jax sweep --experiment scaling_laws --workdir runs/scaling_full   # a TPU, lm1b
-    # another TFDS text corpus for the full grid (its data members need 100M training tokens):
-    transformer-jax sweep --experiment scaling_laws --workdir runs/scaling_NAME \\
-        --set dataset=NAME --set eval_split=SPLIT
+    transformer-jax sweep --experiment scaling_laws --workdir runs/scaling_full   # a TPU or GPU
+    # another text corpus for the full grid (its data members need 100M training tokens),
+    # e.g. lm1b where TensorFlow is installed to prepare it:
+    transformer-jax sweep --experiment scaling_laws --workdir runs/scaling_lm1b \\
+        --set dataset=lm1b --set eval_split=test
 
 Started again with the same command, a sweep continues where it stopped (finished members
 are skipped, the running one resumes from its checkpoint).
@@ -33,11 +34,15 @@ Quick mode (``--quick``): ``python_stdlib`` (bytes, ~4.4M training tokens), T = 
 rows a step, 300 steps (1.23M tokens) per member, an eval of 8 batches every 25 steps;
 N from 3.3k to 0.79M; data members of width 96 x 3 layers on 10k to 1M tokens.
 
-Full mode: ``lm1b`` (needs a network the first time), bytes, T = 256, 256 rows a step
-(65,536 tokens), 2,000 steps (131M tokens) per member, peak learning rate 1e-3, bfloat16; N from 0.1M to 25M; data
-members of width 256 x 4 layers on 1M to 100M tokens. About 5.5e16 training FLOPs in all:
-sized for about an hour on a Colab TPU v2-8 or v3-8 (an estimate from the FLOPs at 30%
-of the chips' bfloat16 peak; not measured).
+Full mode: WikiText-103 (``hf:Salesforce/wikitext:wikitext-103-raw-v1``, read by Hugging
+Face ``datasets``: downloaded once into ``$HF_HOME``, needs a network, no TensorFlow, so it
+runs on Colab's TPU runtime; eval on its ``validation`` split), bytes, T = 256, 256 rows a
+step (65,536 tokens), 2,000 steps (131M tokens) per member, peak learning rate 1e-3,
+bfloat16; N from 0.1M to 25M; data members of width 256 x 4 layers on 1M to 100M tokens.
+About 5.5e16 training FLOPs in all: sized for about an hour on a Colab TPU v2-8 or v3-8 (an
+estimate from the FLOPs at 30% of the chips' bfloat16 peak; not measured). TFDS ``lm1b``
+stays selectable where TensorFlow prepares it (``--set dataset=lm1b --set eval_split=test``,
+the commands above); without TensorFlow it is refused in one line (docs/datasets.md).
 
 Output in the sweep's workdir: ``results.jsonl`` (a row per member), ``fit.json``,
 ``scaling.png`` (three log-log panels) and ``scaling.md`` (the exponents beside Kaplan et
@@ -68,8 +73,10 @@ FULL_SIZES = ((2, 64), (2, 128), (4, 128), (4, 256), (6, 256), (6, 384), (8, 512
 QUICK_DATA_MODEL, QUICK_DATA = (3, 96), (10_000, 25_000, 60_000, 150_000, 400_000, 1_000_000)
 FULL_DATA_MODEL, FULL_DATA = (4, 256), (1_000_000, 3_000_000, 10_000_000, 30_000_000,
                                         100_000_000)
+#: the full grid's corpus (TF-free: Colab's TPU runtime reads it) and its eval split
+FULL_DATASET, FULL_EVAL_SPLIT = "hf:Salesforce/wikitext:wikitext-103-raw-v1", "validation"
 #: what the full grid changes in every member (a sweep's --set still overrides it)
-FULL = {"dataset": "lm1b", "eval_split": "test", "seq_len": 256, "batch_size": 256,
+FULL = {"dataset": FULL_DATASET, "eval_split": FULL_EVAL_SPLIT, "seq_len": 256, "batch_size": 256,
         "steps": 2000, "warmup_steps": 100, "eval_every": 100, "eval_batches": 16,
         "save_every": 500, "learning_rate": 1e-3, "model.max_len": 256,
         "model.dtype": "bfloat16"}

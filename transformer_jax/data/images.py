@@ -10,7 +10,12 @@ Datasets:
 * any TFDS dataset with ``image`` and ``label`` features read through
   ``tfds.data_source`` (array_record, no TensorFlow), e.g. ``"cifar10"`` (train/test) or
   ``"imagenet2012"`` (train/validation). These are downloaded and prepared by TFDS on
-  first use (tests use ``tfds.testing.mock_data``).
+  first use (tests use ``tfds.testing.mock_data``); without TensorFlow only an already
+  prepared one (:func:`~transformer_jax.data.sources.check_tfds_dataset`).
+* ``"hf:PATH_OR_REPO[:CONFIG]"``: a Hugging Face dataset with an ``Image`` column and
+  (for classification) a ``ClassLabel`` column, e.g. ``"hf:uoft-cs/cifar10"`` (columns
+  ``img``, ``label``) or local parquet files
+  (:class:`~transformer_jax.data.hf_datasets.HFImageSource`).
 
 Preprocessing (one function, :func:`preprocess_image`), to ``image_size`` S:
 
@@ -44,7 +49,9 @@ from typing import Any, Callable
 import numpy as np
 
 from transformer_jax.data.shuffle import hash_order, shuffled
-from transformer_jax.data.sources import default_data_dir, open_source, read_examples
+from transformer_jax.data.hf_datasets import HFImageSource, is_hf_dataset, open_hf_source
+from transformer_jax.data.sources import (check_tfds_dataset, default_data_dir, open_source,
+                                          read_examples)
 from transformer_jax.errors import UserError
 
 __all__ = ["DatasetInfo", "ImageIterator", "dataset_info", "digits_split", "load_digits_arrays",
@@ -113,14 +120,23 @@ def open_image_source(dataset: str, split: str, *, data_dir: str | None = None,
     """Random-access source of ``{"image": (h, w, c), "label": int}`` examples."""
     if dataset == "digits":
         return digits_split(split, test_fraction=test_fraction, split_seed=split_seed)
+    if is_hf_dataset(dataset):
+        return HFImageSource(open_hf_source(dataset, split))
     source, _ = open_source(dataset, split, data_dir=data_dir or default_data_dir())
     return source
 
 
 def dataset_info(dataset: str, *, data_dir: str | None = None) -> DatasetInfo:
-    """Classes, channels and value range of ``"digits"`` or a TFDS image dataset (no data read)."""
+    """Classes, channels and value range of ``"digits"``, a TFDS image dataset (no data read)
+    or an ``hf:`` one (its train split's first image read); a dataset without labels (image
+    captions) has 0 classes."""
     if dataset == "digits":
         return DatasetInfo("digits", 10, 1, 16.0, tuple(str(i) for i in range(10)), False)
+    if is_hf_dataset(dataset):
+        source = HFImageSource(open_hf_source(dataset, "train"))
+        names = source.label_names()
+        return DatasetInfo(dataset, len(names), source.num_channels, 255.0, names, True)
+    check_tfds_dataset(dataset, data_dir)
     import tensorflow_datasets as tfds
 
     try:

@@ -1,6 +1,7 @@
 """Document sources: TensorFlow Datasets *data sources* (``tfds.data_source``, random access
-over the ``array_record`` file format; reading needs no TensorFlow), the embedded
-``python_stdlib`` dataset (built locally on first use, see
+over the ``array_record`` file format; reading needs no TensorFlow), Hugging Face
+``datasets`` (``"hf:PATH_OR_REPO[:CONFIG]"``, :mod:`transformer_jax.data.hf_datasets`), the
+embedded ``python_stdlib`` dataset (built locally on first use, see
 :mod:`transformer_jax.data.stdlib_corpus`), or any in-memory sequence of documents; and
 reading them: :func:`read_examples` (in one call where the source allows),
 :func:`document_text`, :func:`iter_texts`, :func:`load_texts`.
@@ -8,6 +9,7 @@ reading them: :func:`read_examples` (in one call where the source allows),
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -16,8 +18,8 @@ import numpy as np
 
 from transformer_jax.errors import UserError
 
-__all__ = ["READ_CHUNK", "default_data_dir", "document_text", "iter_text_chunks", "iter_texts",
-           "load_texts", "open_source", "read_examples"]
+__all__ = ["READ_CHUNK", "check_tfds_dataset", "default_data_dir", "document_text",
+           "iter_text_chunks", "iter_texts", "load_texts", "open_source", "read_examples"]
 
 #: Documents read per data-source call.
 READ_CHUNK = 512
@@ -28,20 +30,69 @@ def default_data_dir() -> str:
     return os.environ.get("TFDS_DATA_DIR") or os.path.expanduser("~/tensorflow_datasets")
 
 
+#: TFDS names (with or without the config) -> a dataset that needs no TensorFlow.
+NO_TENSORFLOW_ALTERNATIVES = {
+    "lm1b": "hf:Salesforce/wikitext:wikitext-103-raw-v1 (no TensorFlow needed)",
+    "cifar10": "hf:uoft-cs/cifar10 (no TensorFlow needed)",
+    "glue/sst2": "hf:nyu-mll/glue:sst2 (no TensorFlow needed)",
+    "wmt14_translate/de-en": "hf:wmt/wmt14:de-en (no TensorFlow needed)",
+    "imagenet2012": "hf:DIR (ImageNet as parquet files with image and label columns)",
+    "coco_captions": "hf:DIR (parquet files with image and caption columns)",
+}
+
+
+def _base_name(dataset: str) -> str:
+    return dataset.split("/")[0].split(":")[0]
+
+
+def check_tfds_dataset(dataset: str, data_dir: str | None = None) -> None:
+    """Refuses, up front, a TFDS dataset that cannot be read here: one that is not prepared
+    under ``data_dir`` while TensorFlow (which TFDS's builders need to prepare them) is not
+    installed (prepared: a ``dataset_info.json`` under ``data_dir/NAME[/CONFIG]/VERSION``,
+    looked for without TFDS's builders, which import TensorFlow). ``python_stdlib`` prepares
+    without TensorFlow; under ``tfds.testing.mock_data`` nothing is prepared."""
+    if _base_name(dataset) == "python_stdlib" or importlib.util.find_spec("tensorflow"):
+        return
+    import tensorflow_datasets as tfds
+
+    prepare = tfds.core.dataset_builder.DatasetBuilder.download_and_prepare
+    if prepare.__qualname__ != "DatasetBuilder.download_and_prepare":   # mock_data
+        return
+    data_dir = data_dir or default_data_dir()
+    from etils import epath
+
+    folder = epath.Path(data_dir) / dataset.split(":")[0]
+    if any(True for pattern in ("*/dataset_info.json", "*/*/dataset_info.json")
+           for _ in folder.glob(pattern)):
+        return   # prepared (TFDS reads it, or says which version or format it lacks)
+    config = dataset.split(":")[0]
+    alternative = NO_TENSORFLOW_ALTERNATIVES.get(config) or NO_TENSORFLOW_ALTERNATIVES.get(
+        _base_name(dataset))
+    use = f"use dataset={alternative}, or " if alternative else ""
+    raise UserError(
+        f"dataset {dataset!r} is not prepared in {data_dir}, and TFDS needs TensorFlow (not "
+        f"installed) to find or prepare it: {use}run `tfds build {config} "
+        f"--file_format=array_record` where TensorFlow is installed and copy its "
+        f"{_base_name(dataset)}/ folder into {data_dir} (or set data_dir=gs://BUCKET/DIR); "
+        "see docs/datasets.md")
+
+
 def open_source(dataset: Any, split: str, *, data_dir: str | None = None):
     """Returns ``(source, name)``: a random-access document source and its name.
 
     Args:
       dataset: a TFDS dataset name (``"python_stdlib"``, ``"lm1b"``, optionally
-        with ``/config:version``), or an in-memory sequence of documents (str,
-        UTF-8 bytes, or dicts with a text field).
+        with ``/config:version``), an ``"hf:PATH_OR_REPO[:CONFIG]"`` Hugging Face
+        dataset (:mod:`~transformer_jax.data.hf_datasets`), or an in-memory sequence of
+        documents (str, UTF-8 bytes, or dicts with a text field).
       split: the split name, e.g. ``"train"``, ``"validation"``, ``"test"``.
       data_dir: TFDS data directory (default :func:`default_data_dir`).
 
     The source supports ``len()`` and indexing.  A TFDS dataset that is not
     prepared yet is prepared first, in the ``array_record`` format:
     ``python_stdlib`` locally, others by TFDS, which downloads them (and, for
-    ``lm1b``, needs TensorFlow to prepare it; reading needs none).  A dataset
+    ``lm1b``, needs TensorFlow to prepare it; reading needs none): without
+    TensorFlow an unprepared one is refused (:func:`check_tfds_dataset`).  A dataset
     already prepared in another format (TFRecord) must be prepared again with
     ``tfds build NAME --file_format=array_record``.
     """
@@ -52,6 +103,11 @@ def open_source(dataset: Any, split: str, *, data_dir: str | None = None):
                 f"{type(dataset).__name__}."
             )
         return dataset, f"<in-memory {type(dataset).__name__}>"
+    if dataset.startswith("hf:"):
+        from transformer_jax.data.hf_datasets import open_hf_source
+
+        return open_hf_source(dataset, split), dataset
+    check_tfds_dataset(dataset, data_dir)
 
     import tensorflow_datasets as tfds
 

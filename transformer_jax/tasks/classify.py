@@ -16,11 +16,13 @@ Data (``cfg.dataset``):
   string 18.3%, comment 11.0% -- always answering ``code`` scores 70.7% (the baseline).
   Splits: the corpus's file split (133 train / 14 validation modules), so validation lines
   come from modules never seen in training.
-* any other TFDS name, e.g. ``glue/sst2``: examples ``text_key`` (default ``sentence``),
-  optional ``text_b_key`` and integer ``label_key`` (default ``label``); the number of
-  classes comes from the dataset's ``ClassLabel`` (or option ``num_classes``).
+* any other TFDS name, e.g. ``glue/sst2``, or an ``hf:`` dataset, e.g.
+  ``hf:nyu-mll/glue:sst2`` (no TensorFlow needed): examples ``text_key`` (default
+  ``sentence``), optional ``text_b_key`` and integer ``label_key`` (default ``label``); the
+  number of classes comes from the dataset's ``ClassLabel`` (or option ``num_classes``).
 
-Tokens: the base tokenizer (``cfg.tokenizer``, bytes by default) with BERT's [CLS]/[SEP]/
+Tokens: the base tokenizer (``cfg.tokenizer``, bytes by default; ``sentencepiece`` trains
+on the train split's ``text_key`` and ``text_b_key`` fields) with BERT's [CLS]/[SEP]/
 [MASK]: its own where it has them (a WordPiece ``hf:DIR``), else appended
 (:class:`~transformer_jax.tasks.mlm.MLMVocab`). Over-long inputs are cut
 to ``seq_len``: b keeps its start, and a keeps its *end* when b follows it (the context
@@ -44,7 +46,7 @@ import numpy as np
 from .. import data as data_lib
 from .. import storage
 from ..data.shuffle import EpochIterator, permutation
-from ..data.sources import document_text, open_source, read_examples
+from ..data.sources import check_tfds_dataset, document_text, open_source, read_examples
 from ..errors import UserError
 from ..losses import token_loss
 from ..train.checkpoint import load_params
@@ -198,7 +200,10 @@ class ClassifyTask(Task):
         tok_spec = spec
         if spec is None and self.options["pretrained"] is not None:
             tok_spec = _read_pretrained_config(self.options["pretrained"])["task_spec"]
-        tokenizer, self.tokenizer_spec = build_tokenizer(cfg, self.workdir, tok_spec)
+        # SentencePiece trains on the fields the examples are read from
+        keys = ("text",) if self.stdlib else tuple(
+            self.options[k] for k in ("text_key", "text_b_key") if self.options[k] is not None)
+        tokenizer, self.tokenizer_spec = build_tokenizer(cfg, self.workdir, tok_spec, keys)
         self.vocab = MLMVocab(tokenizer)
         self.classes = (list(spec["classes"]) if spec is not None else self._class_names())
         self._encoded: dict[str, dict[str, np.ndarray]] = {}
@@ -210,7 +215,9 @@ class ClassifyTask(Task):
         k = self.options["num_classes"]
         if k is None:
             source, _ = self._source("train")
-            feature = getattr(getattr(source, "dataset_info", None), "features", {})
+            feature = getattr(source, "features", None)   # an hf: dataset's
+            if feature is None:
+                feature = getattr(getattr(source, "dataset_info", None), "features", {})
             try:
                 return list(feature[self.options["label_key"]].names)
             except (KeyError, TypeError, AttributeError):
@@ -220,7 +227,8 @@ class ClassifyTask(Task):
         return [str(i) for i in range(int(k))]
 
     def _source(self, split):
-        if not self.stdlib:
+        if not self.stdlib and not self.cfg.dataset.startswith("hf:"):
+            check_tfds_dataset(self.cfg.dataset, self.cfg.data_dir)
             import tensorflow_datasets.text  # noqa: F401  (registers glue & co. for data_source)
         return open_source(self.cfg.dataset, split, data_dir=self.cfg.data_dir)
 

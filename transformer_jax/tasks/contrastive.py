@@ -11,6 +11,9 @@ Data (``ExperimentConfig.dataset``), as images plus one caption per image:
   * a TFDS image-caption dataset (an ``image`` feature and a caption feature, e.g.
     ``coco_captions``, whose ``captions/text`` holds several captions per image: one is drawn
     as above). Option ``caption_key`` names the feature (``"captions/text"``, ``"caption"``).
+  * an ``hf:`` dataset (:mod:`~transformer_jax.data.hf_datasets`) with an image column and a
+    ``ClassLabel`` column (as a labelled set) or a caption column (``caption`` or ``text``: a
+    string or a list of them), e.g. local parquet files.
 
 Captions are tokenized with the run's tokenizer (``byte``, or a checkpoint's ``hf:DIR``, whose
 own ``[bos] ... [eos]`` post-processing is kept) and end with the tokenizer's end-of-text id,
@@ -55,6 +58,7 @@ Options (``--set task.NAME=value``): ``image_size``, ``augment``, ``flip``, ``te
 """
 from __future__ import annotations
 
+import dataclasses
 import string
 from typing import Any, Mapping, Sequence
 
@@ -64,6 +68,7 @@ import numpy as np
 
 from .. import data as data_lib
 from ..data import images as image_data
+from ..data.hf_datasets import is_hf_dataset, open_hf_source
 from ..data.hf_tokenizer import HFTokenizer
 from ..data.shuffle import splitmix64
 from ..errors import UserError
@@ -305,8 +310,9 @@ class ContrastiveTask(Task):
             raise UserError("task 'contrastive' needs images; set dataset=digits (offline), a TFDS "
                             "image-classification set (cifar10) or an image-caption set")
         if not isinstance(cfg.dataset, str):
-            raise UserError("task 'contrastive' reads a dataset by name: 'digits' or a TFDS image "
-                            f"dataset, not an in-memory {type(cfg.dataset).__name__}")
+            raise UserError("task 'contrastive' reads a dataset by name: 'digits', a TFDS image "
+                            "dataset or hf:PATH_OR_REPO, not an in-memory "
+                            f"{type(cfg.dataset).__name__}")
         limit = self.options["eval_images"]
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
             raise UserError(f"task.eval_images={limit!r} must be an integer >= 1 (the held-out "
@@ -360,9 +366,12 @@ class ContrastiveTask(Task):
                 raise UserError("the digits have no captions; drop task.caption_key (captions "
                                 "come from task.templates and the class names)")
             return image_data.dataset_info("digits"), None
+        if is_hf_dataset(cfg.dataset):
+            return self._hf_dataset_info(key)
         import tensorflow_datasets as tfds
 
-        from ..data.sources import default_data_dir
+        from ..data.sources import check_tfds_dataset, default_data_dir
+        check_tfds_dataset(cfg.dataset, cfg.data_dir)
         try:
             features = tfds.builder(cfg.dataset, data_dir=cfg.data_dir or
                                     default_data_dir()).info.features
@@ -385,6 +394,20 @@ class ContrastiveTask(Task):
         channels = features["image"].shape[-1] or 3
         base = cfg.dataset.split("/")[0].split(":")[0]
         return image_data.DatasetInfo(base, 0, int(channels), 255.0, (), True), key
+
+    def _hf_dataset_info(self, key: str | None) -> tuple[image_data.DatasetInfo, str | None]:
+        """An ``hf:`` set: labelled (captions from the templates) unless ``caption_key`` is
+        set or it has no ClassLabel column; then the caption column (``CAPTION_KEYS``)."""
+        info = image_data.dataset_info(self.cfg.dataset)
+        if key is None and info.num_classes:
+            return info, None
+        columns = set(image_data.HFImageSource(
+            open_hf_source(self.cfg.dataset, "train")).source.features)
+        key = key or next((k for k in CAPTION_KEYS if k in columns), None)
+        if key is None or key.split("/")[0] not in columns:
+            raise UserError(f"dataset {self.cfg.dataset!r} has neither a label nor a caption "
+                            f"column ({sorted(columns)}); set task.caption_key")
+        return dataclasses.replace(info, num_classes=0, label_names=()), key
 
     def spec(self) -> dict:
         info = self.info

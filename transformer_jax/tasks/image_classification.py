@@ -1,8 +1,9 @@
 """Image classification (ViT): labelled images -> class logits, scored by accuracy.
 
 Data (``ExperimentConfig.dataset``): ``"digits"`` (scikit-learn's 8x8 digits, offline;
-splits ``train``/``test``) or a TFDS image dataset by name (``"cifar10"``,
-``"imagenet2012"``: ``image`` and ``label`` features); see
+splits ``train``/``test``), a TFDS image dataset by name (``"cifar10"``,
+``"imagenet2012"``: ``image`` and ``label`` features) or an ``hf:`` dataset with an image
+and a ``ClassLabel`` column (``"hf:uoft-cs/cifar10"``, local parquet files); see
 :mod:`transformer_jax.data.images` for preprocessing, batching and resume. Batches:
 ``{"images": float32 (B, S, S, C), "labels": int32 (B,), "weights": float32 (B,)}``.
 
@@ -72,6 +73,10 @@ class ImageClassificationTask(Task):
                 raise UserError("task 'image_classification' needs an image dataset; set "
                                 "dataset=digits (offline), cifar10 or imagenet2012")
             self.info = image_data.dataset_info(cfg.dataset, data_dir=cfg.data_dir)
+            if not self.info.num_classes:
+                raise UserError(f"dataset {cfg.dataset!r} has no label column to classify by "
+                                "(image-caption pairs?); train task=contrastive on it, or use a "
+                                "dataset with a ClassLabel column")
         self.model_config = self._model_config()
         self.image_size = self.model_config.image_size
         self._predict = None

@@ -1,4 +1,5 @@
-"""Language modelling: packed next-token prediction on a TFDS text dataset.
+"""Language modelling: packed next-token prediction on a text dataset (TFDS, ``hf:``, the
+embedded corpus), its documents read from the field the ``text_key`` option names.
 
 Special ids (:func:`lm_special_ids`): each packed document ends with the tokenizer's eos
 (bytes and SentencePiece: 1; ``hf:DIR``: its eos, e.g. GPT-2's ``<|endoftext|>``; a
@@ -63,11 +64,12 @@ class PadAsEos:
 @register_task
 class LMTask(Task):
     """Decoder-only LM. Option ``train_tokens``: train on the first N tokens of the train
-    split only (nested subsets, for data-scaling studies; None: all of it). The tokenizer,
-    the dataset and the lengths are config fields."""
+    split only (nested subsets, for data-scaling studies; None: all of it); ``text_key``:
+    the documents' text field (default ``text``). The tokenizer, the dataset and the lengths
+    are config fields."""
     name = "lm"
     MODELS = ("gpt",)
-    OPTIONS = {"train_tokens": None}
+    OPTIONS = {"train_tokens": None, "text_key": "text"}
     loss_fn = staticmethod(lm_loss)
     ID_FIELDS = {"inputs": "vocab_size", "targets": "vocab_size"}
     PERPLEXITY = {"loss": "ppl"}   # eval_ppl: per next token
@@ -81,6 +83,9 @@ class LMTask(Task):
                             f"Mistral), got model={cfg.model!r}; set model=gpt, or the task a "
                             f"{cfg.model} model trains (--set task="
                             + " or task=".join(tasks_for(cfg.model)) + ")")
+        if not isinstance(self.options["text_key"], str):
+            raise UserError(f"task.text_key={self.options['text_key']!r} must be the name of "
+                            "the documents' text field, e.g. text or content")
         self.tokenizer, self.tokenizer_spec = self._tokenizer(spec)
         self.eos_id, self.pad_id = lm_special_ids(self.tokenizer)
         limit = self.options["train_tokens"]
@@ -96,6 +101,7 @@ class LMTask(Task):
             path = self.workdir / "spm.model"
             if not path.exists():
                 texts = data_lib.load_texts(cfg.dataset, "train", data_dir=cfg.data_dir,
+                                            text_key=self.options["text_key"],
                                             max_documents=200_000)
                 data_lib.train_sentencepiece(texts, cfg.sentencepiece_vocab_size, str(path))
             spec_str = f"sentencepiece:{path}"   # absolute, or gs://
@@ -118,6 +124,7 @@ class LMTask(Task):
             cfg.dataset, split, tokenizer=stream_tokenizer, seq_len=cfg.seq_len,
             batch_size=cfg.batch_size, seed=cfg.seed, shuffle=train, repeat=train,
             data_dir=cfg.data_dir, process_index=process_index, process_count=process_count,
+            text_key=self.options["text_key"],
             max_tokens=self.options["train_tokens"] if train else None)
         return PadAsEos(it, self.pad_id) if same else it
 

@@ -151,18 +151,22 @@ class MLMVocab:
         return "".join(out)
 
 
-def build_tokenizer(cfg, workdir: str | Path, spec: Mapping[str, Any] | None):
+def build_tokenizer(cfg, workdir: str | Path, spec: Mapping[str, Any] | None,
+                    text_keys: Sequence[str] = ("text",)):
     """``(tokenizer, spec string)`` from a saved task spec, or from ``cfg.tokenizer``.
 
-    ``"sentencepiece"`` trains a model on the train split into ``workdir/spm.model`` once.
+    ``"sentencepiece"`` trains a model into ``workdir/spm.model`` once, on the texts of the
+    train split's ``text_keys`` fields (the task's own: both sentences of a pair), up to
+    200k documents each.
     """
     if spec is not None:
         return data_lib.get_tokenizer(spec["tokenizer"]), spec["tokenizer"]
     if cfg.tokenizer == "sentencepiece":
         path = storage.path(workdir) / "spm.model"
         if not path.exists():
-            texts = data_lib.load_texts(cfg.dataset, "train", data_dir=cfg.data_dir,
-                                        max_documents=200_000)
+            texts = [text for key in text_keys
+                     for text in data_lib.load_texts(cfg.dataset, "train", data_dir=cfg.data_dir,
+                                                     text_key=key, max_documents=200_000)]
             data_lib.train_sentencepiece(texts, cfg.sentencepiece_vocab_size, str(path))
         spec_str = f"sentencepiece:{path}"   # absolute, or gs://
     else:
@@ -260,7 +264,7 @@ class MLMIterator(Iterator[dict]):
                  row_offset: int, options: Mapping[str, float]):
         self.windows, self.vocab = windows, vocab
         self.seed, self.stream, self.row_offset = seed, stream, row_offset
-        self.options = dict(options)
+        self.options = {k: v for k, v in options.items() if k != "text_key"}   # mask_tokens'
         self.count = 0
 
     def __iter__(self):
@@ -316,9 +320,14 @@ def check_bert(cfg, task: str, heads: tuple[str, ...]) -> None:
 
 
 def check_masking_options(options: Mapping[str, Any]) -> None:
-    """Every option a probability in [0, 1]; some tokens masked; [MASK] + random <= 1."""
+    """Every probability option in [0, 1]; some tokens masked; [MASK] + random <= 1;
+    ``text_key`` a field name."""
     for name, value in options.items():
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value <= 1:
+        if name == "text_key":
+            if not isinstance(value, str):
+                raise UserError(f"task.text_key={value!r} must be the name of the documents' "
+                                "text field, e.g. text or content")
+        elif not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value <= 1:
             raise UserError(f"task option {name}={value!r} must be a number in [0, 1]")
     if options["mask_prob"] == 0:
         raise UserError("task option mask_prob=0 selects no tokens: nothing to learn")
@@ -331,10 +340,12 @@ def check_masking_options(options: Mapping[str, Any]) -> None:
 @register_task
 class MLMTask(Task):
     """BERT masked-LM pretraining. Options: ``mask_prob`` (0.15), ``mask_token_prob`` (0.8),
-    ``random_token_prob`` (0.1); tokenizer, dataset and lengths are config fields."""
+    ``random_token_prob`` (0.1), ``text_key`` (the documents' field, ``text``); tokenizer,
+    dataset and lengths are config fields."""
     name = "mlm"
     MODELS = ("bert",)
-    OPTIONS = {"mask_prob": 0.15, "mask_token_prob": 0.8, "random_token_prob": 0.1}
+    OPTIONS = {"mask_prob": 0.15, "mask_token_prob": 0.8, "random_token_prob": 0.1,
+               "text_key": "text"}
     loss_fn = staticmethod(mlm_loss)
     PERPLEXITY = {"loss": "ppl"}   # eval_ppl: per masked token
     ID_FIELDS = {"input_ids": "vocab_size", "targets": "vocab_size"}
@@ -347,7 +358,8 @@ class MLMTask(Task):
         check_masking_options(self.options)
         if cfg.seq_len < 3:
             raise UserError(f"seq_len={cfg.seq_len} leaves no room for text between [CLS] and [SEP]")
-        tokenizer, self.tokenizer_spec = build_tokenizer(cfg, self.workdir, spec)
+        tokenizer, self.tokenizer_spec = build_tokenizer(cfg, self.workdir, spec,
+                                                         (self.options["text_key"],))
         self.vocab = MLMVocab(tokenizer)
 
     def spec(self) -> dict:
@@ -362,7 +374,8 @@ class MLMTask(Task):
         windows = data_lib.make_lm_iterator(
             cfg.dataset, split, tokenizer=self.vocab.stream_tokenizer, seq_len=cfg.seq_len - 2,
             batch_size=cfg.batch_size, seed=cfg.seed, shuffle=train, repeat=train,
-            data_dir=cfg.data_dir, process_index=process_index, process_count=process_count)
+            data_dir=cfg.data_dir, process_index=process_index, process_count=process_count,
+            text_key=self.options["text_key"])
         return MLMIterator(windows, self.vocab, seed=cfg.seed, stream=0 if train else 1,
                            row_offset=process_index * windows.batch_size, options=self.options)
 

@@ -45,7 +45,8 @@ one perplexity is the MLM's, ``eval_mlm_ppl = exp(eval_mlm_loss)``; ``eval_loss`
 has none.
 
 Options: ``next_prob`` (0.5), ``mask_prob`` (0.15), ``mask_token_prob`` (0.8),
-``random_token_prob`` (0.1).
+``random_token_prob`` (0.1), ``text_key`` (the documents' field, ``text``: also what a
+SentencePiece tokenizer trains on).
 """
 from __future__ import annotations
 
@@ -145,7 +146,7 @@ class PairIterator(EpochIterator):
         self.corpus, self.vocab, self.seq_len = corpus, vocab, seq_len
         self.stream = stream
         self.next_prob = options["next_prob"]
-        self.mask_options = {k: v for k, v in options.items() if k != "next_prob"}
+        self.mask_options = {k: v for k, v in options.items() if k not in ("next_prob", "text_key")}
         super().__init__(len(corpus), seed=seed, **kw)
 
     def __next__(self):
@@ -214,7 +215,7 @@ class PretrainTask(Task):
     name = "pretrain"
     MODELS = ("bert",)
     OPTIONS = {"next_prob": 0.5, "mask_prob": 0.15, "mask_token_prob": 0.8,
-               "random_token_prob": 0.1}
+               "random_token_prob": 0.1, "text_key": "text"}
     loss_fn = staticmethod(pretraining_loss)
     PERPLEXITY = {"mlm_loss": "mlm_ppl"}   # eval_mlm_ppl; eval_loss adds NSP: no eval_ppl
     ID_FIELDS = {"input_ids": "vocab_size", "targets": "vocab_size",
@@ -229,7 +230,8 @@ class PretrainTask(Task):
         check_masking_options(self.options)
         if cfg.seq_len < 5:
             raise UserError(f"seq_len={cfg.seq_len} leaves no room for [CLS] A [SEP] B [SEP]")
-        tokenizer, self.tokenizer_spec = build_tokenizer(cfg, self.workdir, spec)
+        tokenizer, self.tokenizer_spec = build_tokenizer(cfg, self.workdir, spec,
+                                                         (self.options["text_key"],))
         self.vocab = MLMVocab(tokenizer)
         self._corpora: dict[str, PairCorpus] = {}
 
@@ -237,7 +239,8 @@ class PretrainTask(Task):
         """The split's chunks and examples (built once)."""
         if split not in self._corpora:
             cfg = self.cfg
-            texts = data_lib.load_texts(cfg.dataset, split, data_dir=cfg.data_dir)
+            texts = data_lib.load_texts(cfg.dataset, split, data_dir=cfg.data_dir,
+                                        text_key=self.options["text_key"])
             self._corpora[split] = PairCorpus(texts, self.vocab.tokenizer, (cfg.seq_len - 3) // 2,
                                               f"dataset {cfg.dataset!r} split {split!r}")
         return self._corpora[split]

@@ -20,6 +20,8 @@ Data (``cfg.dataset``):
   ``wmt14_translate/de-en`` or ``wmt_t2t_translate/de-en`` (options ``source_key`` "de",
   ``target_key`` "en"); over-long sentences are truncated (eos kept). Examples are read by
   random access (``tfds.data_source``), so the split is never held in memory.
+* an ``hf:`` dataset with the two text columns, or a ``translation`` column of
+  ``{language: text}`` (``hf:wmt/wmt14:de-en``: keys "de" and "en"; no TensorFlow needed).
 
 Tokens: ``cfg.tokenizer`` (bytes by default: pad 0, eos 1; or ``sentencepiece[:PATH]``,
 trained on the train split's sources and targets into the workdir; or a checkpoint's own
@@ -63,7 +65,7 @@ import numpy as np
 from .. import data as data_lib
 from ..beam_search import beam_search, greedy_search
 from ..data.shuffle import EpochIterator
-from ..data.sources import open_source, read_examples
+from ..data.sources import check_tfds_dataset, open_source, read_examples
 from ..errors import UserError
 from ..losses import token_loss
 from ..models import FAMILIES
@@ -131,6 +133,8 @@ class _TFDSPairs:
     def __init__(self, dataset: str, split: str, data_dir: str | None, source_key: str,
                  target_key: str):
         module = _BUILDER_MODULES.get(dataset.split("/")[0].split(":")[0])
+        if not dataset.startswith("hf:"):
+            check_tfds_dataset(dataset, data_dir)
         if module is not None:
             importlib.import_module(module)
         self.source, self.name = open_source(dataset, split, data_dir=data_dir)
@@ -143,6 +147,9 @@ class _TFDSPairs:
         out = []
         for example in read_examples(self.source, indices):
             texts = []
+            pair = example.get("translation")   # an hf: translation set's {lang: text}
+            if isinstance(pair, dict):
+                example = {**pair, **example}
             for key in self.keys:
                 if key not in example:
                     raise UserError(f"{self.name}: examples have no feature {key!r} (features: "

@@ -1,0 +1,365 @@
+"""``hf:`` datasets (transformer_jax/data/hf_datasets.py) read from local files in their real
+formats (parquet written by ``datasets``, a ``save_to_disk`` directory), without TensorFlow;
+and the one-line refusals of TFDS datasets that need TensorFlow to prepare."""
+import io
+
+import datasets
+import numpy as np
+import pytest
+from PIL import Image
+
+from tests.helpers import cli_here
+from transformer_jax import data
+from transformer_jax.data import images as image_data
+from transformer_jax.data.hf_datasets import parse_hf_spec
+from transformer_jax.data.sources import open_source
+from transformer_jax.errors import UserError
+
+TEXTS = [f"document {i}: " + "word " * (i % 7 + 1) for i in range(60)]
+
+
+@pytest.fixture(autouse=True)
+def hf_cache(tmp_path, monkeypatch):
+    """`datasets` converts data files into Arrow in its cache: one per test."""
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
+
+
+@pytest.fixture
+def parquet_dir(tmp_path):
+    """A downloaded-repository layout: data/train-*.parquet, data/validation-*.parquet."""
+    root = tmp_path / "corpus"
+    (root / "data").mkdir(parents=True)
+    datasets.Dataset.from_dict({"text": TEXTS[:48], "id": list(range(48))}).to_parquet(
+        str(root / "data" / "train-00000-of-00001.parquet"))
+    datasets.Dataset.from_dict({"text": TEXTS[48:], "id": list(range(48, 60))}).to_parquet(
+        str(root / "data" / "validation-00000-of-00001.parquet"))
+    return root
+
+
+def write_splits(root, splits: dict, fmt: str) -> str:
+    """``splits`` (name -> Dataset) as a Hub repository's parquet files or a save_to_disk
+    directory of Arrow files under ``root``; returns the ``hf:`` name."""
+    if fmt == "arrow":
+        datasets.DatasetDict(splits).save_to_disk(str(root))
+    else:
+        (root / "data").mkdir(parents=True)
+        for name, split in splits.items():
+            split.to_parquet(str(root / "data" / f"{name}-00000-of-00001.parquet"))
+    return f"hf:{root}"
+
+
+def test_parse_hf_spec():
+    assert parse_hf_spec("hf:nyu-mll/glue:sst2") == ("nyu-mll/glue", "sst2")
+    assert parse_hf_spec("hf:Salesforce/wikitext:wikitext-103-raw-v1") == (
+        "Salesforce/wikitext", "wikitext-103-raw-v1")
+    assert parse_hf_spec("hf:/tmp/corpus") == ("/tmp/corpus", None)
+    assert parse_hf_spec("hf:/tmp/c:sub") == ("/tmp/c", "sub")
+    with pytest.raises(UserError, match="names no data"):
+        parse_hf_spec("hf:")
+
+
+def test_parquet_splits_and_texts(parquet_dir):
+    spec = f"hf:{parquet_dir}"
+    assert data.load_texts(spec, "train") == TEXTS[:48]
+    assert data.load_texts(spec, "validation") == TEXTS[48:]
+    with pytest.raises(UserError) as e:
+        open_source(spec, "test")
+    assert str(e.value) == (f"dataset {spec!r} has splits ['train', 'validation'], not 'test'; "
+                            "set eval_split (or the split) to one of them")
+
+
+def test_save_to_disk_and_single_file(tmp_path):
+    dd = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": TEXTS[:30]}),
+                               "test": datasets.Dataset.from_dict({"text": TEXTS[30:]})})
+    dd.save_to_disk(str(tmp_path / "saved"))
+    assert data.load_texts(f"hf:{tmp_path / 'saved'}", "test") == TEXTS[30:]
+    datasets.Dataset.from_dict({"text": TEXTS}).to_parquet(str(tmp_path / "one.parquet"))
+    assert data.load_texts(f"hf:{tmp_path / 'one.parquet'}", "train") == TEXTS
+    with pytest.raises(UserError, match=r"has splits \['train'\], not 'validation'"):
+        open_source(f"hf:{tmp_path / 'one.parquet'}", "validation")
+    with pytest.raises(UserError, match="neither a local file or directory nor a Hub repository"):
+        open_source(f"hf:{tmp_path / 'missing'}", "train")
+
+
+def _batches(it, n):
+    return [next(it) for _ in range(n)]
+
+
+@pytest.mark.parametrize("mode", ["memory", "stream"])
+def test_lm_iterator_resumes_exactly(parquet_dir, tmp_path, mode):
+    def make():
+        return data.make_lm_iterator(f"hf:{parquet_dir}", "train", tokenizer="byte", seq_len=16,
+                                     batch_size=4, seed=3, mode=mode, data_dir=str(tmp_path / "d"))
+
+    it = make()
+    kind = {"memory": "MemoryLMIterator", "stream": "StreamingLMIterator"}[mode]
+    assert type(it).__name__ == kind
+    first = _batches(it, 5)
+    state = it.get_state()
+    rest = _batches(it, 12)   # runs past an epoch boundary
+    resumed = make()
+    resumed.set_state(state)
+    for a, b in zip(rest, _batches(resumed, 12)):
+        for key in ("inputs", "targets", "weights"):
+            np.testing.assert_array_equal(a[key], b[key])
+    # the same batches as the same documents passed as a list of strings
+    listed = data.make_lm_iterator(TEXTS[:48], "train", tokenizer="byte", seq_len=16,
+                                   batch_size=4, seed=3, mode=mode)
+    for a, b in zip(first + rest, _batches(listed, 17)):
+        np.testing.assert_array_equal(a["inputs"], b["inputs"])
+
+
+def _png(array):
+    buf = io.BytesIO()
+    Image.fromarray(array).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture
+def image_parquet(tmp_path):
+    rng = np.random.default_rng(0)
+    arrays = rng.integers(0, 256, size=(12, 8, 8, 3), dtype=np.uint8)
+    labels = [i % 3 for i in range(12)]
+    features = datasets.Features({"img": datasets.Image(),
+                                  "label": datasets.ClassLabel(names=["cat", "dog", "fish"]),
+                                  "caption": datasets.Value("string")})
+    root = tmp_path / "images"
+    root.mkdir()
+    ds = datasets.Dataset.from_dict(
+        {"img": [{"bytes": _png(a), "path": None} for a in arrays], "label": labels,
+         "caption": [f"picture number {i}" for i in range(12)]}, features=features)
+    ds.to_parquet(str(root / "train.parquet"))
+    ds.to_parquet(str(root / "test.parquet"))
+    return root, arrays, labels
+
+
+def test_image_source_and_info(image_parquet):
+    root, arrays, labels = image_parquet
+    spec = f"hf:{root}"
+    info = image_data.dataset_info(spec)
+    assert info == image_data.DatasetInfo(spec, 3, 3, 255.0, ("cat", "dog", "fish"), True)
+    it = image_data.make_image_iterator(spec, "test", image_size=8, batch_size=5, shuffle=False,
+                                        repeat=False, info=info)
+    batches = list(it)
+    images = np.concatenate([b["images"] for b in batches])[:12]
+    expected = arrays.astype(np.float32) * (2 / 255) - 1
+    np.testing.assert_allclose(images, expected, atol=1e-6)
+    assert np.concatenate([b["labels"] for b in batches])[:12].tolist() == labels
+
+
+@pytest.fixture
+def caption_parquet(tmp_path):
+    """coco-like image-caption pairs: JPEG images and a list of captions, no labels."""
+    rng = np.random.default_rng(1)
+    arrays = rng.integers(0, 256, size=(8, 12, 10, 3), dtype=np.uint8)
+
+    def jpeg(a):
+        buf = io.BytesIO()
+        Image.fromarray(a).save(buf, format="JPEG")
+        return {"bytes": buf.getvalue(), "path": None}
+
+    ds = datasets.Dataset.from_dict(
+        {"image": [jpeg(a) for a in arrays],
+         "caption": [[f"picture number {i}", f"another view of {i}"] for i in range(8)]},
+        features=datasets.Features({"image": datasets.Image(),
+                                    "caption": datasets.Sequence(datasets.Value("string"))}))
+    return write_splits(tmp_path / "captions", {"train": ds, "test": ds}, "parquet")
+
+
+def test_contrastive_captions_from_hf(caption_parquet, tmp_path):
+    from transformer_jax.tasks import make_task
+    from transformer_jax.train.config import apply_overrides, load_experiment
+
+    cfg = apply_overrides(load_experiment("clip_digits"), [
+        f"dataset={caption_parquet}", "batch_size=4", f"data_dir={tmp_path / 'd'}"])
+    task = make_task(cfg, tmp_path / "run")
+    assert (task.caption_key, task.info.num_classes, task.info.num_channels) == ("caption", 0, 3)
+    batch = next(iter(task.make_iterator("test", 0, 1, train=False)))
+    rows = [task.tokenizer.decode(batch["input_ids"][r][batch["attention_mask"][r] > 0][:-1]
+                                  .tolist()) for r in range(4)]   # eos dropped
+    assert rows == [f"picture number {i}" for i in range(4)]   # eval: each image's first
+    assert batch["images"].shape[1:] == (task.image_size, task.image_size, 3)
+    assert batch["labels"].tolist() == [-1] * 4
+
+
+def test_image_classification_refuses_a_caption_set(caption_parquet, tmp_path):
+    code, _, lines = cli_here("train", "--experiment", "vit_digits", "--workdir", tmp_path / "w",
+                              "--set", f"dataset={caption_parquet}")
+    assert code == 2 and lines == [
+        f"error: dataset {caption_parquet!r} has no label column to classify by (image-caption "
+        "pairs?); train task=contrastive on it, or use a dataset with a ClassLabel column"]
+
+
+def test_vit_trains_on_hf_images(image_parquet, tmp_path):
+    """vit_digits on PNG images in parquet: a run; the model takes the hf set's classes and
+    channels, and the run records its class names."""
+    root, _, _ = image_parquet
+    small = ["model.num_layers=1", "model.d_model=32", "model.num_heads=2", "model.mlp_dim=64",
+             "steps=2", "batch_size=4", "warmup_steps=1", "eval_every=2", "eval_batches=1",
+             "save_every=2", "log_every=1"]
+    code, _, lines = cli_here("train", "--experiment", "vit_digits", "--workdir", tmp_path / "w",
+                              "--no-progress", "--set", f"dataset=hf:{root}",
+                              *[x for kv in small for x in ("--set", kv)])
+    assert code == 0, lines
+    import json
+    config = json.loads((tmp_path / "w" / "config.json").read_text())
+    assert (config["model"]["num_classes"], config["model"]["num_channels"]) == (3, 3)
+    assert config["task_spec"]["label_names"] == ["cat", "dog", "fish"]
+
+
+SENTENCES = ["a fine film", "dull and long", "loved it", "a waste", "great acting", "boring"]
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "arrow"])
+def test_classify_reads_labelled_sentences(tmp_path, fmt):
+    """glue/sst2's columns (sentence, ClassLabel label, idx); the classes come from the
+    ClassLabel (kept in the parquet files' metadata, as on the Hub)."""
+    from transformer_jax.tasks import make_task
+    from transformer_jax.train.config import apply_overrides, load_experiment
+
+    features = datasets.Features({"sentence": datasets.Value("string"),
+                                  "label": datasets.ClassLabel(names=["negative", "positive"]),
+                                  "idx": datasets.Value("int32")})
+    split = datasets.Dataset.from_dict({"sentence": SENTENCES, "label": [1, 0, 1, 0, 1, 0],
+                                        "idx": list(range(6))}, features=features)
+    spec = write_splits(tmp_path / "sst2", {"train": split, "validation": split}, fmt)
+    cfg = apply_overrides(load_experiment("bert_classify_stdlib"), [
+        f"dataset={spec}", "eval_split=validation", "batch_size=2", "seq_len=16",
+        f"data_dir={tmp_path / 'd'}"])
+    task = make_task(cfg, tmp_path / "run")
+    assert task.classes == ["negative", "positive"]
+    enc = task.encoded("validation")
+    assert enc["labels"].tolist() == [1, 0, 1, 0, 1, 0]
+    tok = task.vocab.tokenizer
+    first = enc["input_ids"][0]
+    assert first[0] == task.vocab.cls_id and tok.decode(first[1:1 + len(tok.encode(
+        SENTENCES[0]))].tolist()) == SENTENCES[0]
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "arrow"])
+def test_seq2seq_reads_translation_pairs(tmp_path, fmt):
+    """wmt14's layout: a translation column of {de, en} dicts."""
+    from transformer_jax.tasks import make_task
+    from transformer_jax.train.config import apply_overrides, load_experiment
+
+    pairs = [("ein Haus", "a house"), ("der Hund", "the dog"), ("gut", "good")]
+    features = datasets.Features({"translation": datasets.Translation(["de", "en"])})
+    ds = datasets.Dataset.from_dict({"translation": [{"de": d, "en": e} for d, e in pairs]},
+                                    features=features)
+    spec = write_splits(tmp_path / "wmt", {"train": ds, "validation": ds}, fmt)
+    cfg = apply_overrides(load_experiment("t5_stdlib_seq2seq"), [
+        f"dataset={spec}", "eval_split=validation", "batch_size=2",
+        f"data_dir={tmp_path / 'd'}"])   # the task's default keys: de, en
+    task = make_task(cfg, tmp_path / "run")
+    got = task._pairs("validation", train=False)
+    assert got.get(range(3)) == pairs
+
+
+@pytest.mark.parametrize("experiment, dataset, alternative", [
+    ("stdlib_gpt", "lm1b", "hf:Salesforce/wikitext:wikitext-103-raw-v1 (no TensorFlow needed)"),
+    ("bert_classify_stdlib", "glue/sst2", "hf:nyu-mll/glue:sst2 (no TensorFlow needed)"),
+    ("t5_stdlib_seq2seq", "wmt14_translate/de-en", "hf:wmt/wmt14:de-en (no TensorFlow needed)"),
+    ("vit_b16_tpu_v5e_1", "imagenet2012",
+     "hf:DIR (ImageNet as parquet files with image and label columns)"),
+])
+def test_text_refusals_name_the_hf_alternative(tmp_path, experiment, dataset, alternative):
+    empty = tmp_path / "tfds"
+    code, _, lines = cli_here("train", "--experiment", experiment, "--workdir", tmp_path / "w",
+                              "--set", f"dataset={dataset}", "--set", f"data_dir={empty}",
+                              "--set", "eval_split=validation")
+    base = dataset.split("/")[0]
+    assert code == 2 and lines == [
+        f"error: dataset {dataset!r} is not prepared in {empty}, and TFDS needs TensorFlow (not "
+        f"installed) to find or prepare it: use dataset={alternative}, or "
+        f"run `tfds build {dataset} --file_format=array_record` where TensorFlow is installed "
+        f"and copy its {base}/ folder into {empty} (or set data_dir=gs://BUCKET/DIR); see "
+        "docs/datasets.md"]
+    assert not (tmp_path / "w").exists()
+
+
+def test_lm_task_reads_the_text_key(tmp_path):
+    """The LM task's text_key option: an hf corpus whose documents are in ``content``."""
+    from transformer_jax.tasks import make_task
+    from transformer_jax.train.config import apply_overrides, load_experiment
+
+    ds = datasets.Dataset.from_dict({"content": TEXTS[:40], "url": ["u"] * 40})
+    spec = write_splits(tmp_path / "web", {"train": ds, "validation": ds}, "parquet")
+    cfg = apply_overrides(load_experiment("stdlib_gpt"), [
+        f"dataset={spec}", "task.text_key=content", "seq_len=16", "batch_size=4",
+        f"data_dir={tmp_path / 'd'}"])
+    batch = next(iter(make_task(cfg, tmp_path / "run").make_iterator("validation", 0, 1,
+                                                                      train=False)))
+    listed = next(iter(data.make_lm_iterator(TEXTS[:40], "validation", tokenizer="byte",
+                                             seq_len=16, batch_size=4, shuffle=False,
+                                             repeat=False)))
+    np.testing.assert_array_equal(batch["inputs"], listed["inputs"])
+
+
+@pytest.fixture
+def spm_texts(monkeypatch):
+    """The texts each SentencePiece training gets (the real training still runs)."""
+    calls = []
+    train = data.train_sentencepiece
+
+    def spy(texts, *args, **kwargs):
+        calls.append(list(texts))
+        return train(texts, *args, **kwargs)
+
+    monkeypatch.setattr(data, "train_sentencepiece", spy)
+    return calls
+
+
+PAIRS = [("a fine film", "it was great"), ("dull and long", "too slow"), ("loved it", "yes")]
+
+
+@pytest.mark.parametrize("pair", [False, True], ids=["sentence", "sentence1+sentence2"])
+def test_classify_sentencepiece_trains_on_the_task_fields(tmp_path, spm_texts, pair):
+    """glue/sst2 (``sentence``) and a sentence-pair set (``text_b_key``): SentencePiece
+    trains on the fields the examples are read from, not on a missing ``text``."""
+    from transformer_jax.tasks import make_task
+    from transformer_jax.train.config import apply_overrides, load_experiment
+
+    a, b = [p[0] for p in PAIRS] * 4, [p[1] for p in PAIRS] * 4
+    columns = ({"sentence1": a, "sentence2": b} if pair else {"sentence": a})
+    ds = datasets.Dataset.from_dict({**columns, "label": [0, 1, 1] * 4})
+    spec = write_splits(tmp_path / "glue", {"train": ds, "validation": ds}, "parquet")
+    keys = ["task.text_key=sentence1", "task.text_b_key=sentence2"] if pair else []
+    cfg = apply_overrides(load_experiment("bert_classify_stdlib"), [
+        f"dataset={spec}", "eval_split=validation", "batch_size=2", "seq_len=24",
+        "tokenizer=sentencepiece", "sentencepiece_vocab_size=300", "task.num_classes=2",
+        f"data_dir={tmp_path / 'd'}", *keys])
+    task = make_task(cfg, tmp_path / "run")
+    assert spm_texts == [a + b if pair else a]
+    assert task.tokenizer_spec == f"sentencepiece:{tmp_path / 'run' / 'spm.model'}"
+    tok = task.vocab.tokenizer
+    enc = task.encoded("validation")
+    n = len(tok.encode(a[0]))
+    assert enc["input_ids"][0, 0] == task.vocab.cls_id
+    assert tok.decode(enc["input_ids"][0, 1:1 + n].tolist()) == a[0]
+
+
+@pytest.mark.parametrize("experiment", ["bert_mlm_stdlib", "bert_pretrain_stdlib"])
+def test_bert_pretraining_reads_the_text_key(tmp_path, spm_texts, experiment):
+    """mlm and pretrain: ``task.text_key`` names the documents' field, for the batches and
+    for SentencePiece; the batches equal those of the same documents in ``text``."""
+    from transformer_jax.tasks import make_task
+    from transformer_jax.train.config import apply_overrides, load_experiment
+
+    docs = [t + "\n" + t.upper() for t in TEXTS[:40]]   # pretrain pairs lines of a document
+
+    def first_batch(column, tokenizer, run):
+        ds = datasets.Dataset.from_dict({column: docs})
+        spec = write_splits(tmp_path / f"{run}_{column}", {"train": ds, "validation": ds}, "parquet")
+        cfg = apply_overrides(load_experiment(experiment), [
+            f"dataset={spec}", f"task.text_key={column}", "seq_len=16", "batch_size=4",
+            f"tokenizer={tokenizer}", "sentencepiece_vocab_size=300",
+            f"data_dir={tmp_path / 'd'}"])
+        task = make_task(cfg, tmp_path / run)
+        return next(iter(task.make_iterator("validation", 0, 1, train=False)))
+
+    first_batch("content", "sentencepiece", "spm")
+    assert spm_texts == [docs]
+    ours, theirs = first_batch("content", "byte", "a"), first_batch("text", "byte", "b")
+    assert ours.keys() == theirs.keys()
+    for key in ours:
+        np.testing.assert_array_equal(ours[key], theirs[key])
