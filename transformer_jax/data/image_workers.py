@@ -26,7 +26,7 @@ import numpy as np
 
 from transformer_jax.errors import UserError
 
-__all__ = ["BatchPool", "host_cores", "prepare_row"]
+__all__ = ["BatchPool", "host_cores", "prepare_row", "worker_context"]
 
 
 def host_cores() -> int:
@@ -84,7 +84,8 @@ def _fill(path: str, shape: tuple[int, ...], rows: list[int], ids: list[int],
 
 # ----------------------------------------------------------------------------- parent side
 
-def _context():
+def worker_context():
+    """The multiprocessing context of the workers: a forkserver that preloaded this module."""
     ctx = multiprocessing.get_context("forkserver")
     # the server imports this module (and so numpy, PIL's user) once; not the parent's __main__
     ctx.set_forkserver_preload([__name__])
@@ -117,7 +118,7 @@ class BatchPool:
             self._paths.append(path)
         self._free = collections.deque(range(self.depth))
         self._queued: collections.deque = collections.deque()
-        self._executor = cf.ProcessPoolExecutor(workers, mp_context=_context(),
+        self._executor = cf.ProcessPoolExecutor(workers, mp_context=worker_context(),
                                                 initializer=_init_worker,
                                                 initargs=(source, params))
 
