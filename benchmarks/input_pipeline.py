@@ -3,7 +3,7 @@
 Measured here, by worker count (``--workers``, default 0,1,2; 0 = in this process):
 
 * images/s: ImageNet-like JPEGs (500x375 from smooth random content plus noise, quality
-  90, ~100 KB each: decode cost like real photos) decoded, resized to 224, padded-cropped
+  90, ~100 KB each: decode cost like real photos; :func:`make_jpegs`) decoded, resized to 224, padded-cropped
   and flipped exactly as ``vit_b16_*`` trains (:class:`~transformer_jax.data.images.
   ImageIterator` with ``workers``);
 * tokens/s: the Python standard library's own source files through the byte tokenizer
@@ -65,16 +65,17 @@ HOST_NOTES = (
 
 def make_jpegs(n: int, width: int = 500, height: int = 375, quality: int = 90,
                seed: int = 0) -> list[bytes]:
-    """``n`` JPEGs of smooth random shapes (bicubic upsampled 1/16-size noise) plus pixel
-    noise (sigma 6): entropy close to a photo's, so decoding costs what a photo's does."""
+    """``n`` JPEGs of smooth random shapes (bicubic upsampled 1/8-size noise) plus pixel
+    noise (sigma 14): ~100 KB at 500x375 (ImageNet's mean file: ~110 KB), so decoding
+    costs what a photo's does."""
     from PIL import Image
 
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(n):
-        low = rng.uniform(0, 255, (max(1, height // 16), max(1, width // 16), 3))
+        low = rng.uniform(0, 255, (max(1, height // 8), max(1, width // 8), 3))
         smooth = Image.fromarray(low.astype(np.uint8)).resize((width, height), Image.BICUBIC)
-        pixels = np.asarray(smooth, np.float32) + rng.normal(0, 6, (height, width, 3))
+        pixels = np.asarray(smooth, np.float32) + rng.normal(0, 14, (height, width, 3))
         buf = io.BytesIO()
         Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8)).save(buf, "JPEG",
                                                                          quality=quality)
