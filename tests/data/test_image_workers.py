@@ -131,3 +131,15 @@ def test_default_workers_keeps_arrays_in_process_and_decodes_elsewhere_on_every_
     assert default_workers(_source(), 3) == 3 and default_workers(Encoded(), 0) == 0
     with pytest.raises(UserError, match="data_workers must be an integer >= 0"):
         _iterator(_source(), -1)
+
+
+def test_a_source_that_cannot_reach_the_workers_is_a_user_error_naming_the_fix():
+    class Local(ArraySource):   # a class defined in a function does not pickle
+        pass
+
+    source = _source()
+    it = _iterator(Local(source.images, source.labels), 1)
+    with pytest.raises(UserError, match=r"^the 't' image source \(Local\) cannot be sent to "
+                                        r"worker processes \(.*\); set data_workers=0 to "
+                                        r"preprocess in the training process$"):
+        next(it)

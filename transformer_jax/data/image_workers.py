@@ -19,6 +19,7 @@ import collections
 import concurrent.futures as cf
 import multiprocessing
 import os
+import pickle
 import tempfile
 from typing import Any
 
@@ -106,6 +107,12 @@ class BatchPool:
                  shape: tuple[int, int, int], depth: int = 3):
         if workers < 1:
             raise ValueError(f"workers={workers} must be >= 1")
+        try:
+            pickle.dumps(source)
+        except Exception as e:   # noqa: BLE001 - any failure to pickle means the same here
+            raise UserError(f"the {params['name']!r} image source ({type(source).__name__}) "
+                            f"cannot be sent to worker processes ({e}); set data_workers=0 to "
+                            "preprocess in the training process") from e
         self.workers, self.depth = workers, max(1, depth)
         self._shape = (batch_size, *shape)
         self._chunk = max(1, -(-batch_size // (2 * workers)))   # two chunks per worker a batch

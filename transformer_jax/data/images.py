@@ -197,7 +197,8 @@ class ImageIterator:
     """Batches of preprocessed images with a savable position (module docstring).
 
     Attributes: ``num_examples``, ``batches_per_epoch`` (per pass in eval),
-    ``global_batch_size``, ``batch_size`` (this process's rows).
+    ``global_batch_size``, ``batch_size`` (this process's rows). ``workers`` > 0: that many
+    processes preprocess (started at the first batch; :meth:`close` stops them).
     """
 
     def __init__(self, source, *, name: str, split: str, image_size: int, num_channels: int,
