@@ -10,8 +10,12 @@ Measured here, by worker count (``--workers``, default 0,1,2; 0 = in this proces
   and a SentencePiece model (vocabulary 8192) trained here, documents split across
   ``workers`` processes.
 
-The per-core rate is the rate at the largest worker count divided by it (it pays for the
-hand-off to the parent). Then, for each TPU experiment (``experiments/*tpu*.py``), the
+* tokens/s of the LM stream-mode iterator (read, SentencePiece, pack) in this process.
+
+The per-core image rate is the rate at the largest worker count divided by it (it pays
+for the hand-off to the parent); the token rate is the stream iterator's, which runs on
+one core of the training process (a GPT experiment is fed if 1.5x its demand fits that
+core). Then, for each TPU experiment (``experiments/*tpu*.py``), the
 examples/s one host's chips consume at 40% and 60% MFU (the library's FLOPs per example:
 ``task.flops_per_step``; the chips' bf16 peak from ``transformer_jax.tpu.GENERATIONS``)
 and the host cores needed for ``GOAL`` (1.5) x that at the per-core rate, against the
@@ -166,6 +170,21 @@ def measure_tokens(spec: str, texts: list[str], workers: int, rounds: int = 2) -
         return tokens / (time.perf_counter() - start)
 
 
+def measure_stream(spec: str, texts: list[str], *, seq_len: int = 1024, batch_size: int = 8,
+                   batches: int = 8) -> float:
+    """Tokens/s of the LM stream-mode iterator (read, tokenize, pack; in this process, as
+    training runs it) over ``texts``, after one untimed batch."""
+    from transformer_jax.data.pipeline import make_lm_iterator
+
+    it = make_lm_iterator(texts, "train", tokenizer=spec, seq_len=seq_len,
+                          batch_size=batch_size, seed=0, mode="stream")
+    next(it)
+    start = time.perf_counter()
+    for _ in range(batches):
+        next(it)
+    return batches * batch_size * seq_len / (time.perf_counter() - start)
+
+
 # ----------------------------------------------------------------------------- TPU demand
 
 def experiment_flops(name: str) -> tuple[float, str]:
@@ -209,10 +228,12 @@ def demand_rows(flops: dict[str, tuple[float, str]], per_core: dict[str, float],
 
 def _verdict(row: dict) -> str:
     need = row["cores_needed"][MFUS[-1]]
+    if row["unit"] == "token":   # the stream iterator tokenizes on one core
+        return ("yes, on the one core stream mode uses" if need <= 1 else
+                "no: stream mode tokenizes on one core; memory mode (tokenized once) or "
+                "tokenizing in workers would")
     if need <= row["host_cores"]:
         return "yes"
-    if row["unit"] == "token":
-        return "no: tokenize once ahead (memory mode, or a pre-tokenized dataset)"
     return (f"no: needs {need / row['host_cores']:.1f}x the cores; store the images "
             "pre-resized (shorter side 256: ~3x cheaper decode) or decode on the chip")
 
@@ -249,6 +270,7 @@ def run(args) -> dict:
         spm = Path(tmp) / "spm.model"
         train_sentencepiece(texts, args.vocab, spm)
         specs = {"byte": "byte", "sentencepiece": f"sentencepiece:{spm}"}
+        specs_stream = specs["sentencepiece"]
         for w in workers:
             images_per_s[w] = measure_images(jpegs, w, image_size=args.image_size,
                                              batch_size=args.batch, batches=args.batches)
@@ -257,9 +279,10 @@ def run(args) -> dict:
             print(f"workers {w}: {images_per_s[w]:.0f} images/s, "
                   f"{tokens['byte'][w]:.0f} byte / {tokens['sentencepiece'][w]:.0f} "
                   f"SentencePiece tokens/s", flush=True)
+        stream = measure_stream(specs_stream, texts, seq_len=args.seq_len)
+        print(f"stream mode, SentencePiece: {stream:.0f} tokens/s", flush=True)
     top = max(workers)
-    per_core = {"image": images_per_s[top] / max(1, top),
-                "token": tokens["sentencepiece"][top] / max(1, top)}
+    per_core = {"image": images_per_s[top] / max(1, top), "token": stream}
     names = sorted({e for e, _ in args.rows})
     flops = args.flops or {name: experiment_flops(name) for name in names}
     result = {"machine": {"cpu": common.cpu_model(), "cpu_isa": common.cpu_isa(),
@@ -269,7 +292,8 @@ def run(args) -> dict:
                        "jpeg_size": [args.width, args.height],
                        "image_size": args.image_size, "batch": args.batch, "text_chars": args.text_chars},
               "measured": {"workers": workers, "images_per_s": images_per_s,
-                           "tokens_per_s": tokens},
+                           "tokens_per_s": tokens,
+                           "stream_sentencepiece_tokens_per_s": stream},
               "per_core_per_s": per_core, "goal": GOAL,
               "rows": demand_rows(flops, per_core, args.rows)}
     result["markdown"] = render(result)
@@ -287,6 +311,7 @@ def parse_args(argv=None):
     p.add_argument("--batches", type=int, default=6)
     p.add_argument("--text-chars", type=int, default=2_000_000)
     p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--out", type=Path, default=common.RESULTS_DIR / "input_pipeline")
     args = p.parse_args(argv)
     args.rows, args.flops = ROWS, None
