@@ -3,9 +3,9 @@ each augmentation is a function of (seed, epoch, index) only."""
 import numpy as np
 import pytest
 
-from transformer_jax.data.image_workers import host_cores, prepare_row
+from transformer_jax.data.image_workers import host_cores
 from transformer_jax.data.images import (ArraySource, ImageIterator, default_workers,
-                                         preprocess_image)
+                                         prepare_row, preprocess_image)
 from transformer_jax.errors import UserError
 
 SEED = 3

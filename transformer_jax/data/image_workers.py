@@ -2,7 +2,7 @@
 
 The parent decides everything that orders or seeds the data: which example ids a batch
 holds and in which rows, the epoch, the augmentation seed. A worker only runs the pure
-per-example function :func:`prepare_row` (the same one the in-process path runs) on the
+per-example function ``images.prepare_row`` (the same one the in-process path runs) on the
 rows it is handed and writes the float32 images straight into a shared-memory slot of
 the batch (a file in ``/dev/shm`` both sides map), so no image is pickled. A batch is
 split into chunks across the workers; the parent waits for the chunks of the oldest batch
@@ -27,7 +27,7 @@ import numpy as np
 
 from transformer_jax.errors import UserError
 
-__all__ = ["BatchPool", "host_cores", "prepare_row", "worker_context"]
+__all__ = ["BatchPool", "host_cores", "worker_context"]
 
 
 def host_cores() -> int:
@@ -38,29 +38,13 @@ def host_cores() -> int:
         return os.cpu_count() or 1
 
 
-def prepare_row(example: dict, index: int, epoch: int, params: dict) -> np.ndarray:
-    """One example's preprocessed image: a function of the example and ``(seed, epoch,
-    index)`` only (``params``: the iterator's image_size, max_value, augment, flip, seed,
-    num_channels, name)."""
-    from transformer_jax.data.images import preprocess_image
-
-    rng = np.random.default_rng([params["seed"], epoch, index]) if params["augment"] else None
-    image = preprocess_image(example["image"], params["image_size"],
-                             max_value=params["max_value"], augment=params["augment"],
-                             flip=params["flip"], rng=rng)
-    if image.shape[-1] != params["num_channels"]:
-        raise UserError(f"dataset {params['name']!r} example {index} has {image.shape[-1]} "
-                        f"channels, expected {params['num_channels']}")
-    return image
-
-
 # ----------------------------------------------------------------------------- worker side
 
 _WORKER: dict[str, Any] = {}
 
 
-def _init_worker(source, params: dict) -> None:
-    _WORKER.update(source=source, params=params, maps={})
+def _init_worker(source, prepare, params: dict) -> None:
+    _WORKER.update(source=source, prepare=prepare, params=params, maps={})
 
 
 def _slot(path: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -78,7 +62,7 @@ def _fill(path: str, shape: tuple[int, ...], rows: list[int], ids: list[int],
 
     out, rest = _slot(path, shape), []
     for row, i, example in zip(rows, ids, read_examples(_WORKER["source"], ids)):
-        out[row] = prepare_row(example, i, epoch, _WORKER["params"])
+        out[row] = _WORKER["prepare"](example, i, epoch, _WORKER["params"])
         rest.append({k: v for k, v in example.items() if k != "image"})
     return rest
 
@@ -88,14 +72,15 @@ def _fill(path: str, shape: tuple[int, ...], rows: list[int], ids: list[int],
 def worker_context():
     """The multiprocessing context of the workers: a forkserver that preloaded this module."""
     ctx = multiprocessing.get_context("forkserver")
-    # the server imports this module (and so numpy, PIL's user) once; not the parent's __main__
-    ctx.set_forkserver_preload([__name__])
+    # the server imports these once (workers fork from it); not the parent's __main__
+    ctx.set_forkserver_preload([__name__, "transformer_jax.data.images"])
     return ctx
 
 
 class BatchPool:
     """``workers`` processes that fill batches of ``batch_size`` images of ``shape`` (S, S,
-    C), up to ``depth`` batches in flight.
+    C), up to ``depth`` batches in flight; ``prepare(example, index, epoch, params)`` (a
+    module-level function: it is pickled by name) makes one row.
 
     ``submit(key, ids, epoch)`` queues the batch whose row r holds example ``ids[r]``;
     ``take()`` returns ``(key, images, rests)`` of the oldest queued batch (images a fresh
@@ -103,7 +88,7 @@ class BatchPool:
     ``discard()`` drops all queued batches; ``close()`` stops the workers.
     """
 
-    def __init__(self, source, params: dict, *, workers: int, batch_size: int,
+    def __init__(self, source, prepare, params: dict, *, workers: int, batch_size: int,
                  shape: tuple[int, int, int], depth: int = 3):
         if workers < 1:
             raise ValueError(f"workers={workers} must be >= 1")
@@ -127,7 +112,7 @@ class BatchPool:
         self._queued: collections.deque = collections.deque()
         self._executor = cf.ProcessPoolExecutor(workers, mp_context=worker_context(),
                                                 initializer=_init_worker,
-                                                initargs=(source, params))
+                                                initargs=(source, prepare, params))
 
     def full(self) -> bool:
         return not self._free

@@ -50,13 +50,13 @@ from typing import Any, Callable
 
 import numpy as np
 
-from transformer_jax.data.image_workers import BatchPool, host_cores, prepare_row
+from transformer_jax.data.image_workers import BatchPool, host_cores
 from transformer_jax.data.shuffle import hash_order, shuffled
 from transformer_jax.data.sources import default_data_dir, open_source, read_examples
 from transformer_jax.errors import UserError
 
 __all__ = ["DatasetInfo", "ImageIterator", "dataset_info", "default_workers", "digits_split", "load_digits_arrays",
-           "make_image_iterator", "open_image_source", "preprocess_image"]
+           "make_image_iterator", "open_image_source", "prepare_row", "preprocess_image"]
 
 DIGITS_SPLITS = ("train", "test")
 
@@ -191,6 +191,20 @@ def preprocess_image(image: np.ndarray, image_size: int, *, max_value: float = 2
     return np.ascontiguousarray(x, dtype=np.float32)
 
 
+def prepare_row(example: dict, index: int, epoch: int, params: dict) -> np.ndarray:
+    """One example's preprocessed image: a function of the example and ``(seed, epoch,
+    index)`` only (``params``: the iterator's image_size, max_value, augment, flip, seed,
+    num_channels, name). The in-process path and the workers both run this."""
+    rng = np.random.default_rng([params["seed"], epoch, index]) if params["augment"] else None
+    image = preprocess_image(example["image"], params["image_size"],
+                             max_value=params["max_value"], augment=params["augment"],
+                             flip=params["flip"], rng=rng)
+    if image.shape[-1] != params["num_channels"]:
+        raise UserError(f"dataset {params['name']!r} example {index} has {image.shape[-1]} "
+                        f"channels, expected {params['num_channels']}")
+    return image
+
+
 # ----------------------------------------------------------------------------- iterator
 
 class ImageIterator:
@@ -244,7 +258,7 @@ class ImageIterator:
 
     @property
     def _params(self) -> dict[str, Any]:
-        """What :func:`~transformer_jax.data.image_workers.prepare_row` needs."""
+        """What :func:`prepare_row` needs."""
         return {"seed": self.seed, "image_size": self.image_size, "max_value": self.max_value,
                 "augment": self.augment, "flip": self.flip,
                 "num_channels": self.num_channels, "name": self.name}
@@ -282,8 +296,8 @@ class ImageIterator:
     def _next_from_workers(self) -> tuple[np.ndarray, list[dict]]:
         """The current batch from the pool, which it keeps ``depth`` batches ahead."""
         if self._pool is None:
-            self._pool = BatchPool(self._source, self._params, workers=self.workers,
-                                   batch_size=self.batch_size,
+            self._pool = BatchPool(self._source, prepare_row, self._params,
+                                   workers=self.workers, batch_size=self.batch_size,
                                    shape=(self.image_size, self.image_size, self.num_channels))
             self._ahead = (self._epoch, self._index)
         while not self._pool.full() and not self._exhausted(self._ahead[1]):
