@@ -12,10 +12,11 @@ Measured here, by worker count (``--workers``, default 0,1,2; 0 = in this proces
 
 * tokens/s of the LM stream-mode iterator (read, SentencePiece, pack) in this process.
 
-The per-core image rate is the rate at the largest worker count divided by it (it pays
-for the hand-off to the parent); the token rate is the stream iterator's, which runs on
-one core of the training process (a GPT experiment is fed if 1.5x its demand fits that
-core). Then, for each TPU experiment (``experiments/*tpu*.py``), the
+Per-core rates count CPU seconds (user + system of this process and its workers, from
+``/proc``), not wall seconds, so that other jobs on the cores do not lower them: the image
+rate at the largest worker count (it pays for the hand-off to the parent), and the stream
+iterator's token rate, which runs on one core of the training process (a GPT experiment
+is fed if 1.5x its demand fits that core). Then, for each TPU experiment (``experiments/*tpu*.py``), the
 examples/s one host's chips consume at 40% and 60% MFU (the library's FLOPs per example:
 ``task.flops_per_step``; the chips' bf16 peak from ``transformer_jax.tpu.GENERATIONS``)
 and the host cores needed for ``GOAL`` (1.5) x that at the per-core rate, against the
@@ -104,10 +105,21 @@ class JpegSource:
         return {"image": image, "label": i % 1000}
 
 
+def _cpu_seconds(pids: list[int]) -> float:
+    """CPU seconds (user + system) this process and the processes ``pids`` have used."""
+    tick, total = os.sysconf("SC_CLK_TCK"), time.process_time()
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / tick     # utime, stime
+    return total
+
+
 def measure_images(jpegs: list[bytes], workers: int, *, image_size: int = 224,
-                   batch_size: int = 32, batches: int = 6) -> float:
-    """Images/s of augmented training batches, after 4 untimed batches (the pool started
-    and 3 batches in flight: the steady state)."""
+                   batch_size: int = 32, batches: int = 6) -> tuple[float, float]:
+    """(images per wall second, images per CPU second of this process and its workers) of
+    augmented training batches, after 4 untimed batches (the pool started and 3 batches in
+    flight: the steady state). CPU seconds do not count the time other jobs take the cores,
+    so they give the per-core rate on a loaded machine."""
     from transformer_jax.data.images import ImageIterator
 
     it = ImageIterator(JpegSource(jpegs), name="jpegs", split="train", image_size=image_size,
@@ -116,10 +128,12 @@ def measure_images(jpegs: list[bytes], workers: int, *, image_size: int = 224,
     try:
         for _ in range(4):
             next(it)
-        start = time.perf_counter()
+        pids = list(it._pool._executor._processes) if workers else []
+        start, cpu = time.perf_counter(), _cpu_seconds(pids)
         for _ in range(batches):
             next(it)
-        return batches * batch_size / (time.perf_counter() - start)
+        n = batches * batch_size
+        return n / (time.perf_counter() - start), n / (_cpu_seconds(pids) - cpu)
     finally:
         it.close()
 
@@ -170,19 +184,23 @@ def measure_tokens(spec: str, texts: list[str], workers: int, rounds: int = 2) -
         return tokens / (time.perf_counter() - start)
 
 
-def measure_stream(spec: str, texts: list[str], *, seq_len: int = 1024, batch_size: int = 8,
-                   batches: int = 8) -> float:
-    """Tokens/s of the LM stream-mode iterator (read, tokenize, pack; in this process, as
-    training runs it) over ``texts``, after one untimed batch."""
+def measure_stream(spec: str, texts: list[str], *, seq_len: int = 1024,
+                   batch_size: int = 8) -> tuple[float, float]:
+    """(tokens per wall second, per CPU second) of the LM stream-mode iterator (read,
+    tokenize, pack; in this process, as training runs it) over one pass of ``texts``,
+    building the iterator included."""
     from transformer_jax.data.pipeline import make_lm_iterator
+    from transformer_jax.data.tokenizers import get_tokenizer
 
+    total = sum(len(ids) + 1 for ids in get_tokenizer(spec).encode_batch(texts))
+    batches = max(1, total // (seq_len * batch_size))
+    start, cpu = time.perf_counter(), time.process_time()
     it = make_lm_iterator(texts, "train", tokenizer=spec, seq_len=seq_len,
                           batch_size=batch_size, seed=0, mode="stream")
-    next(it)
-    start = time.perf_counter()
     for _ in range(batches):
         next(it)
-    return batches * batch_size * seq_len / (time.perf_counter() - start)
+    n = batches * batch_size * seq_len
+    return n / (time.perf_counter() - start), n / (time.process_time() - cpu)
 
 
 # ----------------------------------------------------------------------------- TPU demand
@@ -240,11 +258,12 @@ def _verdict(row: dict) -> str:
 
 def render(result: dict) -> str:
     m = result["measured"]
-    rates = [[f"{w}", f"{m['images_per_s'][w]:.0f}",
+    rates = [[f"{w}", f"{m['images_per_s'][w]:.0f}", f"{m['images_per_cpu_s'][w]:.0f}",
               f"{m['tokens_per_s']['byte'][w] / 1e3:.0f}k",
               f"{m['tokens_per_s']['sentencepiece'][w] / 1e3:.0f}k"] for w in m["workers"]]
     size = result["data"]["image_size"]
-    table1 = common.md_table(["workers", f"images/s ({size} px, augmented)", "byte tokens/s",
+    table1 = common.md_table(["workers", f"images/s ({size} px, augmented)",
+                              "images per CPU s", "byte tokens/s",
                               "SentencePiece tokens/s"], rates)
     rows = []
     for r in result["rows"]:
@@ -264,7 +283,7 @@ def run(args) -> dict:
     workers = [int(w) for w in args.workers.split(",")]
     jpegs = make_jpegs(args.images, args.width, args.height)
     texts = stdlib_texts(args.text_chars)
-    images_per_s, tokens = {}, {"byte": {}, "sentencepiece": {}}
+    images_per_s, images_per_cpu_s, tokens = {}, {}, {"byte": {}, "sentencepiece": {}}
     with tempfile.TemporaryDirectory() as tmp:
         from transformer_jax.data.tokenizers import train_sentencepiece
         spm = Path(tmp) / "spm.model"
@@ -272,17 +291,20 @@ def run(args) -> dict:
         specs = {"byte": "byte", "sentencepiece": f"sentencepiece:{spm}"}
         specs_stream = specs["sentencepiece"]
         for w in workers:
-            images_per_s[w] = measure_images(jpegs, w, image_size=args.image_size,
-                                             batch_size=args.batch, batches=args.batches)
+            images_per_s[w], images_per_cpu_s[w] = measure_images(
+                jpegs, w, image_size=args.image_size, batch_size=args.batch,
+                batches=args.batches)
             for name, spec in specs.items():
                 tokens[name][w] = measure_tokens(spec, texts, w)
-            print(f"workers {w}: {images_per_s[w]:.0f} images/s, "
+            print(f"workers {w}: {images_per_s[w]:.0f} images/s "
+                  f"({images_per_cpu_s[w]:.0f} per CPU s), "
                   f"{tokens['byte'][w]:.0f} byte / {tokens['sentencepiece'][w]:.0f} "
                   f"SentencePiece tokens/s", flush=True)
-        stream = measure_stream(specs_stream, texts, seq_len=args.seq_len)
-        print(f"stream mode, SentencePiece: {stream:.0f} tokens/s", flush=True)
+        stream, stream_cpu = measure_stream(specs_stream, texts, seq_len=args.seq_len)
+        print(f"stream mode, SentencePiece: {stream:.0f} tokens/s ({stream_cpu:.0f} per CPU s)",
+              flush=True)
     top = max(workers)
-    per_core = {"image": images_per_s[top] / max(1, top), "token": stream}
+    per_core = {"image": images_per_cpu_s[top], "token": stream_cpu}
     names = sorted({e for e, _ in args.rows})
     flops = args.flops or {name: experiment_flops(name) for name in names}
     result = {"machine": {"cpu": common.cpu_model(), "cpu_isa": common.cpu_isa(),
@@ -292,8 +314,10 @@ def run(args) -> dict:
                        "jpeg_size": [args.width, args.height],
                        "image_size": args.image_size, "batch": args.batch, "text_chars": args.text_chars},
               "measured": {"workers": workers, "images_per_s": images_per_s,
+                           "images_per_cpu_s": images_per_cpu_s,
                            "tokens_per_s": tokens,
-                           "stream_sentencepiece_tokens_per_s": stream},
+                           "stream_sentencepiece_tokens_per_s": stream,
+                           "stream_sentencepiece_tokens_per_cpu_s": stream_cpu},
               "per_core_per_s": per_core, "goal": GOAL,
               "rows": demand_rows(flops, per_core, args.rows)}
     result["markdown"] = render(result)
