@@ -3,25 +3,25 @@
 Measured here, by worker count (``--workers``, default 0,1,2; 0 = in this process):
 
 * images/s: ImageNet-like JPEGs (500x375 from smooth random content plus noise, quality
-  90, ~100 KB each: decode cost like real photos; :func:`make_jpegs`) decoded, resized to 224, padded-cropped
-  and flipped exactly as ``vit_b16_*`` trains (:class:`~transformer_jax.data.images.
-  ImageIterator` with ``workers``);
+  90, ~100 KB each, so decoding costs what a photo's does: :func:`make_jpegs`) decoded,
+  resized to 224, padded-cropped and flipped exactly as ``vit_b16_*`` trains (an
+  ``ImageIterator`` with ``workers``);
 * tokens/s: the Python standard library's own source files through the byte tokenizer
   and a SentencePiece model (vocabulary 8192) trained here, documents split across
-  ``workers`` processes.
-
-* tokens/s of the LM stream-mode iterator (read, SentencePiece, pack) in this process.
+  ``workers`` processes; and the LM stream-mode iterator (read, SentencePiece, pack) in
+  this process, as training runs it.
 
 Per-core rates count CPU seconds (user + system of this process and its workers, from
 ``/proc``), not wall seconds, so that other jobs on the cores do not lower them: the image
 rate at the largest worker count (it pays for the hand-off to the parent), and the stream
-iterator's token rate, which runs on one core of the training process (a GPT experiment
-is fed if 1.5x its demand fits that core). Then, for each TPU experiment (``experiments/*tpu*.py``), the
-examples/s one host's chips consume at 40% and 60% MFU (the library's FLOPs per example:
-``task.flops_per_step``; the chips' bf16 peak from ``transformer_jax.tpu.GENERATIONS``)
-and the host cores needed for ``GOAL`` (1.5) x that at the per-core rate, against the
-cores of the host it runs on. Per-core rates extrapolate linearly: the workers share
+iterator's token rate (it runs on one core of the training process: a GPT experiment is
+fed if 1.5x its demand fits that core). They extrapolate linearly: the workers share
 nothing but the parent's hand-off.
+
+Then, for each TPU experiment (``experiments/*tpu*.py``): the examples/s one host's chips
+consume at 40% and 60% MFU (the library's FLOPs per example, ``task.flops_per_step``; the
+chips' bf16 peak from ``transformer_jax.tpu.GENERATIONS``), and the host cores ``GOAL``
+(1.5) x that needs at the per-core rate, against the vCPUs of the host it runs on.
 
 Usage::
 
@@ -312,7 +312,8 @@ def run(args) -> dict:
                           common.load_average(), "python": platform.python_version()},
               "data": {"jpeg_mean_bytes": float(np.mean([len(j) for j in jpegs])),
                        "jpeg_size": [args.width, args.height],
-                       "image_size": args.image_size, "batch": args.batch, "text_chars": args.text_chars},
+                       "image_size": args.image_size, "batch": args.batch,
+                       "text_chars": args.text_chars},
               "measured": {"workers": workers, "images_per_s": images_per_s,
                            "images_per_cpu_s": images_per_cpu_s,
                            "tokens_per_s": tokens,
@@ -349,8 +350,9 @@ def main(argv=None, **overrides) -> dict:
     for key, value in overrides.items():
         setattr(args, key, value)
     result = run(args)
-    header = (f"# Input pipeline\n\nCPU: {result['machine']['cpu']} "
-              f"({result['machine']['cpu_isa']}), load {result['machine']['load_average_1_5_15min']}\n\n")
+    machine = result["machine"]
+    header = (f"# Input pipeline\n\nCPU: {machine['cpu']} ({machine['cpu_isa']}), load "
+              f"{machine['load_average_1_5_15min']}\n\n")
     js, md = common.write_results(args.out.name, result, header + result["markdown"],
                                   out_dir=args.out.parent)
     print("\n" + result["markdown"] + f"\n\nwrote {js} and {md}")

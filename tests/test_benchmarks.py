@@ -426,8 +426,9 @@ def test_input_pipeline_smoke_cores_needed_are_what_the_chips_consume_over_the_p
         tmp_path):
     """``benchmarks/input_pipeline.py`` at tiny sizes, workers 0 and 1, with given FLOPs per
     example: a v5e chip (197 TFLOP/s) at 40% MFU on 1.97e11 FLOPs an image consumes 400
-    images/s; the cores needed are 1.5 x consumed / the per-core rate (images per CPU second at 1
-    worker; tokens: the stream iterator's per CPU second); a v4-32 host feeds a quarter of its 16 chips."""
+    images/s; the cores needed are 1.5 x consumed / the per-core rate (images per CPU second
+    at 1 worker; tokens: the stream iterator's per CPU second); a v4-32 host feeds a quarter
+    of its 16 chips."""
     ip = _benchmarks("input_pipeline")
     jpegs = ip.make_jpegs(2, 40, 30)
     assert ip.JpegSource(jpegs)[1]["image"].shape == (30, 40, 3)

@@ -55,8 +55,9 @@ from transformer_jax.data.shuffle import hash_order, shuffled
 from transformer_jax.data.sources import default_data_dir, open_source, read_examples
 from transformer_jax.errors import UserError
 
-__all__ = ["DatasetInfo", "ImageIterator", "dataset_info", "default_workers", "digits_split", "load_digits_arrays",
-           "make_image_iterator", "open_image_source", "prepare_row", "preprocess_image"]
+__all__ = ["DatasetInfo", "ImageIterator", "dataset_info", "default_workers", "digits_split",
+           "load_digits_arrays", "make_image_iterator", "open_image_source", "prepare_row",
+           "preprocess_image"]
 
 DIGITS_SPLITS = ("train", "test")
 
