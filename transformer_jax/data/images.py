@@ -314,12 +314,15 @@ class ImageIterator:
     def _assemble(self, images: np.ndarray | None, rests: list[dict]) -> dict[str, np.ndarray]:
         """The batch dict from the rows' images and examples (``_id`` their index)."""
         b, s = self.batch_size, self.image_size
-        out = np.zeros((b, s, s, self.num_channels), np.float32)
+        if images is not None and len(images) == b:   # a full batch: its array as it is
+            out = images
+        else:
+            out = np.zeros((b, s, s, self.num_channels), np.float32)
+            if rests:
+                out[:len(rests)] = images
         labels = np.zeros((b,), np.int32)
         weights = np.zeros((b,), np.float32)
         extras: dict[str, np.ndarray] = {}
-        if rests:
-            out[:len(rests)] = images
         for row, example in enumerate(rests):
             i = example.pop("_id")
             weights[row] = 1.0
