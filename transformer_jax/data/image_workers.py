@@ -44,6 +44,9 @@ _WORKER: dict[str, Any] = {}
 
 
 def _init_worker(source, prepare, params: dict) -> None:
+    from transformer_jax.host_memory import tune_malloc
+
+    tune_malloc(warn=False)   # keep each image's freed buffers: no page faults per image
     _WORKER.update(source=source, prepare=prepare, params=params, maps={})
 
 
