@@ -143,3 +143,25 @@ def test_a_source_that_cannot_reach_the_workers_is_a_user_error_naming_the_fix()
                                         r"worker processes \(.*\); set data_workers=0 to "
                                         r"preprocess in the training process$"):
         next(it)
+
+
+def test_background_thread_over_workers_resumes_exactly():
+    """What training runs: Background (its producer thread ahead) over the worker pool; the
+    state after 4 batches, restored into a fresh one, continues with batch 5."""
+    from transformer_jax.data.background import Background
+
+    source = _source()
+    want = _take(_iterator(source, 0), 7)
+    first = Background(_iterator(source, 2), depth=2)
+    _assert_same(_take(first, 4), want[:4])
+    state = first.get_state()
+    first.close()
+    first.iterator.close()
+    assert state == {"mode": "images", "epoch": 1, "index": 1}
+    resumed = Background(_iterator(source, 2), depth=2)
+    resumed.set_state(state)
+    try:
+        _assert_same(_take(resumed, 3), want[4:7])
+    finally:
+        resumed.close()
+        resumed.iterator.close()
