@@ -30,8 +30,9 @@ any mesh, e.g. continue on a v4-32 with ``--resume``.
 Runtime: not measured (this machine has no TPU). Estimate: 1.055e11 training FLOP per
 image (``ViTConfig.flops_per_image()``) x 1024 = 1.08e14 FLOP per step; at 40% of the
 v3-8's 8 x 61.5 TFLOP/s that is 0.55 s per step, ~17 h for 90 epochs (a v2-8: ~47 h), in
-several Colab sessions. The image pipeline decodes and augments in one Python thread, which
-may bound the step rate before the TPU does. Metric: not measured; ``eval_accuracy``
+several Colab sessions. Images are decoded and augmented in one worker process per host
+core (``data_workers``): 1.5x the v3-8 at 40% MFU needs ~15 of its host's 96 vCPUs at the
+per-core rate of docs/performance.md (2026-12-07). Metric: not measured; ``eval_accuracy``
 (top-1 on the 50k validation images) is logged every 5000 steps.
 """
 from transformer_jax.train.config import ExperimentConfig

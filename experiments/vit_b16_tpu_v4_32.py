@@ -30,8 +30,9 @@ device 7.15 GiB of 32 (parameters 0.32, AdamW moments 0.64, temporaries 6.03).
 
 Runtime: not measured (this machine has no TPU). Estimate: 1.055e11 training FLOP per
 image x 4096 = 4.3e14 FLOP per step; at 40% of 16 x 275 TFLOP/s that is 0.25 s per step,
-~6.4 h for 300 epochs - if each host's one-thread image pipeline keeps up with 1024 images
-per 0.25 s, which it likely does not (expect the input pipeline to bound the rate).
+~6.4 h for 300 epochs. Each host decodes and augments its 1024 images per step in one
+worker process per core (``data_workers``): 1.5x its 4 chips at 40% MFU needs ~33 of its
+240 vCPUs at the per-core rate of docs/performance.md (2026-12-07).
 Metric: not measured; ``eval_accuracy`` is logged every 5000 steps.
 """
 import dataclasses

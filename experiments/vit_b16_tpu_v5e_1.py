@@ -22,8 +22,10 @@ Compiled for the chip on a CPU host (``transformer-jax compile``, libtpu 0.0.42,
 Runtime: not measured (no TPU here). Estimate: 1.055e11 training FLOP per image
 (``ViTConfig.flops_per_image()``) x 1024 = 1.08e14 FLOP per step; at 40% of the v5e's 197
 TFLOP/s that is 1371 ms per step, ~43 h for 90 epochs (112.5k steps), many
-Colab sessions; a v6e-1 ~294 ms per step. The image pipeline decodes and augments in
-one Python thread, which may bound the step rate first. Metric: not measured.
+Colab sessions; a v6e-1 ~294 ms per step. Images are decoded and augmented in one worker
+process per host core (``data_workers``): at the per-core rate measured on 2026-12-07
+(docs/performance.md) 1.5x the v5e-1 at 40% MFU needs 6 of its host's 24 vCPUs, a v6e-1
+28 of 44 (42 at 60% MFU: tight). Metric: not measured.
 """
 import dataclasses
 

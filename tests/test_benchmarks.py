@@ -420,3 +420,44 @@ def test_compare_torch_drift_table_row_from_a_short_run(tmp_path):
     assert 0 < row["max_loss_jax_vs_f64"] < 1e-5 and 0 < row["max_loss_torch_vs_f64"] < 1e-5
     assert f"| `vit_digits` | 6 | {row['max_loss_diff']:.1e} |" in result["markdown"]
     assert (tmp_path / "vit_digits_6" / "compare.png").exists()
+
+
+def test_input_pipeline_smoke_cores_needed_are_what_the_chips_consume_over_the_per_core_rate(
+        tmp_path):
+    """``benchmarks/input_pipeline.py`` at tiny sizes, workers 0 and 1, with given FLOPs per
+    example: a v5e chip (197 TFLOP/s) at 40% MFU on 1.97e11 FLOPs an image consumes 400
+    images/s; the cores needed are 1.5 x consumed / the per-core rate (images per CPU second
+    at 1 worker; tokens: the stream iterator's per CPU second); a v4-32 host feeds a quarter
+    of its 16 chips."""
+    ip = _benchmarks("input_pipeline")
+    jpegs = ip.make_jpegs(2, 40, 30)
+    assert ip.JpegSource(jpegs)[1]["image"].shape == (30, 40, 3)
+    assert jpegs[0][:2] == b"\xff\xd8" and jpegs[0] != jpegs[1]
+    out = tmp_path / "ip"
+    rows = [("img", "v5e-1"), ("img", "v4-32"), ("lm", "v6e-1")]
+    result = ip.main(["--workers", "0,1", "--images", "8", "--width", "40", "--height", "30",
+                      "--image-size", "16", "--batch", "4", "--batches", "2",
+                      "--text-chars", "20000", "--vocab", "400", "--seq-len", "64",
+                      "--out", str(out)],
+                     rows=rows, flops={"img": (1.97e11, "image"), "lm": (9.18e8, "token")})
+    measured = result["measured"]
+    assert result["per_core_per_s"] == {
+        "image": measured["images_per_cpu_s"][1],
+        "token": measured["stream_sentencepiece_tokens_per_cpu_s"]}
+    assert all(v > 0 for v in measured["images_per_s"].values())
+    assert ip._cpu_seconds([]) > 0
+    v5e, v4, v6e = result["rows"]
+    assert v5e["consumed_per_s"][0.4] == pytest.approx(400.0)
+    assert v5e["consumed_per_s"][0.6] == pytest.approx(600.0)
+    assert v4["consumed_per_s"][0.4] == pytest.approx(4 * 275e12 * 0.4 / 1.97e11)
+    assert v6e["consumed_per_s"][0.6] == pytest.approx(918e12 * 0.6 / 9.18e8)   # 600k tokens/s
+    for row in result["rows"]:
+        rate = result["per_core_per_s"][row["unit"]]
+        for mfu in (0.4, 0.6):
+            need = 1.5 * row["consumed_per_s"][mfu] / rate
+            assert row["cores_needed"][mfu] == pytest.approx(need)
+            assert row["reaches"][mfu] == (need <= row["host_cores"])
+    assert (v5e["host_cores"], v6e["host_cores"], v4["host_cores"]) == (24, 44, 240)
+    saved = json.loads(out.with_suffix(".json").read_text())
+    assert saved["rows"][0]["cores_needed"]["0.4"] == pytest.approx(v5e["cores_needed"][0.4])
+    assert "| `img` | v5e-1 | 1.97e+11 | 400 / 600 images/s |" in out.with_suffix(".md").read_text()

@@ -1,6 +1,7 @@
 """The ``image_classification`` task on the offline digits: its batches (pixels x / 16 * 2 - 1,
 the test split in order, crops/flips only in training) and its metrics (loss and top-1 accuracy
 of a numpy linear classifier, the eval sample). Iterator and training: tests/models/test_vit.py."""
+import dataclasses
 import math
 
 import jax
@@ -58,6 +59,16 @@ def test_split_options_reach_the_data(tmp_path):
     assert got["weights"].sum() == round(0.25 * 1797) == len(test.labels) == 449
     np.testing.assert_array_equal(got["labels"][:449], test.labels)
     np.testing.assert_array_equal(got["images"][:449], scaled(test.images))
+
+
+def test_data_workers_reach_the_iterator_and_digits_default_to_this_process(tmp_path):
+    """``data_workers`` (ExperimentConfig) is the iterator's worker count; digits (in-memory
+    arrays) stay in the training process by default. Equality of the batches: tests/data/
+    test_image_workers.py."""
+    default = image_task(tmp_path).make_iterator("train", 0, 1, train=True)
+    cfg = dataclasses.replace(image_task(tmp_path).cfg, data_workers=2)
+    chosen = make_task(cfg, tmp_path).make_iterator("train", 0, 1, train=True)
+    assert (default.workers, chosen.workers) == (0, 2)
 
 
 def shifts(image: np.ndarray, flip: bool) -> list[np.ndarray]:

@@ -31,6 +31,7 @@ ALLOWED: dict[str, set] = {
     "loss_scale_init": set(), "loss_scale_growth_interval": set(), "log_every": set(),
     "eval_every": set(), "eval_batches": set(), "save_every": set(), "keep": set(),
     "loss_spike_factor": set(), "loss_spike_window": set(), "sample_tokens": {"zero"},
+    "data_workers": {"zero"},
 }
 
 

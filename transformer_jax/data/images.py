@@ -40,6 +40,13 @@ its last ``n mod batch_size`` examples. Process p of P takes rows [p B/P, (p+1) 
 every global batch. The position is ``{"mode": "images", "epoch", "index"}``
 (:meth:`ImageIterator.get_state`); ``set_state`` resumes exactly. Evaluation is one
 in-order pass that keeps every example (the last batch padded with weight-0 rows).
+
+Workers. With ``workers`` > 0 (``ExperimentConfig.data_workers``) worker processes decode
+and preprocess the rows (:mod:`transformer_jax.data.image_workers`), up to 3 batches
+ahead; the batches are identical to the in-process ones and the state is the same, so a
+checkpoint resumes under any worker count. By default (:func:`default_workers`) an
+in-memory array source (digits) stays in this process and any other uses the host's cores.
+``annotate`` then runs in this process on the example without its ``"image"``.
 """
 from __future__ import annotations
 
@@ -48,14 +55,16 @@ from typing import Any, Callable
 
 import numpy as np
 
+from transformer_jax.data.image_workers import BatchPool, host_cores
 from transformer_jax.data.shuffle import hash_order, shuffled
 from transformer_jax.data.hf_datasets import HFImageSource, is_hf_dataset, open_hf_source
 from transformer_jax.data.sources import (check_tfds_dataset, default_data_dir, open_source,
                                           read_examples)
 from transformer_jax.errors import UserError
 
-__all__ = ["DatasetInfo", "ImageIterator", "dataset_info", "digits_split", "load_digits_arrays",
-           "make_image_iterator", "open_image_source", "preprocess_image"]
+__all__ = ["DatasetInfo", "ImageIterator", "dataset_info", "default_workers", "digits_split",
+           "load_digits_arrays", "make_image_iterator", "open_image_source", "prepare_row",
+           "preprocess_image"]
 
 DIGITS_SPLITS = ("train", "test")
 
@@ -199,20 +208,36 @@ def preprocess_image(image: np.ndarray, image_size: int, *, max_value: float = 2
     return np.ascontiguousarray(x, dtype=np.float32)
 
 
+def prepare_row(example: dict, index: int, epoch: int, params: dict) -> np.ndarray:
+    """One example's preprocessed image: a function of the example and ``(seed, epoch,
+    index)`` only (``params``: the iterator's image_size, max_value, augment, flip, seed,
+    num_channels, name). The in-process path and the workers both run this."""
+    rng = np.random.default_rng([params["seed"], epoch, index]) if params["augment"] else None
+    image = preprocess_image(example["image"], params["image_size"],
+                             max_value=params["max_value"], augment=params["augment"],
+                             flip=params["flip"], rng=rng)
+    if image.shape[-1] != params["num_channels"]:
+        raise UserError(f"dataset {params['name']!r} example {index} has {image.shape[-1]} "
+                        f"channels, expected {params['num_channels']}")
+    return image
+
+
 # ----------------------------------------------------------------------------- iterator
 
 class ImageIterator:
     """Batches of preprocessed images with a savable position (module docstring).
 
     Attributes: ``num_examples``, ``batches_per_epoch`` (per pass in eval),
-    ``global_batch_size``, ``batch_size`` (this process's rows).
+    ``global_batch_size``, ``batch_size`` (this process's rows). ``workers`` > 0: that many
+    processes preprocess (started at the first batch; :meth:`close` stops them).
     """
 
     def __init__(self, source, *, name: str, split: str, image_size: int, num_channels: int,
                  max_value: float, batch_size: int, seed: int, shuffle: bool, repeat: bool,
                  augment: bool = False, flip: bool = False, process_index: int = 0,
                  process_count: int = 1,
-                 annotate: Callable[[Any, int, int], dict[str, np.ndarray]] | None = None):
+                 annotate: Callable[[Any, int, int], dict[str, np.ndarray]] | None = None,
+                 workers: int = 0):
         if image_size < 1:
             raise UserError(f"image_size must be >= 1, got {image_size}")
         if batch_size < 1 or batch_size % process_count:
@@ -227,6 +252,11 @@ class ImageIterator:
         self.augment, self.flip = augment, flip
         self.process_index, self.process_count = process_index, process_count
         self.annotate = annotate
+        if not isinstance(workers, int) or workers < 0:
+            raise UserError(f"data_workers must be an integer >= 0 (0: in this process), got "
+                            f"{workers!r}")
+        self.workers = workers
+        self._pool: BatchPool | None = None
         self.num_examples = len(source)
         if self.num_examples == 0:
             raise UserError(f"dataset {name!r} split {split!r} is empty (0 examples); prepare the "
@@ -243,38 +273,93 @@ class ImageIterator:
     def __iter__(self) -> ImageIterator:
         return self
 
-    def __next__(self) -> dict[str, np.ndarray]:
-        if not self.repeat and self._index >= self.batches_per_epoch:
-            raise StopIteration
-        b, s = self.batch_size, self.image_size
-        first = self._index * self.global_batch_size + self.process_index * b
-        positions = np.arange(first, first + b)
+    @property
+    def _params(self) -> dict[str, Any]:
+        """What :func:`prepare_row` needs."""
+        return {"seed": self.seed, "image_size": self.image_size, "max_value": self.max_value,
+                "augment": self.augment, "flip": self.flip,
+                "num_channels": self.num_channels, "name": self.name}
+
+    def _ids(self, epoch: int, index: int) -> np.ndarray:
+        """The example ids of this process's rows of batch ``index`` of ``epoch``."""
+        first = index * self.global_batch_size + self.process_index * self.batch_size
+        positions = np.arange(first, first + self.batch_size)
         ids = positions[positions < self.num_examples]
-        ids = shuffled(ids, self.num_examples, self.seed, self._epoch) if self.shuffle else ids
-        images = np.zeros((b, s, s, self.num_channels), np.float32)
+        return shuffled(ids, self.num_examples, self.seed, epoch) if self.shuffle else ids
+
+    def _advance(self, epoch: int, index: int) -> tuple[int, int]:
+        index += 1
+        return (epoch + 1, 0) if self.repeat and index == self.batches_per_epoch else (epoch, index)
+
+    def _exhausted(self, index: int) -> bool:
+        return not self.repeat and index >= self.batches_per_epoch
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        if self._exhausted(self._index):
+            raise StopIteration
+        if self.workers:
+            images, rests = self._next_from_workers()
+        else:
+            ids = self._ids(self._epoch, self._index)
+            rests = [dict(example, _id=int(i)) for i, example
+                     in zip(ids, read_examples(self._source, ids))]
+            params = self._params
+            images = np.stack([prepare_row(r, r["_id"], self._epoch, params) for r in rests]
+                              ) if rests else None
+        batch = self._assemble(images, rests)
+        self._epoch, self._index = self._advance(self._epoch, self._index)
+        return batch
+
+    def _next_from_workers(self) -> tuple[np.ndarray, list[dict]]:
+        """The current batch from the pool, which it keeps ``depth`` batches ahead."""
+        if self._pool is None:
+            self._pool = BatchPool(self._source, prepare_row, self._params,
+                                   workers=self.workers, batch_size=self.batch_size,
+                                   shape=(self.image_size, self.image_size, self.num_channels))
+            self._ahead = (self._epoch, self._index)
+        while not self._pool.full() and not self._exhausted(self._ahead[1]):
+            ids = self._ids(*self._ahead)
+            self._pool.submit((*self._ahead, ids), ids, self._ahead[0])
+            self._ahead = self._advance(*self._ahead)
+        (epoch, index, ids), images, rests = self._pool.take()
+        assert (epoch, index) == (self._epoch, self._index), "pool out of step"
+        for i, r in zip(ids, rests):
+            r["_id"] = int(i)
+        return images, rests
+
+    def _assemble(self, images: np.ndarray | None, rests: list[dict]) -> dict[str, np.ndarray]:
+        """The batch dict from the rows' images and examples (``_id`` their index)."""
+        b, s = self.batch_size, self.image_size
+        if images is not None and len(images) == b:   # a full batch: its array as it is
+            out = images
+        else:
+            out = np.zeros((b, s, s, self.num_channels), np.float32)
+            if rests:
+                out[:len(rests)] = images
         labels = np.zeros((b,), np.int32)
         weights = np.zeros((b,), np.float32)
         extras: dict[str, np.ndarray] = {}
-        for row, (i, example) in enumerate(zip(ids, read_examples(self._source, ids))):
-            rng = (np.random.default_rng([self.seed, self._epoch, int(i)])
-                   if self.augment else None)
-            image = preprocess_image(example["image"], s, max_value=self.max_value,
-                                     augment=self.augment, flip=self.flip, rng=rng)
-            if image.shape[-1] != self.num_channels:
-                raise UserError(f"dataset {self.name!r} example {int(i)} has {image.shape[-1]} "
-                                f"channels, expected {self.num_channels}")
-            images[row], weights[row] = image, 1.0
+        for row, example in enumerate(rests):
+            i = example.pop("_id")
+            weights[row] = 1.0
             labels[row] = int(example["label"]) if "label" in example else -1
             if self.annotate is not None:
-                for key, value in self.annotate(example, int(i), self._epoch).items():
+                for key, value in self.annotate(example, i, self._epoch).items():
                     value = np.asarray(value)
                     if key not in extras:
                         extras[key] = np.zeros((b,) + value.shape, value.dtype)
                     extras[key][row] = value
-        self._index += 1
-        if self.repeat and self._index == self.batches_per_epoch:
-            self._epoch, self._index = self._epoch + 1, 0
-        return {"images": images, "labels": labels, "weights": weights, **extras}
+        return {"images": out, "labels": labels, "weights": weights, **extras}
+
+    def close(self) -> None:
+        """Stops the worker processes (a later batch starts them again)."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close()
+
+    def __del__(self):
+        if getattr(self, "_pool", None) is not None:
+            self.close()
 
     def get_state(self) -> dict[str, Any]:
         """The position of the next batch, JSON-serialisable (independent of the process)."""
@@ -291,6 +376,9 @@ class ImageIterator:
         if index > self.batches_per_epoch or (self.repeat and index == self.batches_per_epoch):
             raise UserError(f"image-iterator state index {index} is out of range for "
                             f"{self.batches_per_epoch} batches per epoch")
+        if self._pool is not None:
+            self._pool.discard()
+            self._ahead = (epoch, index)
         self._epoch, self._index = epoch, index
 
 
@@ -301,13 +389,14 @@ def make_image_iterator(dataset: str, split: str, *, image_size: int, batch_size
                         process_count: int = 1, test_fraction: float = 0.2, split_seed: int = 0,
                         info: DatasetInfo | None = None,
                         annotate: Callable[[Any, int, int], dict[str, np.ndarray]] | None = None,
-                        ) -> ImageIterator:
+                        workers: int | None = None) -> ImageIterator:
     """An :class:`ImageIterator` over ``dataset``'s ``split`` (module docstring).
 
     ``flip`` defaults to the dataset's (False for digits, True for TFDS photos);
     ``augment`` applies only where ``repeat`` (training). ``annotate(example, index, epoch)``
     adds arrays to each row (the contrastive task's tokenized caption); rows that pad the
-    last eval batch hold zeros there.
+    last eval batch hold zeros there. ``workers``: processes that decode and augment
+    (:func:`default_workers` when None; 0: in this process).
     """
     if process_count < 1 or not 0 <= process_index < process_count:
         raise UserError(f"need 0 <= process_index < process_count, got {process_index}, "
@@ -320,5 +409,15 @@ def make_image_iterator(dataset: str, split: str, *, image_size: int, batch_size
                          batch_size=batch_size, seed=seed, shuffle=shuffle, repeat=repeat,
                          augment=augment and repeat, flip=info.flip if flip is None else flip,
                          process_index=process_index, process_count=process_count,
-                         annotate=annotate)
+                         annotate=annotate, workers=default_workers(source, workers))
+
+
+def default_workers(source, requested: int | None = None) -> int:
+    """``requested``, or where None: 0 for an in-memory array source (digits: an epoch
+    costs 0.2 CPU s here, less than starting a pool, and each image 12% more CPU through a
+    worker), else the host's cores (decoding and resizing a photo costs ~5 CPU ms).
+    Measurements: docs/performance.md, 2026-12-07."""
+    if requested is not None:
+        return requested
+    return 0 if isinstance(source, ArraySource) else host_cores()
 

@@ -131,7 +131,8 @@ class ImageClassificationTask(Task):
             seed=cfg.seed, shuffle=train, repeat=train, augment=bool(opt["augment"]) and train,
             flip=opt["flip"], data_dir=cfg.data_dir, process_index=process_index,
             process_count=process_count, test_fraction=opt["test_fraction"],
-            split_seed=opt["split_seed"], info=self.info)
+            split_seed=opt["split_seed"], info=self.info,
+            workers=cfg.data_workers)
 
     # -- accounting ----------------------------------------------------------------
     def tokens_per_step(self) -> int:

@@ -88,6 +88,9 @@ class ExperimentConfig(PresetConfig):
     data_dir: str | None = None
     seq_len: int = 128
     batch_size: int = 32               # global batch (all devices, all micro-batches)
+    # image tasks: processes that decode and augment images (None: the host's cores, but 0
+    # for in-memory arrays such as digits; 0: in the training process). docs/performance.md
+    data_workers: int | None = None
     # optimisation
     steps: int = 600
     accum_steps: int = 1
@@ -169,6 +172,8 @@ class ExperimentConfig(PresetConfig):
         self._require_number("learning_rate", minimum=0, exclusive_min=True,
                              hint=" (the peak; noam: its scale factor)")
         self._require_number("warmup_steps", integer=True, minimum=0)
+        self._require_number("data_workers", integer=True, minimum=0, allow_none=True,
+                             hint=" (0: preprocess in the training process; None: the host's cores)")
         self._require_number("end_learning_rate", minimum=0)
         for name in ("b1", "b2"):
             self._require_number(name, minimum=0, maximum=1, exclusive_max=True)
