@@ -70,8 +70,13 @@ def specs(tree) -> dict[str, str]:
     out = {}
     for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
         sharding = getattr(x, "sharding", x)
-        out["/".join(_keys(path))] = str(sharding.spec)
+        out["/".join(_keys(path))] = spec_text(sharding.spec)
     return out
+
+
+def spec_text(spec) -> str:
+    """``P('fsdp', None)``: a PartitionSpec as jax >= 0.8 prints it (0.7 writes ``PartitionSpec(...)``)."""
+    return str(spec).replace("PartitionSpec(", "P(", 1)
 
 
 def main() -> dict:
@@ -116,7 +121,7 @@ def main() -> dict:
         "specs": {k: specs(params)[k] for k in ("wte/embedding", "h_0/mlp/wi/kernel",
                                                 "h_0/self_attn/query/kernel", "h_0/norm1/scale")},
         "logits_max_diff": float(np.abs(np.asarray(logits) - np.asarray(call(single))).max()),
-        "logits_sharding": str(logits.sharding.spec),
+        "logits_sharding": spec_text(logits.sharding.spec),
         "loss": [before, after],
         "mu_spec": specs(nnx.state(optimizer))["opt_state/0/mu/h_0/mlp/wi/kernel/value"],
     }

@@ -37,7 +37,7 @@ def assert_trees_close(got, want, atol):
     jax.tree_util.tree_map(lambda g, w: np.testing.assert_allclose(g, w, rtol=0, atol=atol), got, want)
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.colab] * (n == "gpt")) for n in FAMILIES])
 def test_wrapper_equals_linen_and_an_optimizer_step_lowers_the_loss(name, families):
     module, inputs, loss_of, lr = families[name]
     model = to_nnx(module, *inputs, rngs=nnx.Rngs(0))
@@ -71,6 +71,7 @@ def test_wrapper_equals_linen_and_an_optimizer_step_lowers_the_loss(name, famili
     assert float(after) < float(before) - 0.01, (float(before), float(after))
 
 
+@pytest.mark.colab
 def test_params_load_and_are_checked(families):
     module, (ids,), _, _ = families["gpt"]
     boxed = jax.jit(module.init)(jax.random.key(7), ids)["params"]   # as init returns them
@@ -92,6 +93,7 @@ def test_params_load_and_are_checked(families):
         to_nnx(module, ids, params={"params": params})
 
 
+@pytest.mark.colab
 def test_a_mesh_the_models_cannot_use_is_a_user_error(families):
     module, (ids,), _, _ = families["gpt"]
     with pytest.raises(UserError, match=r"^to_nnx: the mesh's axes are Explicit; .* needs Auto axes"):
@@ -121,6 +123,7 @@ def test_hugging_face_weights_in_the_nnx_module():
 
 
 @pytest.mark.slow
+@pytest.mark.colab
 def test_on_a_mesh_params_are_sharded_by_the_logical_axis_rules():
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4".strip(),

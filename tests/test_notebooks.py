@@ -72,6 +72,9 @@ PARITY_LINE = re.compile(r"^parity (?P<name>.+?): max \|diff\| = (?P<diff>\S+) \
 BADGE = "https://colab.research.google.com/github/transformer-jax/transformer_jax/blob/main/colab/{}"
 REPO_URL = 'REPO_URL = "https://github.com/transformer-jax/transformer_jax"'
 KERNEL_NAME = "transformer-jax-test"
+# Torch-free notebooks that also run against Colab's versions (make test-colab): training with
+# a pause and resume, and the encoder families.
+COLAB_NOTEBOOKS = {"02_train_gpt", "03_bert_t5_vit"}
 CELL_TIMEOUT = 300        # seconds per cell; the slowest smoke-mode cell takes ~25 s on 2 busy cores
 
 
@@ -155,7 +158,8 @@ def printed_text(nb) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", [pytest.param(p, marks=[pytest.mark.colab] * (p.stem in COLAB_NOTEBOOKS))
+                                  for p in NOTEBOOKS], ids=lambda p: p.stem)
 def test_notebook_runs_top_to_bottom(path, tmp_path, kernel_spec_manager, kernel_env):
     nb = read(path)
     km = AsyncKernelManager(kernel_name=KERNEL_NAME, kernel_spec_manager=kernel_spec_manager)

@@ -41,6 +41,7 @@ def cli_args(workdir, data_dir, steps, *extra):
 
 # --------------------------------------------------------------------------- in process
 
+@pytest.mark.colab
 def test_default_run_learns_and_writes_everything(tmp_path, data_dir):
     cfg = tiny_cfg(data_dir, steps=30, learning_rate=1e-2)
     summary = train(cfg, tmp_path, progress=False)

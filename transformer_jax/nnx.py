@@ -18,7 +18,7 @@ dimensions replicated). The ``Param`` keeps its logical names, so ``model(...)``
 the Linen boxes and ``nn.with_logical_constraint`` works as in Linen.
 
 The flax version differences (0.11: no eager sharding, names under ``sharding_names``;
-0.12: ``nnx.use_eager_sharding``, ``out_sharding``) live in the two definitions below.
+0.12: ``nnx.use_eager_sharding``, ``out_sharding``) live in :mod:`transformer_jax.compat`.
 """
 from __future__ import annotations
 
@@ -30,20 +30,8 @@ import jax
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 
-from . import sharding as sh
+from . import compat, sharding as sh
 from .errors import UserError
-
-# ----------------------------------------------------------------------------- flax versions
-
-#: where an ``nnx.Param`` made by the bridge keeps its logical axis names (0.12, then 0.11)
-_NAME_KEYS = ("out_sharding", "sharding_names")
-
-
-def _eager_sharding_off():
-    """flax >= 0.12 shards variables on creation unless told not to; 0.11 never does."""
-    use = getattr(nnx, "use_eager_sharding", None)
-    return use(False) if use is not None else contextlib.nullcontext()
-
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -57,7 +45,7 @@ def _logical_names(model: nnx.Module) -> dict[tuple[str, ...], tuple | None]:
     for path, node in nnx.iter_graph(model):
         if isinstance(node, nnx.Param):
             meta = node.get_metadata()
-            names = next((meta[k] for k in _NAME_KEYS if meta.get(k) is not None), None)
+            names = next((meta[k] for k in compat.NNX_AXIS_NAME_KEYS if meta.get(k) is not None), None)
             out[_keys(path)] = None if names is None else tuple(names)
     return out
 
@@ -149,7 +137,7 @@ def to_nnx(module: nn.Module, *args: Any, rngs: nnx.Rngs | jax.Array | int | Non
         nnx.update(model, state)
 
     scope = sh.use_mesh(mesh, rules) if mesh is not None else contextlib.nullcontext()
-    with _eager_sharding_off(), scope:
+    with compat.eager_sharding_off(), scope:
         nnx.jit(init)(model, params)
     return model
 

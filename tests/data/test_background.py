@@ -8,6 +8,8 @@ import pytest
 from transformer_jax import data
 from transformer_jax.data.background import Background
 
+pytestmark = pytest.mark.colab   # also run against Colab's versions: make test-colab
+
 DOCS = [f"document {i}: " + "abcdefghij"[: i % 10] * (i % 7 + 1) for i in range(60)]
 
 

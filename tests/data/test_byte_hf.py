@@ -3,12 +3,15 @@
 and ``is_byte_tokenizer`` tells those files (and ByT5's) from other tokenizers."""
 import json
 
+import pytest
 import transformers
 
 from tests.tokenizer_dirs import CORPUS, gpt2_dir
 from transformer_jax.data.byte_hf import is_byte_tokenizer, write_byte_tokenizer
 from transformer_jax.data.hf_tokenizer import HFTokenizer
 from transformer_jax.data.tokenizers import ByteTokenizer
+
+pytestmark = pytest.mark.colab   # also run against Colab's versions: make test-colab
 
 TEXTS = [CORPUS[0][:3000], "def f(x):\n    return 'é'\t # 🙂 \x00\x7f", "", "  two  spaces  "]
 

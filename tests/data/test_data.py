@@ -20,6 +20,8 @@ from transformer_jax.data import stdlib_corpus
 from transformer_jax.data.tokenizers import ByteTokenizer
 from transformer_jax.errors import UserError
 
+pytestmark = pytest.mark.colab   # also run against Colab's versions: make test-colab
+
 # -------------------------------------------------------------------------
 # Helpers and fixtures.
 

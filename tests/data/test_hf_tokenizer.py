@@ -22,6 +22,8 @@ from transformer_jax.errors import UserError
 from transformer_jax.tasks import make_task
 from transformer_jax.train.config import ExperimentConfig
 
+pytestmark = pytest.mark.colab   # also run against Colab's versions: make test-colab
+
 tokenizers = pytest.importorskip("tokenizers")
 transformers = pytest.importorskip("transformers")
 

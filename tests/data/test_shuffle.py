@@ -5,6 +5,8 @@ import pytest
 
 from transformer_jax.data.shuffle import hash_order, permutation, shuffled
 
+pytestmark = pytest.mark.colab   # also run against Colab's versions: make test-colab
+
 
 @pytest.mark.parametrize("n", [1, 2, 3, 7, 8, 1000, 2**16 + 3])
 def test_it_is_a_bijection_and_lookups_agree_with_the_whole(n):

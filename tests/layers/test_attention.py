@@ -11,6 +11,8 @@ from transformer_jax.layers import MultiHeadAttention, causal_mask, dot_product_
 
 from ..helpers import BF16_ATOL, FP32_TOL, attention_inputs, rand
 
+pytestmark = pytest.mark.colab   # also run against Colab's versions: make test-colab
+
 
 def test_attention_golden_by_hand():
     q = jnp.array([1.0, 0.0]).reshape(1, 1, 1, 2)

@@ -10,6 +10,8 @@ from transformer_jax.decode import generate, sample_logits
 from transformer_jax.layers.stack import stack_layers, unstack_layers
 from transformer_jax.models.gpt import GPT, GPTConfig, init_params
 
+pytestmark = pytest.mark.colab   # also run against Colab's versions: make test-colab
+
 FP32_TOL = dict(rtol=1e-5, atol=1e-5)
 TINY = GPTConfig.preset("tiny", dropout_rate=0.0, attention_dropout_rate=0.0)
 

@@ -13,6 +13,8 @@ from transformer_jax.tasks.lm import LMTask
 from transformer_jax.train.config import ExperimentConfig
 from transformer_jax.train.loop import evaluate
 
+pytestmark = pytest.mark.colab   # also run against Colab's versions: make test-colab
+
 # Byte ids are the UTF-8 byte + 3 (pad 0, eos 1): a=100 ... j=109. Each document is followed
 # by eos and the documents are concatenated into one stream of N = 14 tokens.
 DOCS = ("ab", "cde", "f", "ghij")

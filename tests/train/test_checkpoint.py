@@ -15,6 +15,8 @@ import pytest
 from transformer_jax.errors import UserError
 from transformer_jax.train.checkpoint import CheckpointManager, read_config
 
+pytestmark = pytest.mark.colab   # also run against Colab's versions: make test-colab
+
 CONFIG = {
     "model": {"d_model": 64, "num_heads": 4, "dropout": 0.1, "tie_embeddings": True},
     "vocab": ["<pad>", "<s>", "</s>"],

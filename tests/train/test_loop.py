@@ -31,6 +31,7 @@ def saved_steps(workdir) -> list[int]:
 
 # --------------------------------------------------------------------------- pause, resume
 
+@pytest.mark.colab
 def test_stop_at_pauses_and_resume_gives_the_uninterrupted_losses(tmp_path, data_dir):
     """A notebook's pattern: train with callbacks, pause at step 8 (a checkpoint there,
     though save_every is 5), continue with resume=True; every loss and eval equals the
