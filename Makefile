@@ -33,7 +33,7 @@ test: $(BIN)/.installed
 COLAB_VENV   ?= .venv-colab
 COLAB_BIN     = $(COLAB_VENV)/bin
 COLAB_PYTHON ?= $(firstword $(wildcard /root/.pyenv/versions/3.13*/bin/python3.13) $(shell command -v python3.13))
-COLAB_DEPS    = pytest pytest-xdist filelock nbclient nbformat ipykernel jupyter-client transformers grain
+COLAB_DEPS    = pytest pytest-xdist filelock nbclient nbformat ipykernel jupyter-client transformers grain datasets
 # the files holding the tests marked `colab` (naming them spares collecting the whole suite)
 COLAB_TESTS   = tests/data tests/models/test_gpt.py tests/layers/test_attention.py tests/tasks/test_lm.py \
                 tests/test_nnx.py tests/train/test_checkpoint.py tests/train/test_loop.py tests/test_run.py \

@@ -15,6 +15,8 @@ from transformer_jax.data.hf_datasets import parse_hf_spec
 from transformer_jax.data.sources import open_source
 from transformer_jax.errors import UserError
 
+pytestmark = pytest.mark.colab   # also run against Colab's versions: make test-colab
+
 TEXTS = [f"document {i}: " + "word " * (i % 7 + 1) for i in range(60)]
 
 

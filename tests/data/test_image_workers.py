@@ -8,6 +8,8 @@ from transformer_jax.data.images import (ArraySource, ImageIterator, default_wor
                                          prepare_row, preprocess_image)
 from transformer_jax.errors import UserError
 
+pytestmark = pytest.mark.colab   # also run against Colab's versions: make test-colab
+
 SEED = 3
 
 

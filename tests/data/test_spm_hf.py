@@ -18,6 +18,8 @@ from transformer_jax.data.spm_hf import (OLD_CONFIG, sentencepiece_export,
                                          write_sentencepiece_tokenizer)
 from transformer_jax.data.tokenizers import SentencePieceTokenizer, train_sentencepiece
 
+pytestmark = pytest.mark.colab   # also run against Colab's versions: make test-colab
+
 pytest.importorskip("sentencepiece")
 
 STDLIB = os.path.dirname(os.__file__)
