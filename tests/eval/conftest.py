@@ -88,37 +88,33 @@ def finetuned(tmp_path_factory, gpt2_hf):
     return str(workdir), str(export)
 
 
-@pytest.fixture(scope="session")
-def byte_run(tmp_path_factory):
-    """A tiny GPT trained here 3 steps with the default byte tokenizer (tests/helpers.py
-    TINY_RUN), and its export as a Hugging Face directory: (workdir, export)."""
+def _train_and_export(root, *sets: str) -> tuple[str, str]:
+    """A tiny GPT (tests/helpers.py TINY_RUN) trained 3 steps in ``root/run`` with ``sets``
+    on top, and its export as a Hugging Face directory ``root/export``: (workdir, export)."""
     from tests.helpers import TINY_RUN
     from transformer_jax.cli import main
 
-    root = tmp_path_factory.mktemp("byte_run")
     workdir, export = root / "run", root / "export"
     sets = [*TINY_RUN, "steps=3", "eval_every=3", "save_every=3", "sample_tokens=0",
-            f"data_dir={root / 'tfds'}"]
+            f"data_dir={root / 'tfds'}", *sets]
     assert main(["train", "--no-progress", "--workdir", str(workdir),
                  *(f"--set={s}" for s in sets)]) == 0
     assert main(["export", "--workdir", str(workdir), "--out", str(export)]) == 0
     return str(workdir), str(export)
+
+
+@pytest.fixture(scope="session")
+def byte_run(tmp_path_factory):
+    """A tiny run with the default byte tokenizer, and its export: (workdir, export)."""
+    return _train_and_export(tmp_path_factory.mktemp("byte_run"))
 
 
 @pytest.fixture(scope="session")
 def spm_run(tmp_path_factory):
-    """A tiny GPT trained here 3 steps with a SentencePiece unigram (600 pieces, trained on
+    """A tiny run with a SentencePiece unigram (600 pieces, trained on
     tests/tokenizer_dirs.py's CORPUS), and its export: (workdir, export)."""
-    from tests.helpers import TINY_RUN
-    from transformer_jax.cli import main
     from transformer_jax.data.tokenizers import train_sentencepiece
 
     root = tmp_path_factory.mktemp("spm_run")
-    workdir, export = root / "run", root / "export"
     train_sentencepiece(CORPUS, 600, root / "spm.model", num_threads=1)
-    sets = [*TINY_RUN, "steps=3", "eval_every=3", "save_every=3", "sample_tokens=0",
-            f"tokenizer=sentencepiece:{root / 'spm.model'}", f"data_dir={root / 'tfds'}"]
-    assert main(["train", "--no-progress", "--workdir", str(workdir),
-                 *(f"--set={s}" for s in sets)]) == 0
-    assert main(["export", "--workdir", str(workdir), "--out", str(export)]) == 0
-    return str(workdir), str(export)
+    return _train_and_export(root, f"tokenizer=sentencepiece:{root / 'spm.model'}")

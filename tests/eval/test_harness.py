@@ -94,20 +94,25 @@ def test_a_run_trained_here_matches_the_hf_backend_on_its_export(finetuned, task
     print(f"fine-tuned workdir vs its export: max |diff| {worst:.3g}")
 
 
-def test_a_byte_level_runs_export_scores_as_its_workdir(byte_run, tasks_dir, tmp_path, capsys):
-    """A byte-level run's export (issue 46.1): its tokenizer adds no ``</s>``, so the HF
-    backend on the export scores every request as the workdir does; ``eval --init-from`` reads
-    the export's tokenizer back, with the same metrics."""
-    from transformer_jax.data.tokenizers import ByteTokenizer
+@pytest.mark.parametrize("run", ["byte_run", "spm_run"])
+def test_a_runs_export_scores_as_its_workdir(run, tasks_dir, tmp_path, capsys, request):
+    """A byte-level or SentencePiece run's export (issue 46.1): its tokenizer adds no
+    ``</s>`` and encodes as the run's tokenizer, so the HF backend on the export scores every
+    request as the workdir does; ``eval --init-from`` reads the export's tokenizer back as
+    the run's ("byte", or its spiece.model), with the same metrics."""
+    from transformer_jax.data.tokenizers import get_tokenizer
+    from transformer_jax.train.finetune import load_source
 
-    workdir, export = byte_run
+    workdir, export = request.getfixturevalue(run)
+    spec = "byte" if run == "byte_run" else f"sentencepiece:{Path(export) / 'spiece.model'}"
+    assert load_source(export).tokenizer == spec
     text = "def f(x):\n    return 'é'  # 🙂"
     assert (transformers.AutoTokenizer.from_pretrained(export)(text)["input_ids"]
-            == ByteTokenizer().encode(text))
+            == get_tokenizer(spec).encode(text))
     reference = ours(workdir, tasks_dir)
     worst = compare(reference, theirs(export, tasks_dir))
     with capsys.disabled():
-        print(f"byte-level workdir vs its export: max |diff| {worst:.3g}")
+        print(f"{run} workdir vs its export: max |diff| {worst:.3g}")
     out = tmp_path / "init_from.json"
     code, _, lines = run_cli(capsys, "eval", "--tasks", ",".join(TASKS), "--init-from", export,
                              "--include-path", tasks_dir, "--limit", str(LIMIT),
@@ -135,30 +140,6 @@ def test_an_older_byte_export_reads_back_with_the_byte_tokenizer(byte_run, tmp_p
          "pad_token": "<pad>", "unk_token": "<unk>"}))
     assert load_source(export).tokenizer == load_source(old).tokenizer == "byte"
     assert type(HarnessLM.from_dir(old).tokenizer_) is ByteTokenizer
-
-
-def test_a_sentencepiece_runs_export_scores_as_its_workdir(spm_run, tasks_dir, tmp_path, capsys):
-    """A SentencePiece run's export: its tokenizer.json adds no ``</s>``, so the HF backend
-    on the export scores as the workdir does; ``--init-from`` reads it back as the run's
-    SentencePiece model (spiece.model), with the same metrics."""
-    from transformer_jax.data.tokenizers import SentencePieceTokenizer
-    from transformer_jax.train.finetune import load_source
-
-    workdir, export = spm_run
-    text = "def f(x):\n    return 'é'  # 🙂"
-    ours_tok = SentencePieceTokenizer(str(Path(export) / "spiece.model"))
-    assert transformers.AutoTokenizer.from_pretrained(export)(text)["input_ids"] == ours_tok.encode(text)
-    assert load_source(export).tokenizer == f"sentencepiece:{Path(export) / 'spiece.model'}"
-    reference = ours(workdir, tasks_dir)
-    worst = compare(reference, theirs(export, tasks_dir))
-    with capsys.disabled():
-        print(f"SentencePiece workdir vs its export: max |diff| {worst:.3g}")
-    out = tmp_path / "init_from.json"
-    code, _, lines = run_cli(capsys, "eval", "--tasks", ",".join(TASKS), "--init-from", export,
-                             "--include-path", tasks_dir, "--limit", str(LIMIT),
-                             "--bootstrap-iters", "0", "--output", str(out))
-    assert code == 0, lines
-    compare_metrics(reference, json.loads(out.read_text()))
 
 
 def run_cli(capsys, *args):

@@ -26,7 +26,7 @@ __all__ = ["write_byte_tokenizer", "is_byte_tokenizer"]
 BYTE_OFFSET = 3
 SPECIALS = ("<pad>", "</s>", "<unk>")          # ids 0, 1, 2
 #: tokenizer_config.json's name of each of BERT's special tokens
-_BERT_NAMES = {"[CLS]": "cls_token", "[SEP]": "sep_token", "[MASK]": "mask_token"}
+BERT_TOKEN_NAMES = {"[CLS]": "cls_token", "[SEP]": "sep_token", "[MASK]": "mask_token"}
 
 
 def byte_symbols() -> list[str]:
@@ -64,13 +64,14 @@ def write_byte_tokenizer(out_dir: str, extra_specials: Sequence[str] = ()) -> li
     tok.save(os.path.join(out_dir, "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "pad_token": "<pad>",
               "eos_token": "</s>", "unk_token": "<unk>",
-              **{_BERT_NAMES[t]: t for t in extra_specials if t in _BERT_NAMES}}
+              **{BERT_TOKEN_NAMES[t]: t for t in extra_specials if t in BERT_TOKEN_NAMES}}
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2)
     return ["tokenizer.json", "tokenizer_config.json"]
 
 
-def _json(path: str) -> dict:
+def read_json_object(path: str) -> dict:
+    """The JSON object in ``path``; ``{}`` for a missing or unreadable file or another value."""
     try:
         with open(path, encoding="utf-8") as f:
             value = json.load(f)
@@ -81,8 +82,8 @@ def _json(path: str) -> dict:
 
 def is_byte_tokenizer(directory: str) -> bool:
     """Whether ``directory``'s tokenizer files are the byte tokenizer's ids (module docstring)."""
-    config = _json(os.path.join(directory, "tokenizer_config.json"))
-    tokenizer = _json(os.path.join(directory, "tokenizer.json"))
+    config = read_json_object(os.path.join(directory, "tokenizer_config.json"))
+    tokenizer = read_json_object(os.path.join(directory, "tokenizer.json"))
     if not tokenizer:
         return (config.get("tokenizer_class") == "ByT5Tokenizer"
                 and not any(os.path.isfile(os.path.join(directory, name))
@@ -95,4 +96,4 @@ def is_byte_tokenizer(directory: str) -> bool:
     return (model.get("type") == "BPE" and not model.get("merges")
             and tokenizer.get("normalizer") is None and tokenizer.get("post_processor") is None
             and (tokenizer.get("pre_tokenizer") or {}).get("type") == "ByteLevel"
-            and set(extra) <= set(_BERT_NAMES) and vocab == _vocab(extra))
+            and set(extra) <= set(BERT_TOKEN_NAMES) and vocab == _vocab(extra))

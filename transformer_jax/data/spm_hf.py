@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import UserError
+from .byte_hf import BERT_TOKEN_NAMES, read_json_object
 
 __all__ = ["tokenizer_json", "write_sentencepiece_tokenizer", "sentencepiece_export"]
 
@@ -37,8 +38,6 @@ SPACE = "▁"
 #: tokenizer_config.json of the exports written before tokenizer.json was (T5Tokenizer)
 OLD_CONFIG = {"tokenizer_class": "T5Tokenizer", "extra_ids": 0, "eos_token": "</s>",
               "pad_token": "<pad>", "unk_token": "<unk>"}
-#: tokenizer_config.json's name of each of BERT's special tokens (appended by an MLM run)
-_BERT_NAMES = {"[CLS]": "cls_token", "[SEP]": "sep_token", "[MASK]": "mask_token"}
 # ModelProto enums (sentencepiece_model.proto)
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
 _UNIGRAM, _BPE = 1, 2
@@ -146,19 +145,10 @@ def write_sentencepiece_tokenizer(model: bytes, out_dir: str,
     hf.save(os.path.join(out_dir, "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "pad_token": names[tok.pad_id],
               "eos_token": names[tok.eos_id], "unk_token": names[tok.unk_id],
-              **{_BERT_NAMES[t]: t for t in extra_specials if t in _BERT_NAMES}}
+              **{BERT_TOKEN_NAMES[t]: t for t in extra_specials if t in BERT_TOKEN_NAMES}}
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2)
     return ["spiece.model", "tokenizer.json", "tokenizer_config.json"]
-
-
-def _json(path: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
-    except (OSError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}
 
 
 def sentencepiece_export(directory: str) -> str | None:
@@ -172,16 +162,16 @@ def sentencepiece_export(directory: str) -> str | None:
         SentencePieceTokenizer(model)
     except Exception:                       # no file, not a model, not pad 0 / eos 1
         return None
-    written = _json(os.path.join(directory, "tokenizer.json"))
+    written = read_json_object(os.path.join(directory, "tokenizer.json"))
     if not os.path.isfile(os.path.join(directory, "tokenizer.json")):
         others = ("special_tokens_map.json", "added_tokens.json", "tokenizer.model")
-        old = (_json(os.path.join(directory, "tokenizer_config.json")) == OLD_CONFIG
+        old = (read_json_object(os.path.join(directory, "tokenizer_config.json")) == OLD_CONFIG
                and not any(os.path.isfile(os.path.join(directory, n)) for n in others))
         return path if old else None
     size = len(_proto(model).pieces)
     extra = [t.get("content") for t in written.get("added_tokens", [])
              if isinstance(t, dict) and isinstance(t.get("id"), int) and t["id"] >= size]
-    if not set(extra) <= set(_BERT_NAMES):
+    if not set(extra) <= set(BERT_TOKEN_NAMES):
         return None
     try:
         expected = json.loads(tokenizer_json(model, extra).to_str())
