@@ -2,6 +2,8 @@
 formats (parquet written by ``datasets``, a ``save_to_disk`` directory), without TensorFlow;
 and the one-line refusals of TFDS datasets that need TensorFlow to prepare."""
 import io
+import math
+from pathlib import Path
 
 import datasets
 import numpy as np
@@ -365,3 +367,171 @@ def test_bert_pretraining_reads_the_text_key(tmp_path, spm_texts, experiment):
     assert ours.keys() == theirs.keys()
     for key in ours:
         np.testing.assert_array_equal(ours[key], theirs[key])
+
+
+# ----------------------------------------------------------------------------- TPU experiments
+
+EXPERIMENTS_DIR = Path(__file__).resolve().parents[2] / "experiments"
+TPU_EXPERIMENTS = sorted(p.stem for p in EXPERIMENTS_DIR.glob("*tpu*.py"))
+WIKITEXT, WIKITEXT_CONFIG = "Salesforce/wikitext", "wikitext-103-raw-v1"
+
+
+def _wiki_rows(split: str, articles: int) -> list[str]:
+    """WikiText raw rows: one line each, empty rows between, headings in `` = ... = ``."""
+    rows = []
+    for a in range(articles):
+        rows += ["", f" = {split.title()} article {a} = \n", "",
+                 f" The {split} article {a} was written in {1990 + a} , and it lists "
+                 f"{3 * a + 1} @-@ item examples . \n",
+                 f" = = Section {a} = = \n", "",
+                 f" Its section {a} holds {a % 4 + 2} short paragraphs of plain text . \n"]
+    return rows
+
+
+@pytest.fixture(scope="module")
+def wikitext_copy(tmp_path_factory):
+    """A local copy laid out like the Hub repository Salesforce/wikitext:
+    ``wikitext/<config>/{train,validation,test}-00000-of-00001.parquet``, a ``text`` column."""
+    root = tmp_path_factory.mktemp("hub") / "wikitext"
+    (root / WIKITEXT_CONFIG).mkdir(parents=True)
+    rows = {"train": _wiki_rows("train", 8), "validation": _wiki_rows("validation", 3),
+            "test": _wiki_rows("test", 2)}
+    for split, texts in rows.items():
+        datasets.Dataset.from_dict({"text": texts}).to_parquet(
+            str(root / WIKITEXT_CONFIG / f"{split}-00000-of-00001.parquet"))
+    return root, rows
+
+
+IMAGENET_CLASSES = 1000
+IMAGENET_SIZES = [(50, 37), (37, 50), (64, 64), (40, 71), (33, 45), (80, 60), (47, 47),
+                  (52, 39), (36, 58), (61, 44)]
+
+
+@pytest.fixture(scope="module")
+def imagenet_copy(tmp_path_factory):
+    """ImageNet as parquet files (``data/{train,validation}-*.parquet``): JPEG ``image``
+    (varied sizes) and a 1000-class ``label``, unique per image. Returns the root and, per
+    split, the decoded images and labels."""
+    rng = np.random.default_rng(2)
+    root = tmp_path_factory.mktemp("hub") / "imagenet"
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(
+        names=[f"n{i:08d}" for i in range(IMAGENET_CLASSES)])})
+    splits, out = {}, {}
+    for split, (first, n) in {"train": (0, 10), "validation": (10, 8)}.items():
+        jpegs, decoded, labels = [], [], []
+        for i in range(first, first + n):
+            h, w = IMAGENET_SIZES[i % len(IMAGENET_SIZES)]
+            buf = io.BytesIO()
+            Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, "JPEG")
+            jpegs.append({"bytes": buf.getvalue(), "path": None})
+            decoded.append(np.asarray(Image.open(io.BytesIO(buf.getvalue())).convert("RGB")))
+            labels.append((97 * i + 13) % IMAGENET_CLASSES)
+        splits[split] = datasets.Dataset.from_dict({"image": jpegs, "label": labels},
+                                                   features=features)
+        out[split] = (decoded, labels)
+    write_splits(root, splits, "parquet")
+    return root, out
+
+
+def _close(it) -> None:
+    """Stops a train iterator's background thread and its image workers, if any."""
+    it.close()
+    inner = getattr(it, "iterator", None)
+    if inner is not None and hasattr(inner, "close"):
+        inner.close()
+
+
+def _lm_first_batches(cfg, tmp_path, wikitext_copy):
+    from transformer_jax.tasks import make_task
+    from transformer_jax.train.config import apply_overrides
+
+    root, rows = wikitext_copy
+    prefix = f"hf:{WIKITEXT}:"
+    assert cfg.dataset == prefix + WIKITEXT_CONFIG and cfg.eval_split == "validation"
+    assert (cfg.task, cfg.tokenizer) == ("lm", "sentencepiece")
+    b = math.lcm(4, cfg.accum_steps)
+    local = apply_overrides(cfg, [f"dataset={cfg.dataset.replace(prefix, f'hf:{root}:')}",
+                                  "seq_len=24", f"batch_size={b}", "sentencepiece_vocab_size=300",
+                                  f"data_dir={tmp_path / 'data'}"])
+    task = make_task(local, tmp_path / "run")    # trains spm.model on the local train split
+    assert task.tokenizer_spec == f"sentencepiece:{tmp_path / 'run' / 'spm.model'}"
+    train = task.train_iterator(0, 1)
+    try:
+        first_train = next(train)
+    finally:
+        _close(train)
+    first_eval = next(iter(task.eval_batches(0, 1)))
+    tok, eos = task.tokenizer, task.eos_id
+
+    def text(ids) -> str:   # eos shown as \x1e
+        cuts = [-1, *np.flatnonzero(ids == eos), len(ids)]
+        return "\x1e".join(tok.decode(ids[a + 1:z].tolist()) for a, z in zip(cuts, cuts[1:]))
+
+    for split, batch in (("train", first_train), ("validation", first_eval)):
+        assert {k: (v.shape, v.dtype.name) for k, v in batch.items()} == {
+            "inputs": ((b, 24), "int32"), "targets": ((b, 24), "int32"),
+            "weights": ((b, 24), "float32")}
+        np.testing.assert_array_equal(batch["inputs"][:, 1:], batch["targets"][:, :-1])
+        # the split's non-empty rows, each ended by eos; every row is a stretch of them
+        stream = "\x1e".join(t for t in rows[split] if t) + "\x1e"
+        for row in batch["inputs"]:
+            assert len(text(row)) >= 24 and text(row) in stream, (split, text(row))
+    # eval reads the validation split in order: its first batch is the split's start
+    start = text(first_eval["inputs"].reshape(-1))
+    assert start.count("\x1e") >= 1 and stream.startswith(start), start
+    np.testing.assert_array_equal(first_eval["weights"], np.ones((b, 24), np.float32))
+
+
+def _vit_first_batches(cfg, tmp_path, imagenet_copy):
+    from transformer_jax.tasks import make_task
+    from transformer_jax.train.config import apply_overrides
+
+    root, splits = imagenet_copy
+    assert (cfg.dataset, cfg.eval_split, cfg.task) == (
+        "imagenet2012", "validation", "image_classification")
+    b = math.lcm(4, cfg.accum_steps)   # 8 for the v5e-1's accum_steps=8
+    local = apply_overrides(cfg, [f"dataset=hf:{root}", f"batch_size={b}",
+                                  f"data_dir={tmp_path / 'data'}"])
+    task = make_task(local, tmp_path / "run")
+    assert (task.info.num_classes, task.info.num_channels, task.image_size) == (
+        IMAGENET_CLASSES, 3, 224)
+    train = task.train_iterator(0, 1)
+    try:
+        first_train = next(train)
+    finally:
+        _close(train)
+    first_eval = next(iter(task.eval_batches(0, 1)))
+    params = {"seed": local.seed, "image_size": 224, "max_value": 255.0, "augment": True,
+              "flip": task.info.flip, "num_channels": 3, "name": local.dataset}
+    for split, batch in (("train", first_train), ("validation", first_eval)):
+        images, labels = batch["images"], batch["labels"]
+        assert (images.shape, images.dtype.name, labels.dtype.name) == (
+            (b, 224, 224, 3), "float32", "int32")
+        assert -1.0 <= images.min() < images.max() <= 1.0
+        np.testing.assert_array_equal(batch["weights"], np.ones(b, np.float32))
+        decoded, all_labels = splits[split]
+        ids = [all_labels.index(int(label)) for label in labels]   # labels are unique
+        if split == "validation":   # in order, no augmentation
+            assert ids == list(range(b))
+            expected = [image_data.preprocess_image(decoded[i], 224) for i in ids]
+        else:   # shuffled, augmented as the experiment asks (task.augment)
+            assert len(set(ids)) == b
+            expected = [image_data.prepare_row({"image": decoded[i]}, i, 0, params) for i in ids]
+        np.testing.assert_allclose(images, np.stack(expected), atol=1e-5)
+
+
+@pytest.mark.parametrize("name", TPU_EXPERIMENTS)
+def test_tpu_experiment_data_runs_on_a_local_copy(name, tmp_path, wikitext_copy, imagenet_copy):
+    """Every TPU experiment's data path, without TensorFlow, on a local copy of its dataset
+    in the real format (the Hub repository's parquet files; ImageNet as ``hf:DIR`` parquet,
+    docs/datasets.md): the run's train and eval iterators, shrunk to a small batch."""
+    from transformer_jax.train.config import load_experiment
+
+    assert len(TPU_EXPERIMENTS) >= 7
+    cfg = load_experiment(name)
+    if cfg.dataset.startswith(f"hf:{WIKITEXT}:"):
+        _lm_first_batches(cfg, tmp_path, wikitext_copy)
+    elif cfg.dataset == "imagenet2012":
+        _vit_first_batches(cfg, tmp_path, imagenet_copy)
+    else:
+        pytest.fail(f"{name}: no local copy of its dataset {cfg.dataset!r}; add one to this test")
