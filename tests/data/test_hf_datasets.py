@@ -441,8 +441,21 @@ def _close(it) -> None:
         inner.close()
 
 
-def _lm_first_batches(cfg, tmp_path, wikitext_copy):
+def _first_batches(cfg, tmp_path):
+    """The task a run of ``cfg`` in ``tmp_path/run`` builds, and its first train and eval
+    batches, from the iterators ``run.setup`` and ``evaluate`` use."""
     from transformer_jax.tasks import make_task
+
+    task = make_task(cfg, tmp_path / "run")
+    train = task.train_iterator(0, 1)
+    try:
+        first_train = next(train)
+    finally:
+        _close(train)
+    return task, first_train, next(iter(task.eval_batches(0, 1)))
+
+
+def _lm_first_batches(cfg, tmp_path, wikitext_copy):
     from transformer_jax.train.config import apply_overrides
 
     root, rows = wikitext_copy
@@ -453,14 +466,8 @@ def _lm_first_batches(cfg, tmp_path, wikitext_copy):
     local = apply_overrides(cfg, [f"dataset={cfg.dataset.replace(prefix, f'hf:{root}:')}",
                                   "seq_len=24", f"batch_size={b}", "sentencepiece_vocab_size=300",
                                   f"data_dir={tmp_path / 'data'}"])
-    task = make_task(local, tmp_path / "run")    # trains spm.model on the local train split
+    task, first_train, first_eval = _first_batches(local, tmp_path)   # trains spm.model first
     assert task.tokenizer_spec == f"sentencepiece:{tmp_path / 'run' / 'spm.model'}"
-    train = task.train_iterator(0, 1)
-    try:
-        first_train = next(train)
-    finally:
-        _close(train)
-    first_eval = next(iter(task.eval_batches(0, 1)))
     tok, eos = task.tokenizer, task.eos_id
 
     def text(ids) -> str:   # eos shown as \x1e
@@ -483,7 +490,6 @@ def _lm_first_batches(cfg, tmp_path, wikitext_copy):
 
 
 def _vit_first_batches(cfg, tmp_path, imagenet_copy):
-    from transformer_jax.tasks import make_task
     from transformer_jax.train.config import apply_overrides
 
     root, splits = imagenet_copy
@@ -492,15 +498,9 @@ def _vit_first_batches(cfg, tmp_path, imagenet_copy):
     b = math.lcm(4, cfg.accum_steps)   # 8 for the v5e-1's accum_steps=8
     local = apply_overrides(cfg, [f"dataset=hf:{root}", f"batch_size={b}",
                                   f"data_dir={tmp_path / 'data'}"])
-    task = make_task(local, tmp_path / "run")
+    task, first_train, first_eval = _first_batches(local, tmp_path)
     assert (task.info.num_classes, task.info.num_channels, task.image_size) == (
         IMAGENET_CLASSES, 3, 224)
-    train = task.train_iterator(0, 1)
-    try:
-        first_train = next(train)
-    finally:
-        _close(train)
-    first_eval = next(iter(task.eval_batches(0, 1)))
     params = {"seed": local.seed, "image_size": 224, "max_value": 255.0, "augment": True,
               "flip": task.info.flip, "num_channels": 3, "name": local.dataset}
     for split, batch in (("train", first_train), ("validation", first_eval)):
