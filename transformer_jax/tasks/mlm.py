@@ -264,7 +264,7 @@ class MLMIterator(Iterator[dict]):
                  row_offset: int, options: Mapping[str, float]):
         self.windows, self.vocab = windows, vocab
         self.seed, self.stream, self.row_offset = seed, stream, row_offset
-        self.options = {k: v for k, v in options.items() if k != "text_key"}   # mask_tokens'
+        self.options = masking_options(options)
         self.count = 0
 
     def __iter__(self):
@@ -317,6 +317,15 @@ def check_bert(cfg, task: str, heads: tuple[str, ...]) -> None:
     if head not in heads:
         raise UserError(f"task {task!r} needs model.head in {heads}, got model.head={head!r}; "
                         "drop the override")
+
+
+#: the task options :func:`mask_tokens` takes (the rest: the task's own, e.g. ``text_key``)
+MASKING_OPTIONS = ("mask_prob", "mask_token_prob", "random_token_prob")
+
+
+def masking_options(options: Mapping[str, Any]) -> dict[str, float]:
+    """The :data:`MASKING_OPTIONS` of a task's ``options``, for :func:`mask_tokens`."""
+    return {k: options[k] for k in MASKING_OPTIONS}
 
 
 def check_masking_options(options: Mapping[str, Any]) -> None:

@@ -65,7 +65,7 @@ from .base import Task, register_task
 from .classify import encode_example
 from ..data.shuffle import fold_key, grid_hashes, hash_uniform
 from .mlm import MLMVocab, build_tokenizer, check_bert, jitted_apply
-from .mlm import check_masking_options, mask_tokens
+from .mlm import check_masking_options, mask_tokens, masking_options
 
 IS_NEXT, NOT_NEXT, NO_PAIR = 0, 1, -100
 # hash streams of the pair draws (mask_tokens uses 1, 2, 3 under the same key)
@@ -146,7 +146,7 @@ class PairIterator(EpochIterator):
         self.corpus, self.vocab, self.seq_len = corpus, vocab, seq_len
         self.stream = stream
         self.next_prob = options["next_prob"]
-        self.mask_options = {k: v for k, v in options.items() if k not in ("next_prob", "text_key")}
+        self.mask_options = masking_options(options)
         super().__init__(len(corpus), seed=seed, **kw)
 
     def __next__(self):
