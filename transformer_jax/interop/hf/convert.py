@@ -251,7 +251,8 @@ def from_hf(model_or_local_dir: Any, *, adapter: str | os.PathLike | None = None
         each is cast to ``param_dtype`` (a bf16 checkpoint with ``param_dtype="bfloat16"``
         is never widened), quantized and placed before the next is read
         (:mod:`~transformer_jax.interop.hf.stream`), so the host holds about one tensor;
-        other families are converted whole, then quantized and placed.
+        other families are converted whole, then quantized and placed (replicated over
+        a ``mesh``).
       adapter: the directory of a PEFT LoRA adapter for this model (``adapter_config.json``
         and ``adapter_model.safetensors``, as ``PeftModel.save_pretrained`` writes): the
         module's ``config.lora`` is set from ``adapter_config.json`` (rank, alpha,

@@ -189,11 +189,11 @@ def place_params(module: Any, params: dict, target: LoadTarget) -> dict:
     paths = [tuple(str(getattr(k, "key", k)) for k in p) for p, _ in leaves]
     if target.quantize is not None and not any(p[-1] == "kernel_q" for p in paths):
         params = quant.quantize_params(params, target.quantize, target.targets)
-    if target.mesh is not None:
-        if not hasattr(module.config, "layer_stacks") or type(module).__name__ != "GPT":
-            raise UserError(f"from_hf(mesh=...) places the params of decoder-only LMs (GPT); "
-                            f"for a {type(module).__name__} give shardings= instead")
+    if target.mesh is not None and type(module).__name__ == "GPT":
         sharding_of = _sharding_lookup(target, module, (jnp.zeros((1, 1), jnp.int32),))
+    elif target.mesh is not None:        # other families: replicated over the mesh
+        sharding_of = _sharding_lookup(LoadTarget(shardings=jax.sharding.NamedSharding(
+            target.mesh, jax.sharding.PartitionSpec())), module, ())
     else:
         sharding_of = _sharding_lookup(target, module, ())
 
