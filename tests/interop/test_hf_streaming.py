@@ -17,6 +17,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from transformer_jax.errors import UserError
 from transformer_jax.interop.common import ConversionError
 from transformer_jax.interop.hf import convert, from_hf
 from transformer_jax.layers.lora import LoraConfig
@@ -117,6 +118,17 @@ def test_a_live_model_is_quantized_and_placed_after_conversion(dirs):
     _, params = from_hf(model, quantize=lora, shardings=jax.sharding.SingleDeviceSharding(
         jax.devices()[0]))
     assert_bits_equal(params, quantize_params(from_hf(model)[1], lora))
+
+
+def test_what_a_streamed_load_refuses(dirs):
+    directory = dirs["llama-bf16"]
+    with pytest.raises(UserError, match="give mesh or shardings to load the params, not both"):
+        from_hf(directory, mesh=jax.sharding.Mesh(np.array(jax.devices()[:1]), ("fsdp",)),
+                shardings=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    with pytest.raises(UserError, match="quantize= loads a frozen base"):
+        from_hf(directory, quantize=LoraConfig(quantize="nf4"), lora=LoraConfig(rank=4))
+    with pytest.raises(UserError, match="quantize takes a LoraConfig with quantize='int8' or"):
+        from_hf(directory, quantize=LoraConfig(rank=4))
 
 
 def _rewrite(directory, out, edit):

@@ -123,7 +123,11 @@ def stream_params(maps: Sequence[TensorMap], reader: StateDictReader, *, param_d
     calls ``reader.finish()``."""
     dtype = np.dtype(jnp.dtype(param_dtype))
     layers = {parent + (name,): n for parent, name, n in stacks}
-    shapes = {path: tuple(shape) for m in maps for path, shape in m.targets}
+    shapes = {}                          # leaf path, unrolled and final -> its shape (one layer)
+    for m in maps:
+        for path, shape in m.targets:
+            scanned_path = _scanned_path(path, stacks) if scanned else None
+            shapes[path if scanned_path is None else scanned_path[0]] = tuple(shape)
     sharding_of = _sharding_lookup(target, module, inputs)
     pattern = re.compile(target.targets) if target.quantize is not None else None
     flat: dict[Path, Any] = {}
@@ -166,7 +170,8 @@ def _stack_size(path: Path, layers: dict[Path, int]) -> int:
 
 def _quantize(path: Path, kernel: np.ndarray, shapes: dict[Path, tuple], scanned: bool,
               config: Any) -> dict[str, np.ndarray]:
-    """The stored leaves of one kernel (host arrays), as ``quantize_params`` makes them."""
+    """The stored leaves of one kernel (host arrays), as ``quantize_params`` makes them
+    (``shapes``: one layer's shape of each leaf, by final path)."""
     unscanned = tuple(kernel.shape[int(scanned):])
     node = {"kernel": jax.ShapeDtypeStruct(unscanned, kernel.dtype)}
     bias = path[:-1] + ("bias",)
