@@ -5,6 +5,8 @@ Entry points::
     module, params = from_hf(hf_model)                  # a live transformers PyTorch model
     module, params = from_hf("/path/to/save_pretrained_dir", scan_layers=True)
     module, params = from_hf("/path/to/base_dir", adapter="/path/to/peft_adapter")   # + PEFT LoRA
+    module, params = from_hf("/path/to/llama_dir", param_dtype="bfloat16", mesh=mesh,
+                             quantize=LoraConfig(quantize="nf4"))   # streamed (hf/stream.py)
     state_dict = to_hf(module, params)                  # torch tensors, strict-loadable
     arrays = to_hf_numpy(module, params)                # the same, as numpy arrays (no torch)
     hf_cfg = hf_config(module.config)                   # e.g. transformers.GPT2Config
