@@ -44,12 +44,12 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 
 from ...errors import UserError
-from . import bert, clip, gpt2, llama, mistral, t5, vit
+from . import bert, clip, gpt2, llama, mistral, qwen2, qwen3, t5, vit
 from .registry import (family_for_config, family_for_model_type, register_hf_family,
                        supported_model_types, torch_tensors)
 
-for _family in (gpt2.FAMILY, llama.FAMILY, mistral.FAMILY, bert.FAMILY, t5.FAMILY,
-                vit.FAMILY, clip.FAMILY):
+for _family in (gpt2.FAMILY, llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY,
+                bert.FAMILY, t5.FAMILY, vit.FAMILY, clip.FAMILY):
     register_hf_family(_family)
 
 

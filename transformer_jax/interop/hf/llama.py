@@ -216,24 +216,35 @@ def has_llama_layout(config: Any) -> bool:
         getattr(config, name) == value for name, value in LLAMA_SETTINGS.items())
 
 
-def llama_mismatches(config: GPTConfig, *, sliding_window: bool = False) -> list[str]:
+def has_attention_extras(config: GPTConfig) -> bool:
+    """Whether ``config`` has q/k/v biases or q/k norms (Qwen 2 / Qwen 3, not Llama)."""
+    return config.qkv_bias or config.qk_norm
+
+
+def llama_mismatches(config: GPTConfig, *, sliding_window: bool = False,
+                     extras: Mapping[str, bool] | None = None) -> list[str]:
     """The settings of ``config`` a Llama checkpoint cannot express (empty: it is a Llama);
-    with ``sliding_window`` a Mistral's (``attention_window`` allowed)."""
+    with ``sliding_window`` a Mistral's (``attention_window`` allowed). ``extras``: the
+    values of ``qkv_bias`` and ``qk_norm`` the family has (Llama, Mistral: both False)."""
+    extras = {"qkv_bias": False, "qk_norm": False, **(extras or {})}
     bad = [f"{name}={getattr(config, name)!r}" for name, value in LLAMA_SETTINGS.items()
            if getattr(config, name) != value]
+    bad += [f"{name}={getattr(config, name)!r}" for name, value in extras.items()
+            if getattr(config, name) != value]
     return bad + attention_mismatches(config, sliding_window=sliding_window)
 
 
 def is_llama_config(config: Any) -> bool:
     """Whether ``config`` is a ``GPTConfig`` that converts to a ``LlamaConfig`` (dispatch):
-    Llama's settings and no sliding window (with one: Mistral)."""
-    return has_llama_layout(config) and config.attention_window is None
+    Llama's settings, no q/k/v biases or q/k norms (Qwen) and no sliding window (Mistral)."""
+    return (has_llama_layout(config) and not has_attention_extras(config)
+            and config.attention_window is None)
 
 
-def check_llama_layout(config: GPTConfig, family: str = "Llama",
-                       sliding_window: bool = False) -> None:
+def check_llama_layout(config: GPTConfig, family: str = "Llama", sliding_window: bool = False,
+                       extras: Mapping[str, bool] | None = None) -> None:
     """Refuse what a ``family`` checkpoint cannot express, naming every such option."""
-    bad = llama_mismatches(config, sliding_window=sliding_window)
+    bad = llama_mismatches(config, sliding_window=sliding_window, extras=extras)
     if bad:
         raise UserError(f"GPTConfig option(s) not expressible as {family}: " + "; ".join(bad) +
                         f" (a {family} needs {', '.join(f'{k}={v!r}' for k, v in LLAMA_SETTINGS.items())})")
@@ -268,21 +279,26 @@ def llama_tensor_maps(cfg: GPTConfig, prefix: str = "model.") -> list[TensorMap]
     """Every HF tensor <-> flax leaf of ``GPT(cfg)`` (unscanned), in HF state-dict order.
 
     ``prefix`` is ``"model."`` for ``LlamaForCausalLM`` and ``""`` for ``LlamaModel``.
+    The optional entries: q/k/v biases (``qkv_bias``: Qwen 2) and q/k norms (``qk_norm``:
+    Qwen 3); a Llama config has neither.
     """
-    d, f, v = cfg.d_model, cfg.mlp_features, cfg.vocab_size
+    d, f, v, qkv_bias = cfg.d_model, cfg.mlp_features, cfg.vocab_size, cfg.qkv_bias
     n, k, h = cfg.num_heads, cfg.num_kv_heads or cfg.num_heads, cfg.head_dim
     maps = [TensorMap(f"{prefix}embed_tokens.weight", (v, d), ((("wte", "embedding"), (v, d)),))]
     for i in range(cfg.num_layers):
         hf, ours = f"{prefix}layers.{i}.", (f"h_{i}",)
         attn, mlp = ours + ("self_attn",), ours + ("mlp",)
-        maps += linear(f"{hf}self_attn.q_proj.", attn + ("query",), d, n * h, bias=False,
-                       kernel_shape=(d, n, h))
-        maps += linear(f"{hf}self_attn.k_proj.", attn + ("key",), d, k * h, bias=False,
-                       kernel_shape=(d, k, h))
-        maps += linear(f"{hf}self_attn.v_proj.", attn + ("value",), d, k * h, bias=False,
-                       kernel_shape=(d, k, h))
+        maps += linear(f"{hf}self_attn.q_proj.", attn + ("query",), d, n * h, bias=qkv_bias,
+                       kernel_shape=(d, n, h), bias_shape=(n, h))
+        maps += linear(f"{hf}self_attn.k_proj.", attn + ("key",), d, k * h, bias=qkv_bias,
+                       kernel_shape=(d, k, h), bias_shape=(k, h))
+        maps += linear(f"{hf}self_attn.v_proj.", attn + ("value",), d, k * h, bias=qkv_bias,
+                       kernel_shape=(d, k, h), bias_shape=(k, h))
         maps += linear(f"{hf}self_attn.o_proj.", attn + ("out",), n * h, d, bias=False,
                        kernel_shape=(n, h, d))
+        if cfg.qk_norm:
+            maps += layer_norm(f"{hf}self_attn.q_norm.", attn + ("query_norm",), h, bias=False)
+            maps += layer_norm(f"{hf}self_attn.k_norm.", attn + ("key_norm",), h, bias=False)
         maps += linear(f"{hf}mlp.gate_proj.", mlp + ("wi_0",), d, f, bias=False)
         maps += linear(f"{hf}mlp.up_proj.", mlp + ("wi_1",), d, f, bias=False)
         maps += linear(f"{hf}mlp.down_proj.", mlp + ("wo",), f, d, bias=False)
