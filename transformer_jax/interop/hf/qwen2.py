@@ -102,6 +102,8 @@ def qwen2_hf_config(config: GPTConfig, **extra: Any):
 
     _check_qwen2_compatible(config)
     values = llama_layout_hf_values(config)
+    if config.head_size is None:          # Qwen2Config has no head_dim field: D / N
+        del values["head_dim"]
     values.update(use_sliding_window=False, **extra)
     return Qwen2Config(**values)
 
