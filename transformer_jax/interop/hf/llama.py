@@ -5,9 +5,11 @@ GPT with RoPE, RMSNorm, a SwiGLU MLP, grouped-query attention, no biases and (us
 untied head: ``position="rope"``, ``norm="rmsnorm"``, ``gated_mlp=True``,
 ``activation="silu"``, ``use_bias=False`` (the ``llama-*`` presets of ``GPTConfig``).
 Since GPT-2 converts to the same ``GPTConfig``, ``to_hf``/``hf_config`` pick this family for
-a ``GPTConfig`` with exactly these settings and no sliding window (:func:`is_llama_config`),
-Mistral (:mod:`~transformer_jax.interop.hf.mistral`: this layout and table plus
-``attention_window``) for these settings with a window, and GPT-2 otherwise. A linear or
+a ``GPTConfig`` with exactly these settings, no q/k/v biases or q/k norms and no sliding
+window (:func:`is_llama_config`), Mistral (:mod:`~transformer_jax.interop.hf.mistral`: this
+layout and table plus ``attention_window``) for these settings with a window, Qwen 2
+(:mod:`~transformer_jax.interop.hf.qwen2`: ``qkv_bias``) and Qwen 3
+(:mod:`~transformer_jax.interop.hf.qwen3`: ``qk_norm``), and GPT-2 otherwise. A linear or
 sparse ``attention`` is refused by name (HF runs full softmax attention).
 
 Weight layout. HF's ``nn.Linear`` weights are (out, in) and are transposed into (in, out...)
@@ -27,6 +29,11 @@ heads, K key/value heads, H = D / N, F MLP width.
     layers.{i}.post_attention_layernorm.weight      (D,)       h_{i}/norm2/scale
     norm.weight                                     (D,)       ln_f/scale
     lm_head.weight (untied only; no prefix)         (V, D)     lm_head/kernel (D, V)
+
+and, for Qwen (not in a Llama checkpoint; ``qkv_bias`` / ``qk_norm`` of the config):
+
+    layers.{i}.self_attn.{q,k,v}_proj.bias          (N H,)     h_{i}/self_attn/{query,key,value}/bias (N|K, H)
+    layers.{i}.self_attn.{q,k}_norm.weight          (H,)       h_{i}/self_attn/{query,key}_norm/scale
 
 With ``scan_layers=True`` the ``h_{i}`` subtrees are one ``h`` with a leading (L,) axis.
 Both use HF's head order: query head n reads key/value head n // (N / K) (``repeat_kv``), and
