@@ -241,7 +241,8 @@ def test_sliding_window_layers_are_refused(family):
     max_window_layers >= the layer count every layer is full and it converts."""
     convert = {"qwen2": qwen2_config_from_hf, "qwen3": qwen3_config_from_hf}[family]
     config = {"model_type": family, "hidden_size": 64, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "num_hidden_layers": 2, "use_sliding_window": True, "sliding_window": 8}
+              "num_key_value_heads": 2, "num_hidden_layers": 2, "use_sliding_window": True,
+              "sliding_window": 8}
     with pytest.raises(UserError, match=rf"{family.title()} config option use_sliding_window=True "
                        r"\(sliding_window=8, max_window_layers=1\): layers 1\.\.1"):
         convert({**config, "max_window_layers": 1})

@@ -319,7 +319,8 @@ def test_cli_init_from_a_llama_style_dir_with_its_tokenizer_then_export(family, 
     text = "def f(x):\n    return [x + 1 for _ in range(3)]  # " * 2
     ids = tokenizer(text)["input_ids"][:40]
     _, _, _, task = load_run(run)
-    assert len(ids) == 40 and ids == transformers.AutoTokenizer.from_pretrained(hf_dir)(text)["input_ids"][:40]
+    original = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    assert len(ids) == 40 and ids == original(text)["input_ids"][:40]
     # the run's tokenizer adds no bos (Llama's tokenizer.json does; Qwen's adds none)
     unspecial = tokenizer(text, add_special_tokens=False)["input_ids"]
     assert task.tokenizer.encode(text) == unspecial and (ids[0] == 1) == (family == "llama3")
