@@ -19,6 +19,7 @@ import pytest
 from transformer_jax.errors import UserError
 from transformer_jax.interop import from_hf, hf_config
 from transformer_jax.interop.hf import from_hf_state_dict, to_hf_numpy
+from transformer_jax.interop.hf.llama import llama_hf_config
 from transformer_jax.interop.hf.qwen2 import (qwen2_config_from_hf, qwen2_hf_config,
                                                qwen2_to_state_dict)
 from transformer_jax.interop.hf.qwen3 import qwen3_config_from_hf, qwen3_hf_config
@@ -261,7 +262,6 @@ def test_to_hf_refuses_what_qwen_cannot_express():
     with pytest.raises(UserError, match=r"not expressible as Qwen3: qk_norm=False"):
         qwen3_hf_config(GPTConfig.preset("llama-tiny"))
     with pytest.raises(UserError, match=r"not expressible as Llama: qkv_bias=True"):
-        from transformer_jax.interop.hf.llama import llama_hf_config
         llama_hf_config(GPTConfig.preset("qwen2.5-tiny"))
     cfg = GPTConfig.preset("qwen2.5-tiny")
     module = GPT(cfg)
