@@ -72,9 +72,10 @@ def _xent(logits, labels, weights):
     return jnp.sum(losses * weights), {"weight": jnp.sum(weights), "nll": jnp.sum(losses * weights)}
 
 
-def _gpt(dtype):
+def _gpt(dtype, **settings):
     cfg = GPTConfig(vocab_size=512, max_len=256, num_layers=2, num_heads=4, num_kv_heads=2,
-                    d_model=256, dropout_rate=0.0, attention_dropout_rate=0.0, dtype=dtype)
+                    d_model=256, dropout_rate=0.0, attention_dropout_rate=0.0, dtype=dtype,
+                    **settings)
     ids = jnp.zeros((2, 256), jnp.int32)
 
     def loss(apply_fn, params, batch, rngs, deterministic, smoothing):
@@ -121,12 +122,20 @@ def _vit(dtype):
     return ViT(cfg), (images,), {"images": images, "labels": jnp.zeros((2,), jnp.int32)}, loss
 
 
-FAMILIES = {"gpt": _gpt, "bert": _bert, "t5": _t5, "vit": _vit}
+def _qwen3(dtype):
+    """The Llama-style GPT as Qwen 3 (q/k RMSNorm, head size 128 != D / N = 64) with
+    Llama 3's RoPE scaling (64 original positions < 256 tokens)."""
+    return _gpt(dtype, position="rope", norm="rmsnorm", gated_mlp=True, activation="silu",
+                use_bias=False, qk_norm=True, head_size=128,
+                rope_scaling=dict(kind="llama3", original_max_len=64))
+
+
+FAMILIES = {"gpt": _gpt, "qwen3": _qwen3, "bert": _bert, "t5": _t5, "vit": _vit}
 # attention calls per train step (2 layers each): GPT, BERT, ViT self-attention; T5 encoder
 # self-attention and decoder self- and cross-attention
-ATTENTION_CALLS = {"gpt": 2, "bert": 2, "t5": 6, "vit": 2}
+ATTENTION_CALLS = {"gpt": 2, "qwen3": 2, "bert": 2, "t5": 6, "vit": 2}
 # of which carry T5's position bias (its gradient is one more kernel on TPU)
-BIASED = {"gpt": 0, "bert": 0, "t5": 4, "vit": 0}
+BIASED = {"gpt": 0, "qwen3": 0, "bert": 0, "t5": 4, "vit": 0}
 
 
 def _train_step_text(family, dtype, platform):

@@ -47,6 +47,7 @@ def hf_architecture(config: Any) -> str:
     if family == "vit":
         return "ViTForImageClassification" if config.num_classes else "ViTModel"
     return {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+            "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
             "t5": "T5ForConditionalGeneration", "clip": "CLIPModel"}[family]
 
 

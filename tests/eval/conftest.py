@@ -11,7 +11,7 @@ pytest.importorskip("lm_eval")
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from tests.tokenizer_dirs import CORPUS, gpt2_dir  # noqa: E402
+from tests.tokenizer_dirs import CORPUS, gpt2_dir, llama_style_dir, llama_tokenizer  # noqa: E402,F401
 
 MAX_LEN = 128      # short, so that the rolling task's longer documents take several windows
 
@@ -20,22 +20,6 @@ def hf_env() -> None:
     """No network for the datasets library and the hub (the tasks are local JSONL files)."""
     os.environ["HF_DATASETS_OFFLINE"] = "1"
     os.environ["HF_HUB_OFFLINE"] = "1"
-
-
-def llama_tokenizer(root) -> None:
-    """A byte-level BPE (600 pieces) that adds ``<s>`` in front, as Llama's tokenizer does."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(
-        vocab_size=600, special_tokens=["<unk>", "<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
-                                                       special_tokens=[("<s>", 1)])
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                         unk_token="<unk>").save_pretrained(root)
 
 
 @pytest.fixture(scope="session")
@@ -57,16 +41,12 @@ def gpt2_hf(tmp_path_factory):
     return str(root)
 
 
-@pytest.fixture(scope="session")
-def llama_hf(tmp_path_factory):
-    """A random Llama (RoPE, RMSNorm, SwiGLU, 2 kv heads of 4) whose tokenizer adds bos."""
-    root = tmp_path_factory.mktemp("llama")
-    llama_tokenizer(root)
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=600, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=MAX_LEN,
-        bos_token_id=1, eos_token_id=2, pad_token_id=None)).save_pretrained(root)
+@pytest.fixture(scope="session", params=["llama3", "qwen2", "qwen3"])
+def llama_hf(request, tmp_path_factory):
+    """A random Llama 3 (RoPE scaling), Qwen 2.5 or Qwen 3 (RoPE, RMSNorm, SwiGLU, 2 kv heads
+    of 4; tests/tokenizer_dirs.py ``llama_style_dir``) whose tokenizer adds bos."""
+    root = tmp_path_factory.mktemp(request.param)
+    llama_style_dir(root, request.param, max_len=MAX_LEN)
     return str(root)
 
 

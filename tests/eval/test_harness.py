@@ -1,6 +1,7 @@
 """The lm-evaluation-harness over transformer_jax models: the same numbers as its Hugging Face
 backend (``lm_eval --model hf``, float32) on the same weights, for a GPT-2 with its own
-tokenizer, a Llama whose tokenizer adds bos, and a run fine-tuned here and exported; the
+tokenizer, a Llama 3, a Qwen 2.5 and a Qwen 3 whose tokenizer adds bos, and a run fine-tuned
+here and exported; the
 three request kinds through three local tasks (tests/eval/conftest.py). Then the CLI.
 
 Parity is per request: each continuation's summed log-probability within 1e-4 (relative,
@@ -84,8 +85,9 @@ def test_gpt2_directory_matches_the_hf_backend(gpt2_hf, tasks_dir):
 
 
 def test_llama_directory_matches_the_hf_backend(llama_hf, tasks_dir):
+    """Llama 3 (RoPE scaling), Qwen 2.5 and Qwen 3 directories (the ``llama_hf`` params)."""
     worst = compare(ours(llama_hf, tasks_dir), theirs(llama_hf, tasks_dir))
-    print(f"llama: max |diff| {worst:.3g}")
+    print(f"{Path(llama_hf).name}: max |diff| {worst:.3g}")
 
 
 def test_a_run_trained_here_matches_the_hf_backend_on_its_export(finetuned, tasks_dir):

@@ -31,7 +31,8 @@ LLAMA_TINY = dict(vocab_size=101, hidden_size=64, intermediate_size=88, num_hidd
                   rms_norm_eps=1e-5, rope_theta=500.0, tie_word_embeddings=False,
                   bos_token_id=None, eos_token_id=None, pad_token_id=None)
 VOCAB = LLAMA_TINY["vocab_size"]
-LLAMA_PRESETS = ["llama-tiny", "llama-2-7b", "tinyllama-1.1b", "llama-3.2-1b"]
+LLAMA_PRESETS = ["llama-tiny", "llama-2-7b", "tinyllama-1.1b", "llama-3.2-1b", "llama-3.2-3b",
+                 "llama-3.1-8b"]
 
 
 def llama_model(seed: int = 0, **overrides):
@@ -138,7 +139,8 @@ def test_parameter_counts_match_hf(name):
                                                       jnp.zeros((1, 1), jnp.int32)))
     assert cfg.num_params() == ours == hf_count
     published = {"llama-tiny": 158_016, "llama-2-7b": 6_738_415_616,
-                 "tinyllama-1.1b": 1_100_048_384, "llama-3.2-1b": 1_235_814_400}
+                 "tinyllama-1.1b": 1_100_048_384, "llama-3.2-1b": 1_235_814_400,
+                 "llama-3.2-3b": 3_212_749_824, "llama-3.1-8b": 8_030_261_248}
     assert hf_count == published[name]
     assert (cfg.dropout_rate, cfg.attention_dropout_rate) == (0.0, 0.0)
     # FLOPs count the V x D read-out matmul once, and never the (untied) embedding lookup.
@@ -339,3 +341,80 @@ def test_to_hf_rejects_non_llama_module(untied):
         llama_hf_config(cfg)
     with pytest.raises(UserError, match="gated_mlp=False"):
         llama_to_state_dict(GPT(cfg), params)
+
+
+# ----------------------------------------------------------------------------- Llama 3.x RoPE scaling
+
+#: Llama 3.1's rope scaling on a tiny model: 16 original positions, so that T = 48 reaches
+#: past them (and the scaled band matters); the linear one divides every frequency by 4.
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+LINEAR_ROPE = {"rope_type": "linear", "factor": 4.0}
+SCALED = {
+    # transformers 5's form: rope_parameters holds rope_theta and the scaling
+    "llama3": dict(rope_parameters={**LLAMA3_ROPE, "rope_theta": 500.0}),
+    "linear": dict(rope_parameters={**LINEAR_ROPE, "rope_theta": 500.0},
+                   num_key_value_heads=1, tie_word_embeddings=True),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(SCALED))
+def scaled(request):
+    """(kind, hf_model, module, params): a tiny Llama with llama3 or linear RoPE scaling."""
+    model = llama_model(seed=2, **SCALED[request.param])
+    return (request.param, model, *from_hf(model))
+
+
+def test_rope_scaling_config_both_forms_and_back(scaled):
+    """transformers 5's ``rope_parameters`` and a transformers 4 config.json (top-level
+    ``rope_theta``, ``rope_scaling``) read alike; ``hf_config`` writes the scaling back."""
+    kind, hf_model, module, params = scaled
+    scaling = module.config.rope_scaling
+    assert (scaling.kind, scaling.factor, module.config.rope_base) == (
+        kind, {"llama3": 8.0, "linear": 4.0}[kind], 500.0)
+    if kind == "llama3":
+        assert (scaling.low_freq_factor, scaling.high_freq_factor, scaling.original_max_len) == (
+            1.0, 4.0, 16)
+    old = {k: v for k, v in hf_model.config.to_dict().items() if k != "rope_parameters"}
+    old.update(rope_theta=500.0, rope_scaling={"llama3": LLAMA3_ROPE, "linear": LINEAR_ROPE}[kind])
+    assert from_hf_state_dict(old, state_dict(hf_model))[0].config == module.config
+    back = hf_config(module.config)
+    assert back.rope_parameters == hf_model.config.rope_parameters
+    assert transformers.LlamaConfig(**back.to_dict()).rope_parameters == back.rope_parameters
+
+
+def test_rope_scaled_logits_parity_past_the_original_positions(scaled):
+    """T = 48 > 16 original positions, right padding; without the scaling the logits differ."""
+    kind, hf_model, module, params = scaled
+    t = 48
+    ids = random_ids(13, (3, t))
+    mask = (np.arange(t)[None, :] < np.array([t, 30, 9])[:, None]).astype(np.int32)
+    ours, theirs = our_logits(module, params, ids, mask), hf_logits(hf_model, ids, mask)
+    valid = mask.astype(bool)
+    assert np.abs(theirs[valid]).max() > 1.0
+    np.testing.assert_allclose(ours[valid], theirs[valid], rtol=RTOL, atol=ATOL)
+    plain = our_logits(GPT(module.config.replace(rope_scaling=None)), params, ids, mask)
+    assert np.abs(plain[valid] - theirs[valid]).max() > 1e-2
+
+
+def test_rope_scaled_gradient_parity(scaled):
+    _, hf_model, module, params = scaled
+    jax_grads, mapped, _ = lm_gradients(module, params, hf_model, random_ids(14, (2, 40)))
+    assert assert_gradients_match(jax_grads, mapped, params) == len(jax.tree_util.tree_leaves(params))
+
+
+def test_rope_scaled_greedy_generate_matches_hf(scaled):
+    """Prompts of 12 + 24 new tokens: decoding runs past position 16 (left-padded prompts:
+    llama3 only, to save the compile time)."""
+    kind, hf_model, module, params = scaled
+    assert_aligned_greedy_matches_hf(hf_model, module, params, random_ids(15, (2, 12)), 24)
+    if kind == "linear":
+        return
+    prompts = [random_ids(16, (17,)).tolist(), random_ids(17, (5,)).tolist()]
+    assert_left_padded_greedy_matches_hf(hf_model, module, params, prompts, 20)
+
+
+def test_rope_scaled_round_trip_strict_load(scaled):
+    _, hf_model, module, params = scaled
+    assert_strict_round_trip(hf_model, module, params, transformers.LlamaForCausalLM, hf_logits,
+                             random_ids(18, (2, 40)))

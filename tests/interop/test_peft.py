@@ -111,6 +111,19 @@ if HAVE_LLAMA:
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "down_proj"],
         lambda: (_ids(5, (2, 9), LLAMA_TINY["vocab_size"]),),
         lambda m, ids: m(_long(ids)).logits, lambda ids: (ids,))
+    # Qwen 2.5 (q/k/v projections with biases) and Qwen 3 (q/k norms, head size 16 != D / N)
+    for _name, _cls, _extra in (
+            ("qwen2", "Qwen2", dict(tie_word_embeddings=True)),
+            ("qwen3", "Qwen3", dict(head_dim=16, rope_parameters={
+                "rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 4}))):
+        FAMILIES[_name] = Family(
+            _name, lambda c=_cls, e=_extra: perturbed(lambda: getattr(
+                transformers, f"{c}ForCausalLM")(getattr(transformers, f"{c}Config")(
+                    **{**LLAMA_TINY, **e}))),
+            ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"],
+            lambda: (_ids(8, (2, 9), LLAMA_TINY["vocab_size"]),),
+            lambda m, ids: m(_long(ids)).logits, lambda ids: (ids,))
 
 
 def randomize_lora(peft_model, seed=0, scale=0.1):

@@ -15,7 +15,7 @@ peft = pytest.importorskip("peft")
 
 from tests.helpers import tiny_cfg
 from tests.interop.conftest import bert_model, gpt2_model, t5_model, torch, transformers, vit_model
-from tests.tokenizer_dirs import gpt2_dir
+from tests.tokenizer_dirs import LLAMA_STYLE, gpt2_dir, llama_style_dir
 from transformer_jax.errors import UserError
 from transformer_jax.interop import from_hf
 from transformer_jax.layers import lora as lora_lib
@@ -285,6 +285,50 @@ def test_cli_init_from_with_the_checkpoints_tokenizer_then_export(data_dir, tmp_
     code, _, lines = here("export", "--workdir", str(run), "--out", str(tmp_path / "x"))
     assert code == 2 and lines == ["error: this run trained LoRA adapters: export them with "
                                    "--format peft, or the merged model with --format hf --merge"]
+
+
+@pytest.mark.parametrize("family", sorted(LLAMA_STYLE))
+def test_cli_init_from_a_llama_style_dir_with_its_tokenizer_then_export(family, data_dir,
+                                                                        tmp_path, here):
+    """``train --init-from`` a Llama 3 (llama3 RoPE scaling over 16 positions), Qwen 2.5
+    (q/k/v biases) or Qwen 3 (q/k norms, head size != D / N) directory with its own
+    tokenizer.json, 2 steps on 32 tokens, then ``export`` (``--format hf``): the run keeps the
+    family's settings and tokenizes as AutoTokenizer does, the export is the same HF class
+    with the same RoPE parameters, and it reproduces our logits on 40 tokens."""
+    hf_dir, run, out = tmp_path / "hf", tmp_path / "run", tmp_path / "out"
+    llama_style_dir(hf_dir, family, max_len=64)
+    source = transformers.AutoConfig.from_pretrained(hf_dir)
+    code, _, lines = here("train", "--init-from", str(hf_dir), "--workdir", str(run),
+                          "--no-progress", *(f"--set={o}" for o in SHORT),
+                          f"--set=data_dir={data_dir}", "--set=learning_rate=1e-2",
+                          "--set=schedule=constant")
+    assert code == 0 and not [line for line in lines if line.startswith("error:")], lines
+    saved = json.loads((run / "config.json").read_text())
+    assert saved["experiment"]["tokenizer"] == f"hf:{hf_dir}"
+    model_cfg = saved["model"]
+    assert (model_cfg["qkv_bias"], model_cfg["qk_norm"]) == (family == "qwen2", family == "qwen3")
+    assert (model_cfg["rope_scaling"] or {}).get("kind") == ("llama3" if family == "llama3" else None)
+    code, stdout, lines = here("export", "--workdir", str(run), "--out", str(out),
+                               "--format", "hf")
+    assert code == 0 and lines == [], lines
+    assert {"tokenizer.json", "model.safetensors", "config.json"} <= set(json.loads(stdout)["files"])
+    exported = transformers.AutoConfig.from_pretrained(out)
+    assert exported.model_type == source.model_type
+    assert exported.rope_parameters == source.rope_parameters
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    text = "def f(x):\n    return [x + 1 for _ in range(3)]  # " * 2
+    ids = tokenizer(text)["input_ids"][:40]
+    _, _, _, task = load_run(run)
+    original = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    assert len(ids) == 40 and ids == original(text)["input_ids"][:40]
+    # the run's tokenizer adds no bos (Llama's tokenizer.json does; Qwen's adds none)
+    unspecial = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert task.tokenizer.encode(text) == unspecial and (ids[0] == 1) == (family == "llama3")
+    model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(model).__name__ == f"{LLAMA_STYLE[family][0]}ForCausalLM"
+    with torch.no_grad():
+        theirs = model(torch.tensor([ids])).logits.numpy()
+    np.testing.assert_allclose(_ours(run, (jnp.asarray([ids]),)), theirs, rtol=0, atol=EXPORT_ATOL)
 
 
 def test_qlora_on_llama_trains_over_an_nf4_base_and_exports_merged(data_dir, tmp_path):

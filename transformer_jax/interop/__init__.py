@@ -23,7 +23,7 @@ Layout::
                     are tried, and the whole models), layers.py, detect.py, modules.py (mirrors)
     hf/             Hugging Face: convert.py (from_hf, to_hf, to_hf_numpy, hf_config),
                     registry.py, one module per family: gpt2.py, llama.py, mistral.py,
-                    bert.py, t5.py, vit.py, clip.py
+                    qwen2.py, qwen3.py, bert.py, t5.py, vit.py, clip.py
     peft/           PEFT adapter directories: lora.py (LoRA save/load), sites.py (which HF
                     module holds which Dense), prefix.py (prefix tuning)
     common.py       the key tables (TensorMap) and the checked state-dict reader every

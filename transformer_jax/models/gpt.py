@@ -51,6 +51,10 @@ _LLAMA: dict[str, Any] = dict(
     use_bias=False, tie_embeddings=False, dropout_rate=0.0, attention_dropout_rate=0.0)
 
 
+#: What every qwen* preset sets on top (Qwen2Config/Qwen3Config: rms_norm_eps 1e-6,
+#: rope_theta 1e6 in the Qwen 2.5 and Qwen 3 checkpoints; the small ones tie the head).
+_QWEN: dict[str, Any] = dict(_LLAMA, norm_eps=1e-6, rope_base=1e6, tie_embeddings=True)
+
 
 def _llama3_rope(factor: float) -> dict[str, Any]:
     """Llama 3.1-3.3's rope_scaling (low/high frequency factors 1 and 4, 8192 positions)."""
@@ -121,6 +125,24 @@ class GPTConfig(EfficientAttentionConfig, PresetConfig):
         "llama-3.1-8b": dict(_LLAMA, vocab_size=128256, max_len=131072, num_layers=32,
                              num_heads=32, num_kv_heads=8, d_model=4096, mlp_dim=14336,
                              rope_base=500000.0, rope_scaling=_llama3_rope(8.0)),
+        # Qwen 2.5 (q/k/v biases) and Qwen 3 (per-head q/k RMSNorm, head_size 128): the
+        # shapes of Qwen/Qwen2.5-0.5B, -1.5B, Qwen/Qwen3-0.6B, -1.7B config.json.
+        "qwen2.5-tiny": dict(_QWEN, qkv_bias=True, vocab_size=512, max_len=128, num_layers=2,
+                             num_heads=4, num_kv_heads=2, d_model=64, mlp_dim=176),
+        "qwen3-tiny": dict(_QWEN, qk_norm=True, vocab_size=512, max_len=128, num_layers=2,
+                           num_heads=4, num_kv_heads=2, head_size=32, d_model=64, mlp_dim=176),
+        "qwen2.5-0.5b": dict(_QWEN, qkv_bias=True, vocab_size=151936, max_len=32768,
+                             num_layers=24, num_heads=14, num_kv_heads=2, d_model=896,
+                             mlp_dim=4864),
+        "qwen2.5-1.5b": dict(_QWEN, qkv_bias=True, vocab_size=151936, max_len=32768,
+                             num_layers=28, num_heads=12, num_kv_heads=2, d_model=1536,
+                             mlp_dim=8960),
+        "qwen3-0.6b": dict(_QWEN, qk_norm=True, vocab_size=151936, max_len=40960,
+                           num_layers=28, num_heads=16, num_kv_heads=8, head_size=128,
+                           d_model=1024, mlp_dim=3072),
+        "qwen3-1.7b": dict(_QWEN, qk_norm=True, vocab_size=151936, max_len=40960,
+                           num_layers=28, num_heads=16, num_kv_heads=8, d_model=2048,
+                           mlp_dim=6144),
         # Mistral: a Llama with a sliding window (HF sliding_window = attention_window);
         # mistral-7b is Mistral-7B-v0.1's config.json (rms_norm_eps 1e-5, rope_theta 1e4).
         "mistral-tiny": dict(_LLAMA, vocab_size=512, max_len=128, num_layers=2, num_heads=4,

@@ -2,7 +2,8 @@
 all of them, or only adapters over a frozen base (LoRA, QLoRA, prefix tuning).
 
 ``DIR`` is a Hugging Face ``save_pretrained`` directory (``config.json`` with a
-``model_type``: GPT-2, Llama, Mistral, BERT, T5, ViT, CLIP; read by :func:`~transformer_jax.interop.from_hf`)
+``model_type``: GPT-2, Llama, Mistral, Qwen 2/2.5, Qwen 3, BERT, T5, ViT, CLIP; read by
+:func:`~transformer_jax.interop.from_hf`)
 or a transformer_jax workdir (its latest checkpoint). The run then:
 
 * takes the model config from ``DIR`` (:func:`resolve`): the experiment's model settings

@@ -18,15 +18,20 @@ importing this module, and loading a ``save_pretrained`` directory (``config.jso
 Families. ``from_hf`` reads the HF config's ``model_type`` and dispatches through the
 registry (:mod:`transformer_jax.interop.hf.registry`); ``to_hf``/``hf_config`` dispatch on the
 flax config's type (a ``GPTConfig`` with Llama's settings, ``position="rope"``, ``norm="rmsnorm"``,
-``gated_mlp``, silu, no biases, goes to Llama, or to Mistral when it has an
-``attention_window``; any other to GPT-2). One module per family holds its key table and
-config mapping:
+``gated_mlp``, silu, no biases, goes to Qwen 2 with ``qkv_bias``, to Qwen 3 with ``qk_norm``,
+to Mistral with an ``attention_window``, else to Llama; any other to GPT-2). One module per
+family holds its key table and config mapping:
 
     model_type   flax model   module (hf/)   HF classes
     gpt2         GPT          gpt2.py        GPT2LMHeadModel, GPT2Model
-    llama        GPT          llama.py       LlamaForCausalLM, LlamaModel
+    llama        GPT          llama.py       LlamaForCausalLM, LlamaModel (Llama 1-3.x:
+                                             llama3/linear rope scaling, head_dim)
     mistral      GPT          mistral.py     MistralForCausalLM, MistralModel (Llama's
                                              table + sliding_window = attention_window)
+    qwen2        GPT          qwen2.py       Qwen2ForCausalLM, Qwen2Model (Qwen 2/2.5:
+                                             Llama's table + q/k/v biases, qkv_bias)
+    qwen3        GPT          qwen3.py       Qwen3ForCausalLM, Qwen3Model (Llama's table +
+                                             q/k norms, qk_norm; head_dim = head_size)
     bert         Bert         bert.py        BertForPreTraining, BertForMaskedLM, BertModel,
                                              BertForSequenceClassification
     t5           T5           t5.py          T5ForConditionalGeneration
@@ -46,12 +51,12 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 
 from ...errors import UserError
-from . import bert, clip, gpt2, llama, mistral, t5, vit
+from . import bert, clip, gpt2, llama, mistral, qwen2, qwen3, t5, vit
 from .registry import (family_for_config, family_for_model_type, register_hf_family,
                        supported_model_types, torch_tensors)
 
-for _family in (gpt2.FAMILY, llama.FAMILY, mistral.FAMILY, bert.FAMILY, t5.FAMILY,
-                vit.FAMILY, clip.FAMILY):
+for _family in (gpt2.FAMILY, llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY,
+                bert.FAMILY, t5.FAMILY, vit.FAMILY, clip.FAMILY):
     register_hf_family(_family)
 
 

@@ -5,9 +5,11 @@ GPT with RoPE, RMSNorm, a SwiGLU MLP, grouped-query attention, no biases and (us
 untied head: ``position="rope"``, ``norm="rmsnorm"``, ``gated_mlp=True``,
 ``activation="silu"``, ``use_bias=False`` (the ``llama-*`` presets of ``GPTConfig``).
 Since GPT-2 converts to the same ``GPTConfig``, ``to_hf``/``hf_config`` pick this family for
-a ``GPTConfig`` with exactly these settings and no sliding window (:func:`is_llama_config`),
-Mistral (:mod:`~transformer_jax.interop.hf.mistral`: this layout and table plus
-``attention_window``) for these settings with a window, and GPT-2 otherwise. A linear or
+a ``GPTConfig`` with exactly these settings, no q/k/v biases or q/k norms and no sliding
+window (:func:`is_llama_config`), Mistral (:mod:`~transformer_jax.interop.hf.mistral`: this
+layout and table plus ``attention_window``) for these settings with a window, Qwen 2
+(:mod:`~transformer_jax.interop.hf.qwen2`: ``qkv_bias``) and Qwen 3
+(:mod:`~transformer_jax.interop.hf.qwen3`: ``qk_norm``), and GPT-2 otherwise. A linear or
 sparse ``attention`` is refused by name (HF runs full softmax attention).
 
 Weight layout. HF's ``nn.Linear`` weights are (out, in) and are transposed into (in, out...)
@@ -27,6 +29,11 @@ heads, K key/value heads, H = D / N, F MLP width.
     layers.{i}.post_attention_layernorm.weight      (D,)       h_{i}/norm2/scale
     norm.weight                                     (D,)       ln_f/scale
     lm_head.weight (untied only; no prefix)         (V, D)     lm_head/kernel (D, V)
+
+and, for Qwen (not in a Llama checkpoint; ``qkv_bias`` / ``qk_norm`` of the config):
+
+    layers.{i}.self_attn.{q,k,v}_proj.bias          (N H,)     h_{i}/self_attn/{query,key,value}/bias (N|K, H)
+    layers.{i}.self_attn.{q,k}_norm.weight          (H,)       h_{i}/self_attn/{query,key}_norm/scale
 
 With ``scan_layers=True`` the ``h_{i}`` subtrees are one ``h`` with a leading (L,) axis.
 Both use HF's head order: query head n reads key/value head n // (N / K) (``repeat_kv``), and
@@ -216,24 +223,35 @@ def has_llama_layout(config: Any) -> bool:
         getattr(config, name) == value for name, value in LLAMA_SETTINGS.items())
 
 
-def llama_mismatches(config: GPTConfig, *, sliding_window: bool = False) -> list[str]:
+def has_attention_extras(config: GPTConfig) -> bool:
+    """Whether ``config`` has q/k/v biases or q/k norms (Qwen 2 / Qwen 3, not Llama)."""
+    return config.qkv_bias or config.qk_norm
+
+
+def llama_mismatches(config: GPTConfig, *, sliding_window: bool = False,
+                     extras: Mapping[str, bool] | None = None) -> list[str]:
     """The settings of ``config`` a Llama checkpoint cannot express (empty: it is a Llama);
-    with ``sliding_window`` a Mistral's (``attention_window`` allowed)."""
+    with ``sliding_window`` a Mistral's (``attention_window`` allowed). ``extras``: the
+    values of ``qkv_bias`` and ``qk_norm`` the family has (Llama, Mistral: both False)."""
+    extras = {"qkv_bias": False, "qk_norm": False, **(extras or {})}
     bad = [f"{name}={getattr(config, name)!r}" for name, value in LLAMA_SETTINGS.items()
            if getattr(config, name) != value]
+    bad += [f"{name}={getattr(config, name)!r}" for name, value in extras.items()
+            if getattr(config, name) != value]
     return bad + attention_mismatches(config, sliding_window=sliding_window)
 
 
 def is_llama_config(config: Any) -> bool:
     """Whether ``config`` is a ``GPTConfig`` that converts to a ``LlamaConfig`` (dispatch):
-    Llama's settings and no sliding window (with one: Mistral)."""
-    return has_llama_layout(config) and config.attention_window is None
+    Llama's settings, no q/k/v biases or q/k norms (Qwen) and no sliding window (Mistral)."""
+    return (has_llama_layout(config) and not has_attention_extras(config)
+            and config.attention_window is None)
 
 
-def check_llama_layout(config: GPTConfig, family: str = "Llama",
-                       sliding_window: bool = False) -> None:
+def check_llama_layout(config: GPTConfig, family: str = "Llama", sliding_window: bool = False,
+                       extras: Mapping[str, bool] | None = None) -> None:
     """Refuse what a ``family`` checkpoint cannot express, naming every such option."""
-    bad = llama_mismatches(config, sliding_window=sliding_window)
+    bad = llama_mismatches(config, sliding_window=sliding_window, extras=extras)
     if bad:
         raise UserError(f"GPTConfig option(s) not expressible as {family}: " + "; ".join(bad) +
                         f" (a {family} needs {', '.join(f'{k}={v!r}' for k, v in LLAMA_SETTINGS.items())})")
@@ -268,21 +286,26 @@ def llama_tensor_maps(cfg: GPTConfig, prefix: str = "model.") -> list[TensorMap]
     """Every HF tensor <-> flax leaf of ``GPT(cfg)`` (unscanned), in HF state-dict order.
 
     ``prefix`` is ``"model."`` for ``LlamaForCausalLM`` and ``""`` for ``LlamaModel``.
+    The optional entries: q/k/v biases (``qkv_bias``: Qwen 2) and q/k norms (``qk_norm``:
+    Qwen 3); a Llama config has neither.
     """
-    d, f, v = cfg.d_model, cfg.mlp_features, cfg.vocab_size
+    d, f, v, qkv_bias = cfg.d_model, cfg.mlp_features, cfg.vocab_size, cfg.qkv_bias
     n, k, h = cfg.num_heads, cfg.num_kv_heads or cfg.num_heads, cfg.head_dim
     maps = [TensorMap(f"{prefix}embed_tokens.weight", (v, d), ((("wte", "embedding"), (v, d)),))]
     for i in range(cfg.num_layers):
         hf, ours = f"{prefix}layers.{i}.", (f"h_{i}",)
         attn, mlp = ours + ("self_attn",), ours + ("mlp",)
-        maps += linear(f"{hf}self_attn.q_proj.", attn + ("query",), d, n * h, bias=False,
-                       kernel_shape=(d, n, h))
-        maps += linear(f"{hf}self_attn.k_proj.", attn + ("key",), d, k * h, bias=False,
-                       kernel_shape=(d, k, h))
-        maps += linear(f"{hf}self_attn.v_proj.", attn + ("value",), d, k * h, bias=False,
-                       kernel_shape=(d, k, h))
+        maps += linear(f"{hf}self_attn.q_proj.", attn + ("query",), d, n * h, bias=qkv_bias,
+                       kernel_shape=(d, n, h), bias_shape=(n, h))
+        maps += linear(f"{hf}self_attn.k_proj.", attn + ("key",), d, k * h, bias=qkv_bias,
+                       kernel_shape=(d, k, h), bias_shape=(k, h))
+        maps += linear(f"{hf}self_attn.v_proj.", attn + ("value",), d, k * h, bias=qkv_bias,
+                       kernel_shape=(d, k, h), bias_shape=(k, h))
         maps += linear(f"{hf}self_attn.o_proj.", attn + ("out",), n * h, d, bias=False,
                        kernel_shape=(n, h, d))
+        if cfg.qk_norm:
+            maps += layer_norm(f"{hf}self_attn.q_norm.", attn + ("query_norm",), h, bias=False)
+            maps += layer_norm(f"{hf}self_attn.k_norm.", attn + ("key_norm",), h, bias=False)
         maps += linear(f"{hf}mlp.gate_proj.", mlp + ("wi_0",), d, f, bias=False)
         maps += linear(f"{hf}mlp.up_proj.", mlp + ("wi_1",), d, f, bias=False)
         maps += linear(f"{hf}mlp.down_proj.", mlp + ("wo",), f, d, bias=False)

@@ -19,9 +19,11 @@ Differences from Llama the converter handles:
     one refused by name (our GPT has one window for every layer).
 
 ``to_hf``/``hf_config`` pick this family for a ``GPTConfig`` with Llama's settings and an
-``attention_window`` (:func:`is_mistral_config`); without a window it stays a Llama. A
-``head_dim`` other than D / N (Mistral-Nemo), RoPE scaling and anything else the GPT
-cannot express raise ``UserError`` naming the option, as for Llama.
+``attention_window`` and no q/k/v biases or q/k norms (:func:`is_mistral_config`); without
+a window it stays a Llama. As for Llama, a ``head_dim`` other than D / N (Mistral-Nemo)
+becomes ``GPTConfig.head_size``, ``llama3`` and ``linear`` RoPE scaling convert (both
+directions), and anything else the GPT cannot express (``yarn`` scaling, ...) raises
+``UserError`` naming the option.
 """
 from __future__ import annotations
 
@@ -32,9 +34,9 @@ import numpy as np
 from ...errors import UserError
 from ...models.gpt import GPT, GPTConfig
 from .gpt2 import causal_lm_from_state_dict, causal_lm_to_state_dict
-from .llama import (LLAMA_HF_DEFAULTS, check_llama_layout, has_llama_layout,
-                       llama_layout_config_from_hf, llama_layout_hf_values, llama_tensor_maps,
-                       take_rope_buffers)
+from .llama import (LLAMA_HF_DEFAULTS, check_llama_layout, has_attention_extras,
+                    has_llama_layout, llama_layout_config_from_hf, llama_layout_hf_values,
+                    llama_tensor_maps, take_rope_buffers)
 from .registry import HFFamily
 
 #: ``transformers.MistralConfig``'s defaults where they differ from LlamaConfig's.
@@ -79,8 +81,9 @@ def mistral_config_from_hf(config: Mapping[str, Any], **overrides: Any) -> GPTCo
 
 def is_mistral_config(config: Any) -> bool:
     """Whether ``config`` is a ``GPTConfig`` that converts to a ``MistralConfig`` (dispatch):
-    Llama's settings and a sliding window."""
-    return has_llama_layout(config) and config.attention_window is not None
+    Llama's settings, no q/k/v biases or q/k norms (Qwen) and a sliding window."""
+    return (has_llama_layout(config) and not has_attention_extras(config)
+            and config.attention_window is not None)
 
 
 def _check_mistral_compatible(config: GPTConfig) -> None:

@@ -1,7 +1,7 @@
 """What every Hugging Face family converter shares: the registry, activations, shapes, layouts.
 
-The family modules of this package (``gpt2``, ``llama``, ``mistral``, ``bert``, ``t5``, ``vit``,
-``clip``) each describe their checkpoint as one
+The family modules of this package (``gpt2``, ``llama``, ``mistral``, ``qwen2``, ``qwen3``,
+``bert``, ``t5``, ``vit``, ``clip``) each describe their checkpoint as one
 :class:`~transformer_jax.interop.common.TensorMap` table and export one :class:`HFFamily`;
 :mod:`transformer_jax.interop.hf.convert` registers them and dispatches on
 the HF ``model_type`` (HF -> flax) or on the flax config (flax -> HF: its type, and for a type
