@@ -69,7 +69,8 @@ class RopeScaling:
     short-wavelength band (shorter than ``original_max_len / high_freq_factor``) is kept, and
     the band between is blended linearly in ``original_max_len / wavelength``. Neither
     rescales the attention logits (HF's ``attention_factor`` is 1 for both).
-    A dict of these fields (``config.json``, ``--set rope_scaling.factor=8``) converts.
+    A dict of these fields converts (``config.json``; on the command line
+    ``--set 'model.rope_scaling={"kind": "linear", "factor": 8}'``).
     """
     kind: str = "llama3"
     factor: float = 8.0
