@@ -47,7 +47,8 @@ def hf_architecture(config: Any) -> str:
     if family == "vit":
         return "ViTForImageClassification" if config.num_classes else "ViTModel"
     return {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-            "t5": "T5ForConditionalGeneration", "clip": "CLIPModel"}[family]
+            "t5": "T5ForConditionalGeneration", "clip": "CLIPModel",
+            "gemma": "Gemma3ForCausalLM"}[family]
 
 
 def _unique_arrays(state_dict: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
