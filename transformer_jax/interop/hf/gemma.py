@@ -205,7 +205,8 @@ def gemma_hf_config(config: GemmaConfig, **extra: Any):
                             "form: Gemma 3 rescales RoPE linearly (kind='linear')")
         full.update(rope_type="linear", factor=config.rope_scaling.factor)
     values.update(
-        hidden_activation=activation_to_hf(config.activation, what="GemmaConfig.activation"),
+        hidden_activation=("gelu_pytorch_tanh" if config.activation == "gelu_tanh" else
+                           activation_to_hf(config.activation, what="GemmaConfig.activation")),
         layer_types=[_OUR_KINDS[k] for k in config.layer_kinds],
         rope_parameters={"full_attention": full,
                          "sliding_attention": {"rope_type": "default",
