@@ -83,9 +83,12 @@ def test_gpt2_directory_matches_the_hf_backend(gpt2_hf, tasks_dir):
     print(f"gpt2: max |diff| {worst:.3g}")
 
 
-def test_llama_directory_matches_the_hf_backend(llama_hf, tasks_dir):
-    worst = compare(ours(llama_hf, tasks_dir), theirs(llama_hf, tasks_dir))
-    print(f"llama: max |diff| {worst:.3g}")
+@pytest.mark.parametrize("model", ["llama_hf", "gemma_hf"])
+def test_llama_directory_matches_the_hf_backend(model, tasks_dir, request):
+    """A Llama, and a Gemma 3 (its own family), whose tokenizer adds bos."""
+    path = request.getfixturevalue(model)
+    worst = compare(ours(path, tasks_dir), theirs(path, tasks_dir))
+    print(f"{model}: max |diff| {worst:.3g}")
 
 
 def test_a_run_trained_here_matches_the_hf_backend_on_its_export(finetuned, tasks_dir):
