@@ -53,6 +53,10 @@ TINY = {
                            "model.mlp_dim=256", "batch_size=8", "model.dropout_rate=0.0"]),
     "llama+lora": ("stdlib_gpt", ["model=gpt", "model_preset=llama-tiny", "seq_len=128",
                                   "batch_size=8", "lora.rank=4"]),
+    # 3 layers: local (a window of 32 of the 128 tokens), local, global
+    "gemma": ("stdlib_gpt", ["model=gemma", "model_preset=gemma3-tiny", "model.num_layers=3",
+                             "model.head_dim=32", "model.sliding_window=32", "seq_len=128",
+                             "batch_size=8"]),
 }
 
 
