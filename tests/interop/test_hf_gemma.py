@@ -172,6 +172,14 @@ def test_round_trip_strict_load(gemma):
                              hf_logits, random_ids(6, (2, 24)))
 
 
+def test_base_model_reads_out_through_the_embedding(gemma):
+    """A Gemma3TextModel (no ``model.`` prefix, no head) converts to the tied model."""
+    hf_model, module, params = gemma
+    base, base_params = from_hf(hf_model.model)
+    assert base.config == module.config
+    assert jax.tree_util.tree_all(jax.tree_util.tree_map(np.array_equal, base_params, params))
+
+
 def test_sharded_save_pretrained_and_export_dirs(gemma, tmp_path):
     """A sharded save_pretrained dir (index + shards) loads; ``export --format hf``'s writer
     gives a dir AutoModelForCausalLM loads as a Gemma3ForCausalLM, which reads back equal."""
