@@ -102,8 +102,9 @@ def test_tiny_train_steps_compile_for_every_generation(family, generation, data_
 @pytest.mark.slow
 @pytest.mark.parametrize("generation", ["v3", "v5e"])
 def test_eval_and_decode_steps_compile(generation, data_dir):
-    """The eval step (GPT, and ViT's classifier) and generate's KV-cache loop compile; the
-    decode loop takes the reference for its one-row steps and the kernel for the prefill."""
+    """The eval step (GPT, and ViT's classifier) and generate's KV-cache loop (GPT; Gemma's
+    on v5e) compile; the decode loop takes the reference for its one-row steps and the
+    kernel for the prefill."""
     tpu = GENERATIONS[generation]
     gpt = tiny("gpt", data_dir, "model.dtype=bfloat16")
     for what in ("eval", "decode"):
@@ -116,6 +117,10 @@ def test_eval_and_decode_steps_compile(generation, data_dir):
     assert report.batch_bytes == 8 * 64 * 4 // report.devices + 2 * 4
     assert report.estimated_step_seconds > 0 and "read per device per token" in \
         report.estimate_basis
+    if generation == "v5e":    # Gemma: a ring of W cache slots on its local layers
+        gemma = aot.compile_experiment(tiny("gemma", data_dir, "model.dtype=bfloat16"), tpu,
+                                       what="decode")
+        assert gemma.fits and gemma.mosaic_kernels > 0
     vit = aot.compile_experiment(tiny("vit", data_dir), tpu, what="eval")
     assert vit.fits and vit.optimizer_bytes == 0
     with pytest.raises(UserError, match="decode compiles the KV-cache loop of a language model"):
