@@ -7,6 +7,7 @@
     and the registry the entry points read;
   * the families: :mod:`~transformer_jax.interop.hf.gpt2`, :mod:`~transformer_jax.interop.hf.llama`,
     :mod:`~transformer_jax.interop.hf.mistral` (Llama's layout plus a sliding window),
+    :mod:`~transformer_jax.interop.hf.gemma` (Gemma 3 text, a family of its own),
     :mod:`~transformer_jax.interop.hf.bert`, :mod:`~transformer_jax.interop.hf.t5`,
     :mod:`~transformer_jax.interop.hf.vit`, :mod:`~transformer_jax.interop.hf.clip`.
 
