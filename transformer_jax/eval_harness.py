@@ -127,7 +127,7 @@ class HarnessLM(TemplateLM):
         super().__init__()
         if not _is_gpt(module):
             raise UserError(f"the lm-evaluation-harness runs decoder-only models (GPT-2, Llama, "
-                            f"Mistral); this is a {type(module).__name__}")
+                            f"Mistral, Gemma 3); this is a {type(module).__name__}")
         if batch_size < 1:
             raise UserError(f"--batch-size must be >= 1, got {batch_size}")
         config = module.config.replace(dtype=dtype, param_dtype=dtype)
@@ -171,7 +171,7 @@ class HarnessLM(TemplateLM):
             spec, where = source.tokenizer, source.path
         if family not in ("gpt", "gemma"):
             raise UserError(f"{where}: a {family} model; the lm-evaluation-harness runs "
-                            "decoder-only models here (GPT-2, Llama, Mistral)")
+                            "decoder-only models here (GPT-2, Llama, Mistral, Gemma 3)")
         if spec is None:
             raise UserError(f"{where} holds no tokenizer (tokenizer.json, tokenizer.model, "
                             "spiece.model, or ByT5's tokenizer_config.json); save the "
