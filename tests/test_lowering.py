@@ -2,7 +2,7 @@
 
 ``jax.jit(step).trace(...).lower(lowering_platforms=("tpu",))`` (or ``"cuda"``) gives the
 program a TPU (GPU) would compile, with the Pallas kernels as Mosaic (Triton) custom calls
-and cuDNN attention as its own. For GPT, BERT, T5 and ViT the whole train step (forward,
+and cuDNN attention as its own. For GPT, BERT, T5, ViT and Gemma the whole train step (forward,
 backward, AdamW) is lowered with the families' default ``attention_impl="auto"``, in bf16
 and fp32, and the text must hold the expected attention kernel in every attention call and
 none of the CPU tuning (no conditional, no optimization barrier). Mosaic asks for a TPU
@@ -22,7 +22,8 @@ import pytest
 from transformer_jax.layers import attention, attention_dispatch, resolve_implementation
 from transformer_jax.layers.flash_attention import flash_attention
 from transformer_jax.layers.masks import AttentionPattern
-from transformer_jax.models import Bert, BertConfig, GPT, GPTConfig, T5, T5Config, ViT, ViTConfig
+from transformer_jax.models import (Bert, BertConfig, Gemma, GemmaConfig, GPT, GPTConfig, T5,
+                                    T5Config, ViT, ViTConfig)
 from transformer_jax.train.optim import make_optimizer
 from transformer_jax.train.step import create_train_state, make_train_step
 
@@ -84,6 +85,15 @@ def _gpt(dtype, **settings):
     return GPT(cfg), (ids,), {"ids": ids}, loss
 
 
+def _gemma(dtype):
+    """Gemma 3: local (a window of 64 of the 256 tokens), local, global."""
+    cfg = GemmaConfig(vocab_size=512, max_len=256, num_layers=3, num_heads=4, num_kv_heads=2,
+                      head_dim=64, d_model=256, mlp_dim=512, sliding_window=64,
+                      sliding_window_pattern=3, dtype=dtype)
+    model, init_args, batch, loss = _gpt(dtype)
+    return Gemma(cfg), init_args, batch, loss
+
+
 def _bert(dtype):
     cfg = BertConfig(vocab_size=512, max_len=256, num_layers=2, num_heads=4, d_model=256,
                      head="mlm", dropout_rate=0.0, attention_dropout_rate=0.0, dtype=dtype)
@@ -130,12 +140,12 @@ def _qwen3(dtype):
                 rope_scaling=dict(kind="llama3", original_max_len=64))
 
 
-FAMILIES = {"gpt": _gpt, "qwen3": _qwen3, "bert": _bert, "t5": _t5, "vit": _vit}
+FAMILIES = {"gpt": _gpt, "qwen3": _qwen3, "bert": _bert, "t5": _t5, "vit": _vit, "gemma": _gemma}
 # attention calls per train step (2 layers each): GPT, BERT, ViT self-attention; T5 encoder
-# self-attention and decoder self- and cross-attention
-ATTENTION_CALLS = {"gpt": 2, "qwen3": 2, "bert": 2, "t5": 6, "vit": 2}
+# self-attention and decoder self- and cross-attention; Gemma's 3 layers
+ATTENTION_CALLS = {"gpt": 2, "qwen3": 2, "bert": 2, "t5": 6, "vit": 2, "gemma": 3}
 # of which carry T5's position bias (its gradient is one more kernel on TPU)
-BIASED = {"gpt": 0, "qwen3": 0, "bert": 0, "t5": 4, "vit": 0}
+BIASED = {"gpt": 0, "qwen3": 0, "bert": 0, "t5": 4, "vit": 0, "gemma": 0}
 
 
 def _train_step_text(family, dtype, platform):

@@ -58,6 +58,10 @@ TINY = {
     # Qwen 3: per-head q/k RMSNorm and a head size (64) that is not D / N (32)
     "qwen3": ("stdlib_gpt", ["model=gpt", "model_preset=qwen3-tiny", "model.head_size=64",
                              "seq_len=128", "batch_size=8"]),
+    # 3 layers: local (a window of 32 of the 128 tokens), local, global
+    "gemma": ("stdlib_gpt", ["model=gemma", "model_preset=gemma3-tiny", "model.num_layers=3",
+                             "model.head_dim=32", "model.sliding_window=32", "seq_len=128",
+                             "batch_size=8"]),
 }
 
 
@@ -105,8 +109,9 @@ def test_tiny_train_steps_compile_for_every_generation(family, generation, data_
 @pytest.mark.slow
 @pytest.mark.parametrize("generation", ["v3", "v5e"])
 def test_eval_and_decode_steps_compile(generation, data_dir):
-    """The eval step (GPT, and ViT's classifier) and generate's KV-cache loop compile; the
-    decode loop takes the reference for its one-row steps and the kernel for the prefill."""
+    """The eval step (GPT, and ViT's classifier) and generate's KV-cache loop (GPT; Gemma's
+    on v5e) compile; the decode loop takes the reference for its one-row steps and the
+    kernel for the prefill."""
     tpu = GENERATIONS[generation]
     gpt = tiny("gpt", data_dir, "model.dtype=bfloat16")
     for what in ("eval", "decode"):
@@ -119,6 +124,10 @@ def test_eval_and_decode_steps_compile(generation, data_dir):
     assert report.batch_bytes == 8 * 64 * 4 // report.devices + 2 * 4
     assert report.estimated_step_seconds > 0 and "read per device per token" in \
         report.estimate_basis
+    if generation == "v5e":    # Gemma: a ring of W cache slots on its local layers
+        gemma = aot.compile_experiment(tiny("gemma", data_dir, "model.dtype=bfloat16"), tpu,
+                                       what="decode")
+        assert gemma.fits and gemma.mosaic_kernels > 0
     vit = aot.compile_experiment(tiny("vit", data_dir), tpu, what="eval")
     assert vit.fits and vit.optimizer_bytes == 0
     with pytest.raises(UserError, match="decode compiles the KV-cache loop of a language model"):

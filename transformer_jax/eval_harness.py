@@ -24,8 +24,8 @@ numbers for the same weights (``tests/eval/test_harness.py`` checks it to 1e-4):
   ``max_gen_toks`` (default 256), stopped at eos, the text cut at the first stop sequence
   (``until``, eos's text added). Sampling (``do_sample``/``temperature > 0``) is refused.
 
-Families: decoder-only models (``GPTConfig``: GPT-2, Llama, Mistral). Anything else is a
-UserError. An encoder-decoder (T5) would need the harness's ``seq2seq`` path: the context
+Families: decoder-only models (``GPTConfig``: GPT-2, Llama, Mistral; ``GemmaConfig``:
+Gemma 3). Anything else is a UserError. An encoder-decoder (T5) would need the harness's ``seq2seq`` path: the context
 through the encoder, the continuation scored by the decoder from ``decoder_start_id`` (no
 left truncation of the continuation, no rolling windows through the decoder), and
 generation with an encoder-decoder cache; none of that is here yet.
@@ -107,8 +107,9 @@ def score_tokens(module, params, tokens, targets, mask):
 
 
 def _is_gpt(module) -> bool:
+    from .models.gemma import Gemma
     from .models.gpt import GPT
-    return isinstance(module, GPT)
+    return isinstance(module, (GPT, Gemma))
 
 
 class HarnessLM(TemplateLM):
@@ -126,7 +127,7 @@ class HarnessLM(TemplateLM):
         super().__init__()
         if not _is_gpt(module):
             raise UserError(f"the lm-evaluation-harness runs decoder-only models (GPT-2, Llama, "
-                            f"Mistral); this is a {type(module).__name__}")
+                            f"Mistral, Gemma 3); this is a {type(module).__name__}")
         if batch_size < 1:
             raise UserError(f"--batch-size must be >= 1, got {batch_size}")
         config = module.config.replace(dtype=dtype, param_dtype=dtype)
@@ -168,9 +169,9 @@ class HarnessLM(TemplateLM):
             source = load_source(path)
             family, model_config, params = source.family, source.model_config, source.params
             spec, where = source.tokenizer, source.path
-        if family != "gpt":
+        if family not in ("gpt", "gemma"):
             raise UserError(f"{where}: a {family} model; the lm-evaluation-harness runs "
-                            "decoder-only models here (GPT-2, Llama, Mistral)")
+                            "decoder-only models here (GPT-2, Llama, Mistral, Gemma 3)")
         if spec is None:
             raise UserError(f"{where} holds no tokenizer (tokenizer.json, tokenizer.model, "
                             "spiece.model, or ByT5's tokenizer_config.json); save the "

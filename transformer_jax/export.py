@@ -48,7 +48,8 @@ def hf_architecture(config: Any) -> str:
         return "ViTForImageClassification" if config.num_classes else "ViTModel"
     return {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
             "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-            "t5": "T5ForConditionalGeneration", "clip": "CLIPModel"}[family]
+            "t5": "T5ForConditionalGeneration", "clip": "CLIPModel",
+            "gemma": "Gemma3ForCausalLM"}[family]
 
 
 def _unique_arrays(state_dict: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

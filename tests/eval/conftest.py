@@ -51,6 +51,25 @@ def llama_hf(request, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def gemma_hf(tmp_path_factory):
+    """A random Gemma 3 (local, local, global layers; window 16 < MAX_LEN; linear RoPE
+    scaling on the global layer) with the Llama test tokenizer (it adds bos)."""
+    root = tmp_path_factory.mktemp("gemma")
+    llama_tokenizer(root)
+    torch.manual_seed(0)
+    transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+        vocab_size=600, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+        max_position_embeddings=MAX_LEN, sliding_window=16,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
+                                            "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+        bos_token_id=1, eos_token_id=2, pad_token_id=None)).save_pretrained(root)
+    return str(root)
+
+
+@pytest.fixture(scope="session")
 def finetuned(tmp_path_factory, gpt2_hf):
     """A run fine-tuned here from ``gpt2_hf`` for 3 steps (its BPE tokenizer), and its export
     as a Hugging Face directory: (workdir, export)."""

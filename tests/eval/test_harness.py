@@ -90,6 +90,12 @@ def test_llama_directory_matches_the_hf_backend(llama_hf, tasks_dir):
     print(f"{Path(llama_hf).name}: max |diff| {worst:.3g}")
 
 
+def test_gemma_directory_matches_the_hf_backend(gemma_hf, tasks_dir):
+    """A Gemma 3 (its own family) whose tokenizer adds bos."""
+    worst = compare(ours(gemma_hf, tasks_dir), theirs(gemma_hf, tasks_dir))
+    print(f"gemma: max |diff| {worst:.3g}")
+
+
 def test_a_run_trained_here_matches_the_hf_backend_on_its_export(finetuned, tasks_dir):
     workdir, export = finetuned
     worst = compare(ours(workdir, tasks_dir), theirs(export, tasks_dir))

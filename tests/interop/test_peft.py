@@ -38,6 +38,7 @@ from transformer_jax.layers import lora as lora_lib
 
 from .conftest import (GPT2_TINY, T5_TINY, VIT_TINY, bert_model, clip_model, gpt2_model, perturbed,
                        t5_model, torch, transformers, vit_model)
+from .test_hf_gemma import gemma_model
 
 peft = pytest.importorskip("peft")
 from peft.utils import get_peft_model_state_dict  # noqa: E402
@@ -104,6 +105,11 @@ FAMILIES = {
         lambda ids, px: (ids, np.ascontiguousarray(px.transpose(0, 2, 3, 1))),
         lambda out: out["logits_per_image"]),
 }
+FAMILIES["gemma"] = Family(          # Gemma 3: q/k norms, local and global layers
+    "gemma", lambda: gemma_model(seed=0),
+    ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    lambda: (_ids(8, (2, 12), 101),),
+    lambda m, ids: m(_long(ids)).logits, lambda ids: (ids,))
 if HAVE_LLAMA:
     FAMILIES["llama"] = Family(
         "llama", lambda: perturbed(lambda: transformers.LlamaForCausalLM(

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from transformer_jax.errors import UserError
 from transformer_jax.layers import DecoderBlock, EncoderBlock, padding_mask_from_lengths
 from transformer_jax.layers.stack import convert_layout, layer_stack, stack_layers, unstack_layers
 
@@ -124,3 +125,31 @@ def test_errors_name_the_problem():
         stack_layers({"layers_0": {}, "layers_1": {}}, 3, name="layers")
     with pytest.raises(KeyError, match="no 'layers' subtree"):
         unstack_layers({"layers_0": {}}, name="layers")
+
+
+class PerLayer(nn.Module):
+    """Three encoder layers, the middle one post-norm (``per_layer`` fields)."""
+    scan: bool = False
+
+    @nn.compact
+    def __call__(self, x, mask):
+        return layer_stack(EncoderBlock, FIELDS, 3, x, name="layers", operands={"mask": mask},
+                           static={"deterministic": True}, scan=self.scan,
+                           per_layer=[{}, {"pre_norm": False}, {}])
+
+
+def test_per_layer_fields_apply_to_their_layer_only():
+    """Layer by layer, ``per_layer`` equals blocks built with those fields by hand; a scan
+    (one repeated layer) refuses per-layer fields by name."""
+    x, mask = _inputs()
+    variables = PerLayer().init(jax.random.PRNGKey(0), x, mask)
+    params = variables["params"]
+    y = x
+    for i, pre in enumerate((True, False, True)):
+        y = EncoderBlock(**{**FIELDS, "pre_norm": pre}).apply(
+            {"params": params[f"layers_{i}"]}, y, mask)
+    np.testing.assert_allclose(PerLayer().apply(variables, x, mask), y, **FP32_TOL)
+    uniform = Encoder().apply(variables, x, mask)
+    assert np.abs(np.asarray(uniform) - np.asarray(y)).max() > 1e-3
+    with pytest.raises(UserError, match="per_layer needs unrolled layers"):
+        PerLayer(scan=True).init(jax.random.PRNGKey(0), x, mask)

@@ -107,7 +107,7 @@ def test_field_messages(changes, message):
     (dict(model_overrides={1: 2}), "ExperimentConfig.model_overrides must be a dict whose keys "
                                    "are names (str), got {1: 2}"),
     (dict(model="gpt3"), "ExperimentConfig.model='gpt3' is unknown; choose one of ['bert', 'clip', "
-                         "'gpt', 't5', 'transformer', 'vit']"),
+                         "'gemma', 'gpt', 't5', 'transformer', 'vit']"),
     (dict(schedule="cosine"), "ExperimentConfig.schedule='cosine' is unknown; choose one of "
                               "['constant', 'noam', 'warmup_cosine', 'warmup_rsqrt', 'warmup_times_cosine']"),
     (dict(parallelism="pjit"), "ExperimentConfig.parallelism must be 'jit' or 'pmap', got 'pjit'"),
@@ -316,7 +316,7 @@ def test_log_fields_are_set_as_log_dot_field_and_checked():
     (["schedule=cosine"], "error: ExperimentConfig.schedule='cosine' is unknown; choose one of "
                           "['constant', 'noam', 'warmup_cosine', 'warmup_rsqrt', 'warmup_times_cosine']"),
     (["model=gpt3"], "error: ExperimentConfig.model='gpt3' is unknown; choose one of ['bert', "
-                     "'clip', 'gpt', 't5', 'transformer', 'vit']"),
+                     "'clip', 'gemma', 'gpt', 't5', 'transformer', 'vit']"),
     # refused before the task would train a SentencePiece model into the workdir
     (["tokenizer=sentencepiece", "model.num_heads=0"],
      "error: GPTConfig.num_heads must be an integer >= 1, got 0"),

@@ -331,6 +331,50 @@ def test_cli_init_from_a_llama_style_dir_with_its_tokenizer_then_export(family, 
     np.testing.assert_allclose(_ours(run, (jnp.asarray([ids]),)), theirs, rtol=0, atol=EXPORT_ATOL)
 
 
+def test_cli_init_from_a_gemma_dir_with_its_tokenizer_then_export(data_dir, tmp_path, here):
+    """Gemma 3 (its own family): ``train --init-from`` a Gemma3ForCausalLM directory with its
+    own BPE tokenizer (LoRA), ``export --format peft`` (PEFT loads it over the base) and
+    ``export --format hf --merge`` (AutoModel loads a Gemma3ForCausalLM): both reproduce our
+    logits, the tokenizer our ids."""
+    from tests.interop.test_hf_gemma import gemma_model
+
+    hf_dir = tmp_path / "hf"
+    gpt2_dir(hf_dir)                                   # tokenizer (701 ids) + a config
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    base = gemma_model(vocab_size=len(tokenizer))
+    base.save_pretrained(hf_dir)
+    run = tmp_path / "run"
+    code, stdout, lines = here("train", "--init-from", str(hf_dir), "--workdir", str(run),
+                               "--no-progress", *(f"--set={o}" for o in SHORT),
+                               f"--set=data_dir={data_dir}", "--set=lora.rank=4",
+                               "--set=lora.targets=attn/(query|key|value|out)|mlp/wo",
+                               "--set=learning_rate=1e-2", "--set=schedule=constant")
+    assert code == 0, lines
+    arrays = len(flat(from_hf(hf_dir)[1]))
+    assert f"init-from {hf_dir} (hf, gemma): {arrays} parameter arrays loaded\n" in stdout
+    saved = json.loads((run / "config.json").read_text())
+    assert (saved["family"], saved["experiment"]["tokenizer"]) == ("gemma", f"hf:{hf_dir}")
+    text = "def f(x):\n    return x + 1\n"
+    ids = tokenizer(text)["input_ids"]
+    assert ids == load_run(run)[3].tokenizer.encode(text)
+    ours = _ours(run, (jnp.asarray([ids]),))
+    for fmt in ("peft", "hf"):
+        out = tmp_path / f"export_{fmt}"
+        code, _, lines = here("export", "--workdir", str(run), "--out", str(out),
+                              "--format", fmt, *(["--merge"] if fmt == "hf" else []))
+        assert code == 0 and lines == [], lines
+        if fmt == "peft":
+            model = peft.PeftModel.from_pretrained(gemma_model(vocab_size=len(tokenizer)),
+                                                   str(out)).eval()
+        else:
+            assert transformers.AutoTokenizer.from_pretrained(out)(text)["input_ids"] == ids
+            model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+            assert type(model) is transformers.Gemma3ForCausalLM
+        with torch.no_grad():
+            theirs = model(torch.tensor([ids])).logits.numpy()
+        np.testing.assert_allclose(ours, theirs, rtol=0, atol=EXPORT_ATOL)
+
+
 def test_qlora_on_llama_trains_over_an_nf4_base_and_exports_merged(data_dir, tmp_path):
     """QLoRA on a Llama (RoPE, RMSNorm, SwiGLU, 2 kv heads of 4): the frozen block kernels
     are stored NF4 (4-bit codes, absmax per 64 values), the adapters train, and the merged

@@ -168,7 +168,7 @@ def test_init_from_a_checkpoint_of_another_family_is_refused(bert_run, data_dir,
                                str(tmp_path / "run"), "--set=warmup_steps=1", data_dir=data_dir)
     assert code == 2 and lines == [
         f"error: --init-from {bert_run} is a bert checkpoint (task 'mlm'), but experiment "
-        "'stdlib_gpt' trains task 'lm', which needs a gpt model; a bert model trains 'classify' "
+        "'stdlib_gpt' trains task 'lm', which needs a gpt or gemma model; a bert model trains 'classify' "
         "or 'mlm' or 'pretrain': choose an experiment for it (--experiment bert_classify_stdlib "
         "or bert_mlm_stdlib or bert_pretrain_stdlib), or --set task=mlm"]
     assert "parameter arrays loaded" not in out
@@ -177,8 +177,9 @@ def test_init_from_a_checkpoint_of_another_family_is_refused(bert_run, data_dir,
     code, _, lines = refused(capsys, "--workdir", str(tmp_path / "run"), "--set=model=bert",
                              "--set=warmup_steps=1", data_dir=data_dir)
     assert code == 2 and lines == [
-        "error: task 'lm' trains a decoder-only model (model=gpt: GPT-2, Llama, Mistral), got "
-        "model='bert'; set model=gpt, or the task a bert model trains (--set task=classify or "
+        "error: task 'lm' trains a decoder-only model (model=gpt: GPT-2, Llama, Mistral; "
+        "model=gemma: Gemma 3), got model='bert'; set model=gpt or model=gemma, or the task a "
+        "bert model trains (--set task=classify or "
         "task=mlm or task=pretrain)"]
     assert not (tmp_path / "run").exists()
 

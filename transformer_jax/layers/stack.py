@@ -55,13 +55,16 @@ def _stackable(block: type[nn.Module]) -> type[nn.Module]:
 def layer_stack(block: type[nn.Module], fields: dict[str, Any], num_layers: int, x: Array, *,
                 name: str, operands: dict[str, Any] | None = None,
                 static: dict[str, Any] | None = None, scan: bool = False,
-                remat: bool = False, remat_policy: str = "nothing_saveable") -> Array:
+                remat: bool = False, remat_policy: str = "nothing_saveable",
+                per_layer: Sequence[dict[str, Any]] | None = None) -> Array:
     """Apply ``num_layers`` blocks ``block(**fields)`` to ``x`` (B, T, D).
 
     ``operands`` (arrays or None: masks, biases, positions, the encoder output) are passed
     to every layer's ``forward`` by keyword; ``static`` (Python values: ``deterministic``,
     ``decode``, ``causal``) too. Call it inside a compact method; the layers become
-    children of that module (see the module docstring for their names).
+    children of that module (see the module docstring for their names). ``per_layer``
+    (unrolled only: a scan repeats one layer) gives each layer field values on top of
+    ``fields``, e.g. Gemma's local and global layers.
     """
     if num_layers < 1:
         raise UserError(f"layer_stack: num_layers must be >= 1, got {num_layers}")
@@ -75,6 +78,10 @@ def layer_stack(block: type[nn.Module], fields: dict[str, Any], num_layers: int,
     settings = dict(fields, operand_names=tuple(operands),
                     static=tuple(sorted((static or {}).items())))
     args = tuple(operands.values())
+    if per_layer is not None and (scan or len(per_layer) != num_layers):
+        raise UserError(f"layer_stack: per_layer needs unrolled layers (scan=False) and one "
+                        f"entry per layer; got scan={scan}, {len(per_layer)} entries for "
+                        f"{num_layers} layers")
     if scan:
         scanned = nn.scan(layer, variable_axes={"params": 0, "cache": 0, "intermediates": 0},
                           split_rngs={"params": True, "dropout": True},
@@ -83,7 +90,8 @@ def layer_stack(block: type[nn.Module], fields: dict[str, Any], num_layers: int,
         x, _ = scanned(**settings, scanned=True, name=name)(x, *args)
         return x
     for i in range(num_layers):
-        x = layer(**settings, name=f"{name}_{i}")(x, *args)
+        extra = per_layer[i] if per_layer is not None else {}
+        x = layer(**{**settings, **extra}, name=f"{name}_{i}")(x, *args)
     return x
 
 

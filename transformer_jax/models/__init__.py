@@ -28,6 +28,7 @@ from ..errors import UserError
 from .base import PresetConfig, check_id_range, check_id_values, checked
 from .bert import Bert, BertConfig
 from .clip import CLIP, CLIPConfig
+from .gemma import Gemma, GemmaConfig
 from .gpt import GPT, GPTConfig
 from .t5 import T5, T5Config
 from .transformer import Transformer, TransformerConfig
@@ -41,6 +42,7 @@ FAMILIES: dict[str, tuple[type, type]] = {
     "t5": (T5Config, T5),
     "transformer": (TransformerConfig, Transformer),
     "clip": (CLIPConfig, CLIP),
+    "gemma": (GemmaConfig, Gemma),
 }
 
 
@@ -65,4 +67,5 @@ def model_from_config(family: str, config: dict[str, Any]):
 __all__ = ["FAMILIES", "GPT", "GPTConfig", "PresetConfig", "build_model", "model_from_config",
            "ViT", "ViTConfig", "Bert", "BertConfig",
            "T5", "T5Config", "Transformer", "TransformerConfig", "CLIP", "CLIPConfig",
+           "Gemma", "GemmaConfig",
            "check_id_range", "check_id_values", "checked"]

@@ -68,7 +68,7 @@ class LMTask(Task):
     the documents' text field (default ``text``). The tokenizer, the dataset and the lengths
     are config fields."""
     name = "lm"
-    MODELS = ("gpt",)
+    MODELS = ("gpt", "gemma")
     OPTIONS = {"train_tokens": None, "text_key": "text"}
     loss_fn = staticmethod(lm_loss)
     ID_FIELDS = {"inputs": "vocab_size", "targets": "vocab_size"}
@@ -80,7 +80,8 @@ class LMTask(Task):
         super().__init__(cfg, workdir, spec=spec)
         if cfg.model not in self.MODELS:
             raise UserError(f"task 'lm' trains a decoder-only model (model=gpt: GPT-2, Llama, "
-                            f"Mistral), got model={cfg.model!r}; set model=gpt, or the task a "
+                            f"Mistral; model=gemma: Gemma 3), got model={cfg.model!r}; set "
+                            f"model=gpt or model=gemma, or the task a "
                             f"{cfg.model} model trains (--set task="
                             + " or task=".join(tasks_for(cfg.model)) + ")")
         if not isinstance(self.options["text_key"], str):

@@ -62,7 +62,8 @@ CHANGEABLE = frozenset({"dropout_rate", "attention_dropout_rate", "classifier_dr
 HEAD_FIELDS = {"bert": frozenset({"head", "num_classes"}),
                "vit": frozenset({"num_classes", "num_channels"}),
                "clip": frozenset({"num_channels"}),
-               "gpt": frozenset(), "t5": frozenset(), "transformer": frozenset()}
+               "gpt": frozenset(), "t5": frozenset(), "transformer": frozenset(),
+               "gemma": frozenset()}
 
 #: parameter leaves that are adapters: they train, and are new in a fine-tuning run
 ADAPTER_LEAVES = frozenset(lora_lib.ADAPTER_NAMES) | {"prefix_key", "prefix_value"}

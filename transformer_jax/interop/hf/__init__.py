@@ -9,6 +9,7 @@
     :mod:`~transformer_jax.interop.hf.mistral` (Llama's layout plus a sliding window),
     :mod:`~transformer_jax.interop.hf.qwen2`, :mod:`~transformer_jax.interop.hf.qwen3` (Llama's
     layout plus q/k/v biases, or q/k norms),
+    :mod:`~transformer_jax.interop.hf.gemma` (Gemma 3 text, a family of its own),
     :mod:`~transformer_jax.interop.hf.bert`, :mod:`~transformer_jax.interop.hf.t5`,
     :mod:`~transformer_jax.interop.hf.vit`, :mod:`~transformer_jax.interop.hf.clip`.
 

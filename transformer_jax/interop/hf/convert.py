@@ -37,6 +37,8 @@ family holds its key table and config mapping:
     t5           T5           t5.py          T5ForConditionalGeneration
     vit          ViT          vit.py         ViTForImageClassification, ViTModel
     clip         CLIP         clip.py        CLIPModel
+    gemma3_text  Gemma        gemma.py       Gemma3ForCausalLM, Gemma3TextModel
+    gemma3       Gemma        gemma.py       Gemma3ForConditionalGeneration (its text model)
 
 Each converts both parameter layouts: unrolled layers, or one scanned stack (``scan_layers``).
 Every key and shape is asserted; a mismatch raises ``ConversionError`` (a
@@ -51,12 +53,12 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 
 from ...errors import UserError
-from . import bert, clip, gpt2, llama, mistral, qwen2, qwen3, t5, vit
+from . import bert, clip, gemma, gpt2, llama, mistral, qwen2, qwen3, t5, vit
 from .registry import (family_for_config, family_for_model_type, register_hf_family,
                        supported_model_types, torch_tensors)
 
 for _family in (gpt2.FAMILY, llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY,
-                bert.FAMILY, t5.FAMILY, vit.FAMILY, clip.FAMILY):
+                bert.FAMILY, t5.FAMILY, vit.FAMILY, clip.FAMILY, gemma.FAMILY):
     register_hf_family(_family)
 
 

@@ -107,10 +107,11 @@ _SAVE_AGAIN = "save the adapter again with PeftModel.save_pretrained(dir, safe_s
 def _task_type(config: Any) -> str | None:
     """PEFT's task type for the HF class ``to_hf`` targets."""
     from ...models.bert import BertConfig
+    from ...models.gemma import GemmaConfig
     from ...models.gpt import GPTConfig
     from ...models.t5 import T5Config
 
-    if isinstance(config, GPTConfig):
+    if isinstance(config, (GPTConfig, GemmaConfig)):
         return "CAUSAL_LM"
     if isinstance(config, T5Config):
         return "SEQ_2_SEQ_LM"
