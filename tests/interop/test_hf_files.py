@@ -83,11 +83,11 @@ def test_a_config_json_that_is_no_object_or_lacks_model_type(saved, tmp_path):
     (d / "config.json").write_text(json.dumps(config))
     assert refused(d) == (f"{d / 'config.json'}: no \"model_type\", so the model family is "
                           f"unknown; add it (one of ['bert', 'clip', 'gemma3', 'gemma3_text', 'gpt2', "
-                          f"'llama', 'mistral', 't5', 'vit']) or {AGAIN}")
+                          f"'llama', 'mistral', 'qwen2', 'qwen3', 't5', 'vit']) or {AGAIN}")
     (d / "config.json").write_text(json.dumps({**config, "model_type": "bloom"}))
     assert refused(d) == (f"{d / 'config.json'}: unsupported Hugging Face model_type 'bloom'; "
                           "supported: ['bert', 'clip', 'gemma3', 'gemma3_text', 'gpt2', 'llama', "
-                          "'mistral', 't5', 'vit']")
+                          "'mistral', 'qwen2', 'qwen3', 't5', 'vit']")
 
 
 def test_missing_files(saved, tmp_path):
