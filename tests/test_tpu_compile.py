@@ -512,3 +512,31 @@ def test_the_harness_scores_an_8b_llama_in_bfloat16_over_a_v5e_8():
     assert 0 <= mem.argument_size_in_bytes - (per_device + batch_bytes) < 2**16
     need = mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes
     assert need < 16 * GIB, need / GIB
+
+
+def _qlora_8b_parameter_bytes(layers: int) -> int:
+    """Bytes of ``llama3_8b_qlora_tpu_v5e_1``'s parameters with ``layers`` layers, from its
+    shapes: the embedding and the untied head in bf16, and per layer the seven projections
+    as NF4 (half a byte a weight + a float32 absmax per block of 64), two bf16 norms and the
+    rank-16 bf16 adapters of the seven projections."""
+    d, f, kv, vocab, r = 4096, 14336, 1024, 128256, 16
+    weights = 2 * d * d + 2 * d * kv + 3 * d * f
+    nf4 = weights // 2 + weights // 64 * 4
+    adapters = r * (2 * (d + d) + 2 * (d + kv) + 3 * (d + f))
+    return 2 * vocab * d * 2 + d * 2 + layers * (nf4 + 2 * d * 2 + adapters * 2)
+
+
+@pytest.mark.slow
+def test_an_8b_qlora_step_sees_the_nf4_base_and_its_layers_add_up(data_dir):
+    """``llama3_8b_qlora_tpu_v5e_1`` with 2 of its 32 layers (the full compile takes minutes
+    here; its figures are in the experiment's docstring): the compiler gets the NF4 base's
+    shapes (0.56 bytes a frozen weight), only the adapters have AdamW moments, and the
+    32-layer parameters this implies are the 5.69 GiB the full compile reports."""
+    cfg = apply_overrides(load_experiment("llama3_8b_qlora_tpu_v5e_1"),
+                          ["model.num_layers=2", f"data_dir={data_dir}"])
+    report = aot.compile_experiment(cfg, "v5e-1")
+    assert report.fits and report.mesh == "data=1,fsdp=1,tensor=1"
+    assert report.parameter_bytes == _qlora_8b_parameter_bytes(2)
+    adapters = 2 * 16 * (2 * 8192 + 2 * 5120 + 3 * 18432) * 2            # 2 layers, bf16
+    assert adapters * 2 <= report.optimizer_bytes < adapters * 2 + 2**10  # mu, nu (+ counts)
+    assert round(_qlora_8b_parameter_bytes(32) / GIB, 2) == 5.69
