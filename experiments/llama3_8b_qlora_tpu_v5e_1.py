@@ -5,7 +5,8 @@ Compiled for the chip on a CPU host (``transformer-jax compile``, libtpu 0.0.42.
 11.02 GiB of 16 (arguments 5.85: parameters 5.69, of them the NF4 projections 3.66 and
 the bf16 embedding and untied head 1.96, the adapters' AdamW moments 0.16; temporaries
 5.02; outputs 5.93, 5.77 of them over the donated arguments), 4.98 GiB headroom.
-V6E_FIGURE Estimated step 4.85 s at 40% MFU (3.82e14 model FLOPs per 8,192 tokens); not
+v6e-1: 11.07 GiB of 32 (temporaries 5.06), 1.04 s a step.
+Estimated step 4.85 s at 40% MFU (3.82e14 model FLOPs per 8,192 tokens); not
 measured. docs/tpu.md says what takes the memory.
 
 Command (in a Colab TPU runtime, with Meta's weights as a Hugging Face directory)::
