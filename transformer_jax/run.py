@@ -22,6 +22,7 @@ import flax.linen as nn
 import jax
 from jax.experimental.multihost_utils import sync_global_devices
 
+from . import sharding as sh
 from . import storage
 from .errors import UserError
 from .layers.attention_dispatch import tpu_generation
@@ -157,8 +158,8 @@ def setup(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
     if restored is None:
         adjust = task.init_params
         if pretrained is None and cfg.init_from is not None:   # resumed, but nothing saved yet
-            pretrained = finetune.Start.plan(finetune.load_source(cfg.init_from), model_cfg,
-                                             abstract())
+            source = finetune.load_source(cfg.init_from, **_source_placement(cfg))
+            pretrained = finetune.Start.plan(source, model_cfg, abstract())
         if pretrained is not None:
             if is_main():
                 print(pretrained.describe(), flush=True)
@@ -214,10 +215,19 @@ def _fine_tuning_config(cfg: ExperimentConfig, workdir: Path, resume: bool):
     if saved is not None and saved.get("init_from"):
         cfg = finetune.resumed_config(cfg, saved, say=warn)
     elif cfg.init_from is not None:
-        source = finetune.load_source(cfg.init_from)
+        source = finetune.load_source(cfg.init_from, **_source_placement(cfg))
         check_task(cfg, source)
         cfg = finetune.resolve(cfg, source, say=warn)
     return cfg, source, saved
+
+
+def _source_placement(cfg: ExperimentConfig) -> dict[str, Any]:
+    """How ``load_source`` streams an HF directory for this run: in the run's
+    ``param_dtype`` and, under ``--parallelism jit``, sharded over the run's mesh."""
+    out: dict[str, Any] = {"param_dtype": cfg.model_overrides.get("param_dtype")}
+    if cfg.parallelism == "jit":
+        out["mesh"] = sh.make_mesh(cfg.mesh)
+    return out
 
 
 def check_task(cfg: ExperimentConfig, source: finetune.Source) -> None:

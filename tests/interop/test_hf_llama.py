@@ -275,28 +275,27 @@ def test_greedy_generate_left_padded_matches_hf(untied):
     ("pretraining_tp", 2),
     ("hidden_act", "gelu"),
     ("hidden_act", "quick_gelu"),
-    ("head_dim", 32),
-    ("rope_scaling", {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
-    ("rope_scaling", {"type": "linear", "factor": 2.0}),
+    ("rope_scaling", {"rope_type": "dynamic", "factor": 2.0}),
+    ("rope_scaling", {"type": "linear", "factor": 2.0, "attention_factor": 0.5}),
     ("rope_parameters", {"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0}),
+    ("rope_parameters", {"rope_type": "longrope", "rope_theta": 500.0, "factor": 4.0}),
 ])
 def test_unsupported_config_option_raises(untied, option, value):
     hf_model = untied[0]
     config = {**hf_model.config.to_dict(), option: value}
-    name = "rope_scaling" if option.startswith("rope") else option
-    with pytest.raises(UserError, match=rf"unsupported Llama config option {name}"):
+    with pytest.raises(UserError, match=rf"unsupported Llama config option {option}"):
         from_hf_state_dict(config, state_dict(hf_model))
 
 
-def test_llama_3_2_rope_scaling_refused_by_name():
-    """A Llama 3.2 1B config.json (transformers 4.45) is refused, naming rope_scaling."""
-    config = {"model_type": "llama", "hidden_size": 2048, "num_attention_heads": 32,
-              "num_key_value_heads": 8, "rope_theta": 500000.0, "tie_word_embeddings": True,
+def test_llama_3_2_config_json_converts_with_its_rope_scaling():
+    """A Llama 3.2 1B config.json (transformers 4.45) reads as the llama-3.2-1b preset."""
+    config = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 2048,
+              "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+              "num_key_value_heads": 8, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+              "rope_theta": 500000.0, "tie_word_embeddings": True, "head_dim": 64,
               "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
                                "original_max_position_embeddings": 8192, "rope_type": "llama3"}}
-    with pytest.raises(UserError, match=r"rope_scaling.*'llama3'.*no frequency scaling"):
-        llama_config_from_hf(config)
+    assert llama_config_from_hf(config) == GPTConfig.preset("llama-3.2-1b")
 
 
 def test_bad_state_dicts_raise_naming_the_key(untied, tied):

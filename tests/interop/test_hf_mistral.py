@@ -198,10 +198,9 @@ def test_null_sliding_window_is_full_attention():
 # ----------------------------------------------------------------------------- bad input
 
 @pytest.mark.parametrize("option, value, match", [
-    ("head_dim", 32, r"Mistral config option head_dim=32.*hidden_size / num_attention_heads"),
     ("hidden_act", "gelu", "Mistral config option hidden_act"),
     ("rope_parameters", {"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0},
-     "Mistral config option rope_scaling"),
+     "Mistral config option rope_parameters with rope_type='yarn'"),
     ("sliding_window", 0, "Mistral config option sliding_window=0"),
     ("layer_types", ["sliding_attention", "full_attention"], "Mistral config option layer_types"),
 ])

@@ -30,8 +30,8 @@ COUNT: set = set()               # sizes and counts: integers >= 1
 ALLOWED: dict[type, dict[str, set]] = {
     GPTConfig: {
         "vocab_size": COUNT, "max_len": COUNT, "num_layers": COUNT, "num_heads": COUNT,
-        "num_kv_heads": COUNT, "d_model": COUNT, "mlp_dim": COUNT, "norm_eps": set(),
-        "rope_base": set(), "dropout_rate": RATE, "attention_dropout_rate": RATE,
+        "num_kv_heads": COUNT, "head_size": COUNT, "d_model": COUNT, "mlp_dim": COUNT,
+        "norm_eps": set(), "rope_base": set(), "dropout_rate": RATE, "attention_dropout_rate": RATE,
         "initializer_range": {"zero"}, "prefix_tokens": {"zero"}, "attention_window": COUNT,
     },
     BertConfig: {
@@ -192,7 +192,7 @@ def test_dtypes(cls):
     (lambda: GPTConfig.preset("tiny", num_heads=4, num_kv_heads=3),
      "GPTConfig.num_heads=4 is not divisible by num_kv_heads=3", ("num_heads", "num_kv_heads")),
     (lambda: GPTConfig.preset("tiny", position="rope", d_model=12, num_heads=4),
-     "GPTConfig.position='rope' needs an even head_dim = d_model / num_heads, got 12 / 4 = 3",
+     "GPTConfig.position='rope' needs an even head_dim (head_size, or d_model / num_heads), got 3",
      ("position", "d_model", "num_heads")),
     (lambda: BertConfig.preset("tiny", d_model=30),
      "BertConfig.d_model=30 is not divisible by num_heads=4", ("d_model", "num_heads")),

@@ -194,7 +194,7 @@ def test_every_schedule_has_its_arguments():
     (dict(model_overrides=dict(num_heads=3)), "GPTConfig.d_model=64 is not divisible by num_heads=3"),
     (dict(model_preset="gpt5"), "unknown GPTConfig preset 'gpt5'; choose one of ['gpt2', "
                                 "'gpt2-large', 'gpt2-medium', 'gpt2-xl', 'llama-2-7b', "
-                                "'llama-3.2-1b', 'llama-tiny', 'mistral-7b', 'mistral-tiny', "
+                                "'llama-3.1-8b', 'llama-3.2-1b', 'llama-3.2-3b', 'llama-tiny', 'mistral-7b', 'mistral-tiny', "
                                 "'tiny', 'tinyllama-1.1b']. Did you mean 'gpt2'?"),
     (dict(model="t5", model_overrides=dict(vocab_size=600, eos_token_id=600)),
      "T5Config.eos_token_id=600 is outside the vocabulary [0, 600) (vocab_size)"),

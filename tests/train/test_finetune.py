@@ -330,3 +330,25 @@ def test_prefix_tuning_run_exports_a_peft_prefix(data_dir, hf_dirs, tmp_path):
         transformers.AutoModelForCausalLM.from_pretrained(hf_dirs["gpt2"]), tmp_path / "out")
     inputs, theirs = _hf_logits(model.eval(), "lm", np.random.default_rng(4))
     np.testing.assert_allclose(_ours(tmp_path / "run", inputs), theirs, rtol=0, atol=EXPORT_ATOL)
+
+
+def test_init_from_a_bf16_directory_streams_in_the_runs_param_dtype(data_dir, tmp_path,
+                                                                    monkeypatch):
+    """A bf16 checkpoint under a bf16 run: every tensor is streamed onto the devices as
+    bf16 (never widened to fp32), and the run starts from exactly those values."""
+    from transformer_jax.interop.hf import stream
+
+    directory = str(tmp_path / "bf16")
+    gpt2_model(vocab_size=VOCAB, n_positions=64).to(torch.bfloat16).save_pretrained(directory)
+    placed = []
+    real_put = stream.put
+    monkeypatch.setattr(stream, "put", lambda x, s: placed.append(x.dtype) or real_put(x, s))
+    run = setup(task_cfg(data_dir, "lm", directory, "model.param_dtype=bfloat16"), tmp_path / "run")
+    assert len(placed) == 36 and set(placed) == {np.dtype(jnp.bfloat16)}   # a put a leaf
+    _, old = from_hf(directory)                             # fp32 from bf16: exact
+    assert len(flat(old)) == 36
+    params = flat(full_params(run.state))
+    for path, want in flat(old).items():
+        got = np.asarray(params[path])
+        assert got.dtype == jnp.bfloat16 and got.shape == want.shape, path
+        assert got.tobytes() == np.asarray(want).astype(jnp.bfloat16).tobytes(), path

@@ -64,26 +64,29 @@ class StateDictReader:
     """
 
     def __init__(self, tensors: Mapping[str, Any], *, what: str = "state dict"):
-        self._tensors = {str(k): as_numpy(v) for k, v in tensors.items()}
+        # lazy: a tensor is read (and converted by as_numpy) when it is taken, so a lazy
+        # mapping (a safetensors directory) is never held whole
+        self._source = tensors
+        self._names = {str(k): k for k in tensors}
         self._taken: set[str] = set()
         self.what = what
 
     def __contains__(self, key: str) -> bool:
-        return key in self._tensors
+        return key in self._names
 
     def remaining(self) -> list[str]:
         """Keys not taken (nor skipped) yet, in the mapping's order."""
-        return [k for k in self._tensors if k not in self._taken]
+        return [k for k in self._names if k not in self._taken]
 
     def _claim(self, key: str) -> np.ndarray:
-        if key not in self._tensors:
+        if key not in self._names:
             near = [k for k in self.remaining() if k.rsplit(".", 1)[-1] == key.rsplit(".", 1)[-1]]
             hint = f"; unconsumed keys with the same suffix: {near[:6]}" if near else ""
             raise ConversionError(f"{self.what}: expected key {key!r} is missing{hint}")
         if key in self._taken:
             raise ConversionError(f"{self.what}: key {key!r} is mapped twice")
         self._taken.add(key)
-        return self._tensors[key]
+        return as_numpy(self._source[self._names[key]])
 
     def take(self, key: str, shape: Sequence[int]) -> np.ndarray:
         """The array stored under ``key``, checked to have exactly ``shape``; marks it consumed."""

@@ -9,8 +9,10 @@ converted state dict reads naturally: ``self_attn``, ``cross_attn``, ``mlp``, ``
 
 The fields cover the families' differences: LayerNorm or RMSNorm (``norm``), biases or
 none (``use_bias``, ``norm_bias``), the attention ``attention_scale`` (T5: 1), rotary
-positions (``rope_base``), grouped-query heads, gated MLPs, and an initialiser for each
-kind of kernel. An additive logit bias (T5's relative positions) is a call argument.
+positions (``rope_base``, ``rope_scaling``), grouped-query heads, q/k/v biases without
+other biases (``qkv_bias``), per-head query/key norms (``qk_norm``), gated MLPs, and an
+initialiser for each kind of kernel. An additive logit bias (T5's relative positions) is a
+call argument.
 ``prefix_tokens`` > 0 gives the self-attention (never the cross-attention) P learned
 prefix keys and values (prefix tuning; ``MultiHeadAttention``'s docstring), and
 ``attention_pattern`` restricts it to a sliding window or a sparse pattern
@@ -35,6 +37,7 @@ import jax.numpy as jnp
 from ..errors import UserError
 from .cpu_tuning import residual
 from .dense import Initializer, default_kernel_init
+from .embeddings import RopeScaling
 from .masks import AttentionPattern
 from .mlp import FeedForward
 from .multi_head import MultiHeadAttention
@@ -63,6 +66,9 @@ class _BlockBase(nn.Module):
     attention_impl: str = "auto"         # softmax attention's implementation
     attention_scale: float | None = None  # default 1/sqrt(H)
     rope_base: float | None = None
+    rope_scaling: RopeScaling | None = None   # rescaled rotary frequencies (Llama 3)
+    qkv_bias: bool | None = None         # q/k/v projection biases; None: use_bias (Qwen 2)
+    qk_norm: str | None = None           # per-head norm of queries and keys (Qwen 3, Gemma 3)
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
     kernel_init: Initializer = default_kernel_init
@@ -80,7 +86,9 @@ class _BlockBase(nn.Module):
             use_bias=self.use_bias, dropout_rate=self.attention_dropout_rate,
             attention=self.attention, attention_impl=self.attention_impl,
             scale=self.attention_scale,
-            rope_base=self.rope_base if rope else None, dtype=self.dtype,
+            rope_base=self.rope_base if rope else None,
+            rope_scaling=self.rope_scaling if rope else None, qkv_bias=self.qkv_bias,
+            qk_norm=self.qk_norm, qk_norm_eps=self.norm_eps, dtype=self.dtype,
             param_dtype=self.param_dtype, kernel_init=self.kernel_init,
             query_kernel_init=self.query_kernel_init, out_kernel_init=self.out_kernel_init,
             precision=self.precision, cpu_tuning=self.cpu_tuning,

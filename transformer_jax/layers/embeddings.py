@@ -5,12 +5,14 @@ H head dim, N heads, B batch.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ..errors import UserError
 from .dense import canonical_dtype
@@ -53,25 +55,95 @@ class SinusoidalPositionalEncoding(nn.Module):
 
 # ----------------------------------------------------------------------------- RoPE
 
-def rope_frequencies(head_dim: int, base: float = 10000.0) -> Array:
-    """Inverse frequencies ``base^(-2i/H)``, (H/2,) fp32."""
+ROPE_SCALINGS = ("llama3", "linear")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """A rescaling of RoPE's inverse frequencies for contexts longer than the pretraining one.
+
+    ``kind="linear"`` (position interpolation; Gemma 3's global layers): every inverse
+    frequency divided by ``factor``. ``kind="llama3"`` (Llama 3.1-3.3): with wavelengths
+    ``2 pi / f`` measured against ``original_max_len``, the long-wavelength band (longer
+    than ``original_max_len / low_freq_factor``) is divided by ``factor``, the
+    short-wavelength band (shorter than ``original_max_len / high_freq_factor``) is kept, and
+    the band between is blended linearly in ``original_max_len / wavelength``. Neither
+    rescales the attention logits (HF's ``attention_factor`` is 1 for both).
+    A dict of these fields (``config.json``, ``--set rope_scaling.factor=8``) converts.
+    """
+    kind: str = "llama3"
+    factor: float = 8.0
+    low_freq_factor: float = 1.0          # llama3 only
+    high_freq_factor: float = 4.0         # llama3 only
+    original_max_len: int = 8192          # llama3 only: HF original_max_position_embeddings
+
+    def __post_init__(self):
+        if self.kind not in ROPE_SCALINGS:
+            raise UserError(f"RopeScaling.kind={self.kind!r} is unknown; choose one of "
+                            f"{list(ROPE_SCALINGS)} (yarn, longrope and dynamic are not implemented)")
+        for name in ("factor", "low_freq_factor", "high_freq_factor", "original_max_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise UserError(f"RopeScaling.{name} must be a number > 0, got {value!r}")
+        if self.kind == "llama3" and not self.high_freq_factor > self.low_freq_factor:
+            raise UserError(f"RopeScaling: llama3 needs high_freq_factor > low_freq_factor, got "
+                            f"{self.high_freq_factor} and {self.low_freq_factor}")
+
+    @classmethod
+    def from_value(cls, value: Any) -> "RopeScaling | None":
+        """None, a RopeScaling, or its dict form."""
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise UserError(f"rope_scaling must be None or a dict of RopeScaling fields "
+                            f"(kind, factor, low_freq_factor, high_freq_factor, "
+                            f"original_max_len), got {value!r}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - names, key=str)
+        if unknown:
+            raise UserError(f"unknown RopeScaling field(s) {unknown}; valid: {sorted(names)}")
+        return cls(**value)
+
+
+def rope_frequencies(head_dim: int, base: float = 10000.0,
+                     scaling: RopeScaling | None = None) -> np.ndarray:
+    """Inverse frequencies ``base^(-2i/H)``, (H/2,) fp32, rescaled by ``scaling``.
+
+    Computed in NumPy fp32 with transformers' operation order (its rope initialisation
+    functions), so the tables agree to the last bit; they are constants of the model.
+    """
     if head_dim % 2:
         raise UserError(f"RoPE needs an even head_dim, got {head_dim}")
-    return 1.0 / (base ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    f32 = np.float32
+    inv = f32(1.0) / (f32(base) ** (np.arange(0, head_dim, 2).astype(f32) / f32(head_dim)))
+    if scaling is None:
+        return inv
+    if scaling.kind == "linear":
+        return inv / f32(scaling.factor)
+    factor, old = f32(scaling.factor), f32(scaling.original_max_len)
+    low, high = f32(scaling.low_freq_factor), f32(scaling.high_freq_factor)
+    wavelen = f32(2 * math.pi) / inv
+    scaled = np.where(wavelen > old / low, inv / factor, inv)
+    smooth = (old / wavelen - low) / (high - low)
+    blended = (f32(1) - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old / high) & ~(wavelen > old / low)
+    return np.where(medium, blended, scaled).astype(f32)
 
 
-def apply_rope(x: Array, positions: Array, *, base: float = 10000.0, interleaved: bool = False) -> Array:
+def apply_rope(x: Array, positions: Array, *, base: float = 10000.0, interleaved: bool = False,
+               scaling: RopeScaling | None = None) -> Array:
     """Rotate query/key vectors by their positions. x: (B, T, N, H); positions: (B, T) or (T,).
 
     ``interleaved=False`` rotates the pairs (i, i + H/2) (GPT-NeoX / LLaMA / HF
     ``rotate_half``); ``interleaved=True`` rotates (2i, 2i+1) (RoFormer / GPT-J).
-    The rotation is computed in fp32 and cast back to x's dtype.
+    The rotation is computed in fp32 and cast back to x's dtype; ``scaling`` rescales the
+    frequencies (:class:`RopeScaling`).
     """
     h = x.shape[-1]
     positions = jnp.asarray(positions)
     if positions.ndim == 1:
         positions = positions[None, :]
-    angles = positions.astype(jnp.float32)[..., None] * rope_frequencies(h, base)   # (B, T, H/2)
+    angles = positions.astype(jnp.float32)[..., None] * rope_frequencies(h, base, scaling)  # (B, T, H/2)
     sin = jnp.sin(angles)[:, :, None, :]                                             # (B, T, 1, H/2)
     cos = jnp.cos(angles)[:, :, None, :]
     x32 = x.astype(jnp.float32)

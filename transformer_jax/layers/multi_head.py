@@ -18,9 +18,10 @@ from ..errors import UserError
 from .attention import dot_product_attention
 from .attention_base import check_broadcast
 from .dense import Dense, Initializer, default_kernel_init
-from .embeddings import apply_rope
+from .embeddings import RopeScaling, apply_rope
 from .linear_attention import linear_attention_step
 from .masks import AttentionPattern, causal_mask, combine_masks
+from .norms import make_norm
 
 Array = jax.Array
 
@@ -110,7 +111,11 @@ class MultiHeadAttention(nn.Module):
       query (D, N, H), key (Dkv, K, H), value (Dkv, K, H), out (N, H, D) kernels, each with
       a bias when ``use_bias``; logical axes ('embed', 'heads'|'kv_heads', 'head_dim').
     ``scale`` defaults to 1/sqrt(H) (T5 uses 1); ``bias`` at call time is added to the
-    logits (T5's relative position bias).
+    logits (T5's relative position bias). ``qkv_bias`` gives the query, key and value
+    projections biases whatever ``use_bias`` says (Qwen 2); ``qk_norm`` (a ``norms.NORMS``
+    name) normalises each query and key head over H before RoPE, with parameters
+    ``query_norm`` and ``key_norm`` (H,) (Qwen 3, Gemma 3). ``rope_scaling`` rescales the
+    rotary frequencies (``embeddings.RopeScaling``).
 
     KV cache (``decode=True``), in a ``cache`` collection. Self-attention keeps
     ``cached_key``/``cached_value`` (B, K, S_max, H) and ``cache_index``: initialise it by
@@ -155,6 +160,10 @@ class MultiHeadAttention(nn.Module):
     scale: float | None = None
     rope_base: float | None = None
     rope_interleaved: bool = False
+    rope_scaling: RopeScaling | None = None
+    qkv_bias: bool | None = None                    # None: use_bias
+    qk_norm: str | None = None                      # a norms.NORMS name: per-head q/k norm
+    qk_norm_eps: float = 1e-6
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
     kernel_init: Initializer = default_kernel_init
@@ -177,7 +186,8 @@ class MultiHeadAttention(nn.Module):
         return n, kh, self.head_dim or d // n
 
     def _proj(self, heads: int, h: int, axes, name: str, init=None) -> Dense:
-        return Dense((heads, h), use_bias=self.use_bias, kernel_axes=axes, dtype=self.dtype,
+        bias = self.use_bias if self.qkv_bias is None else self.qkv_bias
+        return Dense((heads, h), use_bias=bias, kernel_axes=axes, dtype=self.dtype,
                      param_dtype=self.param_dtype, kernel_init=init or self.kernel_init,
                      bias_init=self.bias_init, precision=self.precision,
                      cpu_tuning=self.cpu_tuning, name=name)
@@ -186,7 +196,14 @@ class MultiHeadAttention(nn.Module):
         axes = ("embed", "kv_heads", "head_dim")
         k = self._proj(kh, h, axes, "key")(inputs_kv)                        # (B, S, K, H)
         v = self._proj(kh, h, axes, "value")(inputs_v)                       # (B, S, K, H)
-        return k, v
+        return self._norm_heads(k, "key_norm"), v
+
+    def _norm_heads(self, x: Array, name: str) -> Array:
+        """``qk_norm``: each head's vector (B, T, N|K, H) normalised over H."""
+        if self.qk_norm is None:
+            return x
+        return make_norm(self.qk_norm, self.qk_norm_eps, self.dtype, self.param_dtype,
+                         name=name)(x)
 
     def _cross_cache(self, inputs_kv, inputs_v, kh: int, h: int):
         """Keys and values of the encoder output: computed when the cache is created, then
@@ -200,7 +217,8 @@ class MultiHeadAttention(nn.Module):
         return k, v
 
     def _rope(self, x: Array, positions: Array) -> Array:
-        return apply_rope(x, positions, base=self.rope_base, interleaved=self.rope_interleaved)
+        return apply_rope(x, positions, base=self.rope_base, interleaved=self.rope_interleaved,
+                          scaling=self.rope_scaling)
 
     def _self_cache(self, q, k, v, mask, causal, positions, rope: bool):
         """Append k, v (B, T, K, H) at ``cache_index``; return q, the whole cache, the mask
@@ -305,6 +323,7 @@ class MultiHeadAttention(nn.Module):
                             "or the prefix")
         q = self._proj(n, h, ("embed", "heads", "head_dim"), "query",
                        self.query_kernel_init)(inputs_q)                     # (B, T, N, H)
+        q = self._norm_heads(q, "query_norm")
         if decode and not self_attention:
             k, v = self._cross_cache(inputs_kv, inputs_v, kh, h)
         else:

@@ -69,8 +69,11 @@ class LayerNorm(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """``y = x / sqrt(mean(x^2) + eps) * scale`` (T5 / LLaMA style: no mean subtraction, no bias)."""
+    """``y = x / sqrt(mean(x^2) + eps) * (offset + scale)`` (T5 / LLaMA style: no mean
+    subtraction, no bias). ``offset=1`` is Gemma's norm: ``scale`` is stored as the
+    difference from 1 and initialised to 0."""
     eps: float = 1e-6
+    offset: float = 0.0
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
 
@@ -79,14 +82,19 @@ class RMSNorm(nn.Module):
         d = x.shape[-1]
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
-        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
+        init = nn.initializers.zeros if self.offset == 1.0 else nn.initializers.ones
+        scale = self.param("scale", nn.with_logical_partitioning(init, ("norm",)),
                            (d,), self.param_dtype)
-        return (y * scale.astype(jnp.float32)).astype(canonical_dtype(self.dtype))
+        return (y * (self.offset + scale.astype(jnp.float32))).astype(canonical_dtype(self.dtype))
+
+
+#: The norms by name: LayerNorm, RMSNorm, and RMSNorm with Gemma's 1 + scale.
+NORMS = ("layernorm", "rmsnorm", "rmsnorm_plus_one")
 
 
 def make_norm(kind: str, eps: float, dtype: Any, param_dtype: Any, name: str | None = None,
               use_bias: bool = True) -> nn.Module:
-    """``"layernorm"`` or ``"rmsnorm"`` by name, with a clear error for anything else.
+    """A norm of :data:`NORMS` by name, with a clear error for anything else.
 
     ``use_bias`` applies to LayerNorm only (RMSNorm never has a bias).
     """
@@ -94,4 +102,6 @@ def make_norm(kind: str, eps: float, dtype: Any, param_dtype: Any, name: str | N
         return LayerNorm(eps=eps, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, name=name)
     if kind == "rmsnorm":
         return RMSNorm(eps=eps, dtype=dtype, param_dtype=param_dtype, name=name)
-    raise UserError(f"unknown norm {kind!r}; expected 'layernorm' or 'rmsnorm'")
+    if kind == "rmsnorm_plus_one":
+        return RMSNorm(eps=eps, offset=1.0, dtype=dtype, param_dtype=param_dtype, name=name)
+    raise UserError(f"unknown norm {kind!r}; expected one of {list(NORMS)}")

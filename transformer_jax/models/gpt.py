@@ -10,6 +10,9 @@ The same module is a Llama with ``position="rope"`` (no wpe), ``norm="rmsnorm"``
 ``gated_mlp=True`` + ``activation="silu"`` (SwiGLU), ``num_kv_heads`` < ``num_heads``
 (grouped-query attention), ``use_bias=False`` and ``tie_embeddings=False`` (an ``lm_head``):
 the ``llama-*`` presets, which ``interop.hf`` converts to and from ``LlamaForCausalLM``.
+Llama 3.1-3.3 add ``rope_scaling`` (``layers.embeddings.RopeScaling``); Qwen 2/2.5 add
+q/k/v biases (``qkv_bias``); Qwen 3 adds per-head query/key RMSNorms (``qk_norm``) and a
+head size that need not be D / N (``head_size``).
 
 Parameter names (unscanned): ``wte``, ``wpe``, ``h_0`` ... ``h_{L-1}`` (each a
 ``DecoderBlock``: norm1, self_attn{query,key,value,out}, norm2, mlp{wi,wo}), ``ln_f`` and,
@@ -31,6 +34,7 @@ import jax.numpy as jnp
 from ..errors import UserError
 from ..layers.blocks import DecoderBlock
 from ..layers.dense import Dense, Embed, canonical_dtype
+from ..layers.embeddings import RopeScaling
 from ..layers.lora import LoraConfig, with_lora
 from ..layers.masks import key_padding_mask
 from ..layers.mlp import ACTIVATIONS
@@ -47,6 +51,13 @@ _LLAMA: dict[str, Any] = dict(
     use_bias=False, tie_embeddings=False, dropout_rate=0.0, attention_dropout_rate=0.0)
 
 
+
+def _llama3_rope(factor: float) -> dict[str, Any]:
+    """Llama 3.1-3.3's rope_scaling (low/high frequency factors 1 and 4, 8192 positions)."""
+    return dict(kind="llama3", factor=factor, low_freq_factor=1.0, high_freq_factor=4.0,
+                original_max_len=8192)
+
+
 @dataclasses.dataclass(frozen=True)
 class GPTConfig(EfficientAttentionConfig, PresetConfig):
     vocab_size: int = 50257
@@ -54,6 +65,7 @@ class GPTConfig(EfficientAttentionConfig, PresetConfig):
     num_layers: int = 12
     num_heads: int = 12
     num_kv_heads: int | None = None      # grouped-query attention when < num_heads
+    head_size: int | None = None         # H when not d_model / num_heads (HF head_dim; Qwen 3)
     d_model: int = 768
     mlp_dim: int | None = None           # default 4 * d_model
     activation: str = "gelu_tanh"        # GPT-2's "gelu_new"
@@ -62,7 +74,10 @@ class GPTConfig(EfficientAttentionConfig, PresetConfig):
     norm_eps: float = 1e-5
     position: str = "learned"            # "learned" (GPT-2) or "rope"
     rope_base: float = 10000.0
+    rope_scaling: RopeScaling | None = None  # Llama 3's frequency rescaling; a dict is converted
     use_bias: bool = True
+    qkv_bias: bool = False               # q/k/v biases even without use_bias (Qwen 2/2.5)
+    qk_norm: bool = False                # RMSNorm of each query and key head (Qwen 3)
     tie_embeddings: bool = True
     dropout_rate: float = 0.1            # embedding and residual dropout
     attention_dropout_rate: float = 0.1
@@ -81,11 +96,8 @@ class GPTConfig(EfficientAttentionConfig, PresetConfig):
     prefix_tokens: int = 0               # prefix tuning: P learned keys/values per layer (0: none)
 
     # The llama-* presets: the shapes of HF's config.json for each model (Llama has no
-    # embedding/residual/attention dropout: all 0). llama-3.2-1b has Meta's shapes and
-    # rope_theta, but plain RoPE: Llama 3.2 uses rope_scaling "llama3", which our RoPE
-    # cannot express (the converter refuses that checkpoint), so this preset is for
-    # training and sizing, with max_len 8192 (the context before the scaling) instead
-    # of HF's 131072.
+    # embedding/residual/attention dropout: all 0). Llama 3.1-3.3 rescale RoPE ("llama3":
+    # factor 8 for 3.1 8B, 32 for 3.2; 8192 original positions) for 131072 positions.
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
         "tiny": dict(vocab_size=512, max_len=128, num_layers=2, num_heads=4, d_model=64),
         "gpt2": dict(),
@@ -98,9 +110,17 @@ class GPTConfig(EfficientAttentionConfig, PresetConfig):
                            num_kv_heads=32, d_model=4096, mlp_dim=11008),
         "tinyllama-1.1b": dict(_LLAMA, vocab_size=32000, max_len=2048, num_layers=22,
                                num_heads=32, num_kv_heads=4, d_model=2048, mlp_dim=5632),
-        "llama-3.2-1b": dict(_LLAMA, vocab_size=128256, max_len=8192, num_layers=16,
+        "llama-3.2-1b": dict(_LLAMA, vocab_size=128256, max_len=131072, num_layers=16,
                              num_heads=32, num_kv_heads=8, d_model=2048, mlp_dim=8192,
-                             rope_base=500000.0, tie_embeddings=True),
+                             rope_base=500000.0, rope_scaling=_llama3_rope(32.0),
+                             tie_embeddings=True),
+        "llama-3.2-3b": dict(_LLAMA, vocab_size=128256, max_len=131072, num_layers=28,
+                             num_heads=24, num_kv_heads=8, d_model=3072, mlp_dim=8192,
+                             rope_base=500000.0, rope_scaling=_llama3_rope(32.0),
+                             tie_embeddings=True),
+        "llama-3.1-8b": dict(_LLAMA, vocab_size=128256, max_len=131072, num_layers=32,
+                             num_heads=32, num_kv_heads=8, d_model=4096, mlp_dim=14336,
+                             rope_base=500000.0, rope_scaling=_llama3_rope(8.0)),
         # Mistral: a Llama with a sliding window (HF sliding_window = attention_window);
         # mistral-7b is Mistral-7B-v0.1's config.json (rms_norm_eps 1e-5, rope_theta 1e4).
         "mistral-tiny": dict(_LLAMA, vocab_size=512, max_len=128, num_layers=2, num_heads=4,
@@ -112,25 +132,30 @@ class GPTConfig(EfficientAttentionConfig, PresetConfig):
     def __post_init__(self):
         """Every field on its own (base.py's helpers), then the relations between them."""
         self._require_positive("vocab_size", "max_len", "num_layers", "num_heads", "d_model")
-        self._require_positive("num_kv_heads", "mlp_dim", allow_none=True)   # None: the default
+        self._require_positive("num_kv_heads", "mlp_dim", "head_size", allow_none=True)
+        object.__setattr__(self, "rope_scaling", RopeScaling.from_value(self.rope_scaling))
         self._require_choice("activation", ACTIVATIONS)
         self._require_choice("norm", ("layernorm", "rmsnorm"))
         self._require_number("norm_eps", minimum=0, exclusive_min=True)
         self._require_choice("position", ("learned", "rope"))
         self._require_number("rope_base", minimum=0, exclusive_min=True)
-        self._require_bools("gated_mlp", "use_bias", "tie_embeddings")
+        self._require_bools("gated_mlp", "use_bias", "qkv_bias", "qk_norm", "tie_embeddings")
         self._require_rates("dropout_rate", "attention_dropout_rate")
         self._require_number("initializer_range", minimum=0)
         self._require_number("prefix_tokens", integer=True, minimum=0)
         self._require_model_settings()
         self._require_attention_options()
-        self._require_divisible("d_model", "num_heads")
+        if self.head_size is None:
+            self._require_divisible("d_model", "num_heads")
         if self.num_kv_heads is not None:
             self._require_divisible("num_heads", "num_kv_heads")
         self._require_relation(self.position != "rope" or self.head_dim % 2 == 0,
                                ("position", "d_model", "num_heads"),
-                               f"needs an even head_dim = d_model / num_heads, got "
-                               f"{self.d_model} / {self.num_heads} = {self.head_dim}")
+                               f"needs an even head_dim (head_size, or d_model / num_heads), "
+                               f"got {self.head_dim}")
+        self._require_relation(self.rope_scaling is None or self.position == "rope",
+                               ("rope_scaling", "position"),
+                               "rescales rotary positions: it needs position='rope'")
         self._require_relation(self.prefix_tokens < self.max_len, ("prefix_tokens", "max_len"),
                                "leaves no position for a token: prefix tuning numbers the "
                                f"tokens from prefix_tokens, below max_len={self.max_len}")
@@ -141,7 +166,7 @@ class GPTConfig(EfficientAttentionConfig, PresetConfig):
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.num_heads
+        return self.head_size or self.d_model // self.num_heads
 
     @property
     def layer_stacks(self) -> tuple[tuple[tuple[str, ...], str, int], ...]:
@@ -152,10 +177,11 @@ class GPTConfig(EfficientAttentionConfig, PresetConfig):
         """Parameter count from the config alone (equals HF's for the GPT-2 and Llama presets;
         a tied head counts once). ``non_embedding`` leaves out wte, wpe and an untied lm_head."""
         d, f, h = self.d_model, self.mlp_features, self.head_dim
-        kv = (self.num_kv_heads or self.num_heads) * h
-        b = int(self.use_bias)
+        q, kv = self.num_heads * h, (self.num_kv_heads or self.num_heads) * h
+        b, qkv_b = int(self.use_bias), int(self.use_bias or self.qkv_bias)
         norm = 2 * d if self.norm == "layernorm" else d
-        attn = d * d + 2 * d * kv + d * d + b * (d + 2 * kv + d)
+        attn = (2 * d * q + 2 * d * kv + qkv_b * (q + 2 * kv) + b * d
+                + 2 * h * int(self.qk_norm))
         mlp = (2 if self.gated_mlp else 1) * (d * f + b * f) + f * d + b * d
         total = self.num_layers * (attn + mlp + 2 * norm) + norm
         emb = self.vocab_size * d + (self.max_len * d if self.position == "learned" else 0)
@@ -164,14 +190,15 @@ class GPTConfig(EfficientAttentionConfig, PresetConfig):
         return total if non_embedding else total + emb
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token, PaLM/nanoGPT convention: 6 N + 12 L D T.
+        """Training FLOPs per token, PaLM/nanoGPT convention: 6 N + 12 L (N H) T.
 
         N excludes the lookups (the position table, and the token embedding of an untied
         model) but counts the V x D read-out matmul once: the tied embedding's transpose,
         or the untied ``lm_head``.
         """
         n = self.num_params(non_embedding=True) + self.vocab_size * self.d_model
-        return 6 * n + 12 * self.num_layers * self.d_model * self.attention_reach(seq_len)
+        width = self.num_heads * self.head_dim               # N H (= D unless head_size)
+        return 6 * n + 12 * self.num_layers * width * self.attention_reach(seq_len)
 
 
 class GPT(nn.Module):
@@ -282,6 +309,8 @@ class GPT(nn.Module):
             attention=cfg.attention, attention_impl=cfg.attention_impl,
             attention_pattern=cfg.attention_pattern,
             rope_base=cfg.rope_base if cfg.position == "rope" else None,
+            rope_scaling=cfg.rope_scaling, head_dim=cfg.head_size,
+            qkv_bias=cfg.qkv_bias or cfg.use_bias, qk_norm="rmsnorm" if cfg.qk_norm else None,
             dtype=canonical_dtype(cfg.dtype), param_dtype=canonical_dtype(cfg.param_dtype),
             kernel_init=nn.initializers.normal(cfg.initializer_range), out_kernel_init=out_init,
             cpu_tuning=cfg.cpu_tuning, cross_attention=False, prefix_tokens=cfg.prefix_tokens)

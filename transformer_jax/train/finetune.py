@@ -83,7 +83,8 @@ def _family_of(config: Any) -> str:
 @dataclasses.dataclass
 class Source:
     """Pretrained weights: where from, the family, its model config and its parameters
-    (unscanned, numpy, adapters merged and quantized kernels read back)."""
+    (unscanned, adapters merged and quantized kernels read back; numpy from a workdir,
+    jax arrays in the run's ``param_dtype`` streamed onto the devices from an HF directory)."""
     path: str
     kind: str                       # "hf" or "workdir"
     family: str
@@ -96,6 +97,9 @@ class Source:
         """SHA-256 over every parameter's path, shape, dtype and bytes (sorted by path)."""
         h = hashlib.sha256()
         for path, leaf in sorted(_flat(self.params).items()):
+            if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+                from jax.experimental import multihost_utils    # sharded over processes
+                leaf = multihost_utils.process_allgather(leaf, tiled=True)
             array = np.ascontiguousarray(np.asarray(leaf))
             h.update("/".join(path).encode())
             h.update(f"{array.shape}{array.dtype}".encode())
@@ -123,8 +127,13 @@ def _unflat(flat: dict[tuple[str, ...], Any]) -> dict:
     return tree
 
 
-def load_source(path: str | os.PathLike) -> Source:
-    """The weights of an HF ``save_pretrained`` directory or a transformer_jax workdir."""
+def load_source(path: str | os.PathLike, *, param_dtype: Any = None, mesh: Any = None) -> Source:
+    """The weights of an HF ``save_pretrained`` directory or a transformer_jax workdir.
+
+    An HF directory is streamed tensor by tensor (``interop/hf/stream.py``): cast to
+    ``param_dtype`` (None: the family's default; a bf16 checkpoint read for a bf16 run is
+    never widened to float32) and placed on the devices, sharded over ``mesh`` by the
+    training loop's rules when given, so the host never holds the whole tree."""
     path = os.path.abspath(os.fspath(path))
     if not os.path.isdir(path):
         raise UserError(f"--init-from {path!r} is not a directory; give a Hugging Face "
@@ -140,7 +149,7 @@ def load_source(path: str | os.PathLike) -> Source:
     except ValueError as e:
         raise UserError(f"{config_path}: not valid JSON ({e})") from None
     if isinstance(config, dict) and "model_type" in config:
-        source = _hf_source(path)
+        source = _hf_source(path, param_dtype, mesh)
         architectures = config.get("architectures")
         if isinstance(architectures, list) and architectures and isinstance(architectures[0], str):
             source.task = architectures[0]
@@ -151,15 +160,15 @@ def load_source(path: str | os.PathLike) -> Source:
                     "transformer_jax run config (no \"family\"); --init-from takes one of those")
 
 
-def _hf_source(path: str) -> Source:
+def _hf_source(path: str, param_dtype: Any = None, mesh: Any = None) -> Source:
     from ..interop.hf import from_hf          # loads the converters only when asked
 
-    module, params = from_hf(path)
+    dtype = {} if param_dtype is None else {"param_dtype": param_dtype}
+    module, params = from_hf(path, mesh=mesh, **dtype)
     tokenizer = _tokenizer_of(path)
     config = module.config.replace(lora=None) if module.config.lora is not None else module.config
-    params = jax.tree_util.tree_map(np.asarray, params)
     if module.config.lora is not None:
-        params = jax.tree_util.tree_map(np.asarray, lora_lib.merge(params, module.config.lora))
+        params = lora_lib.merge(params, module.config.lora)
     return Source(path=path, kind="hf", family=_family_of(config), model_config=config.to_dict(),
                   params=params, tokenizer=tokenizer)
 
@@ -249,7 +258,7 @@ class Start:
     source's weights: which leaves load, which start fresh, which are dropped."""
     source: Source
     model_config: Any
-    loaded: dict[tuple[str, ...], np.ndarray]      # path (new layout) -> array
+    loaded: dict[tuple[str, ...], Any]             # path (new layout) -> array (host or device)
     fresh: list[tuple[str, ...]]                   # new leaves the source lacks or mis-shapes
     dropped: list[tuple[str, ...]]                 # source leaves the new model lacks
 
@@ -264,8 +273,7 @@ class Start:
         params = convert_layout(params, old.layer_stacks, scanned=model_config.scan_layers)
         theirs = _flat(params)
         mine = {path: tuple(leaf.shape) for path, leaf in _flat(abstract).items()}
-        loaded = {p: np.asarray(a) for p, a in theirs.items()
-                  if p in mine and tuple(np.shape(a)) == mine[p]}
+        loaded = {p: a for p, a in theirs.items() if p in mine and tuple(np.shape(a)) == mine[p]}
         fresh = sorted(p for p in mine if p not in loaded)
         dropped = sorted(p for p in theirs if p not in mine)
         return cls(source=source, model_config=model_config, loaded=loaded, fresh=fresh,
@@ -297,10 +305,15 @@ class Start:
                             "and size?")
 
     def fill(self, params: dict) -> dict:
-        """``params`` (a fresh init, whole) with every loaded leaf put in (its dtype kept)."""
+        """``params`` (a fresh init, whole) with every loaded leaf put in (its dtype and,
+        for device arrays, its sharding kept: each loaded leaf moves straight to them)."""
         flat = _flat(params)
         for path, array in self.loaded.items():
-            flat[path] = jnp.asarray(array, flat[path].dtype)
+            fresh = flat[path]
+            if isinstance(array, jax.Array) and isinstance(fresh, jax.Array):
+                flat[path] = jax.device_put(array.astype(fresh.dtype), fresh.sharding)
+            else:
+                flat[path] = jnp.asarray(array, fresh.dtype)
         return _unflat(flat)
 
     def record(self) -> dict:

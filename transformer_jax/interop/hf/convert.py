@@ -5,6 +5,8 @@ Entry points::
     module, params = from_hf(hf_model)                  # a live transformers PyTorch model
     module, params = from_hf("/path/to/save_pretrained_dir", scan_layers=True)
     module, params = from_hf("/path/to/base_dir", adapter="/path/to/peft_adapter")   # + PEFT LoRA
+    module, params = from_hf("/path/to/llama_dir", param_dtype="bfloat16", mesh=mesh,
+                             quantize=LoraConfig(quantize="nf4"))   # streamed (hf/stream.py)
     state_dict = to_hf(module, params)                  # torch tensors, strict-loadable
     arrays = to_hf_numpy(module, params)                # the same, as numpy arrays (no torch)
     hf_cfg = hf_config(module.config)                   # e.g. transformers.GPT2Config
@@ -144,6 +146,10 @@ class _SafetensorsDir(Mapping):
     shards named, each file's length against its header): problems are UserErrors.
     """
 
+    #: where :func:`~transformer_jax.interop.hf.stream.stream_params` puts the leaves
+    #: (a ``LoadTarget``); the decoder-only families stream when it is set
+    load_target = None
+
     def __init__(self, directory: str):
         index = os.path.join(directory, "model.safetensors.index.json")
         single = os.path.join(directory, "model.safetensors")
@@ -221,6 +227,7 @@ def _load_local_dir(directory: str) -> tuple[dict, Mapping[str, np.ndarray]]:
 # ============================================================================ public API
 
 def from_hf(model_or_local_dir: Any, *, adapter: str | os.PathLike | None = None,
+            mesh: Any = None, shardings: Any = None, quantize: Any = None,
             **overrides: Any) -> tuple[Any, Any]:
     """Convert a Hugging Face model to ``(flax_module, params)``.
 
@@ -236,6 +243,18 @@ def from_hf(model_or_local_dir: Any, *, adapter: str | os.PathLike | None = None
         ``pos_interpolation``. Fields that change the
         architecture are rejected by the shape checks. ``lora`` (a ``LoraConfig`` or its
         dict) adds fresh LoRA adapters (B zero: the model is unchanged) to train.
+      mesh: a ``jax.sharding.Mesh``: every leaf is placed sharded by the training loop's
+        rules (``transformer_jax.sharding``; FSDP puts each shard on its owner only).
+      shardings: instead of ``mesh``, one ``Sharding`` or a nested dict of them with the
+        params' structure. Neither: the default device.
+      quantize: a ``LoraConfig`` with ``quantize`` set (QLoRA): the base kernels are stored
+        as ``layers.quant.quantize_params`` stores them (int8 / nf4).
+        A directory of a decoder-only LM (GPT-2, Llama, Mistral) is read tensor by tensor:
+        each is cast to ``param_dtype`` (a bf16 checkpoint with ``param_dtype="bfloat16"``
+        is never widened), quantized and placed before the next is read
+        (:mod:`~transformer_jax.interop.hf.stream`), so the host holds about one tensor;
+        other families are converted whole, then quantized and placed (replicated over
+        a ``mesh``).
       adapter: the directory of a PEFT LoRA adapter for this model (``adapter_config.json``
         and ``adapter_model.safetensors``, as ``PeftModel.save_pretrained`` writes): the
         module's ``config.lora`` is set from ``adapter_config.json`` (rank, alpha,
@@ -256,12 +275,20 @@ def from_hf(model_or_local_dir: Any, *, adapter: str | os.PathLike | None = None
         whose shards are missing; for ``adapter``, what ``load_peft`` refuses (another
         ``peft_type``, modules it cannot map, shapes, missing or pickled files).
     """
+    from .stream import LoadTarget, place_params     # lazy: jax sharding machinery
+
+    target = LoadTarget(quantize=quantize, mesh=mesh, shardings=shardings)
+    if quantize is not None and (adapter is not None or overrides.get("lora") is not None):
+        raise UserError("from_hf: quantize= loads a frozen base; give the adapters (adapter=, "
+                        "lora=) in a load without quantize, or train them with --init-from "
+                        "and --set lora.quantize=...")
     if isinstance(model_or_local_dir, (str, os.PathLike)):
         directory = os.fspath(model_or_local_dir)
         if not os.path.isdir(directory):
             raise UserError(f"{directory!r} is not a directory; from_hf takes a live HF model "
                             "or a local save_pretrained directory (no hub downloads)")
         config, state_dict = _load_local_dir(directory)
+        state_dict.load_target = target
     elif hasattr(model_or_local_dir, "config") and hasattr(model_or_local_dir, "state_dict"):
         config = model_or_local_dir.config.to_dict()
         state_dict = model_or_local_dir.state_dict()
@@ -270,6 +297,7 @@ def from_hf(model_or_local_dir: Any, *, adapter: str | os.PathLike | None = None
                         f"got {type(model_or_local_dir).__name__}")
     lora = overrides.pop("lora", None)       # adapters are added after the base converts
     module, params = from_hf_state_dict(config, state_dict, **overrides)
+    params = place_params(module, params, target)     # what was not streamed
     if adapter is None and lora is None:
         return module, params
     from .. import peft                       # lazy: hf <- peft

@@ -208,16 +208,27 @@ def causal_lm_from_state_dict(what: str, config_fn, tensor_maps, take_buffers,
         overrides = {"tie_embeddings": True, **overrides}
     cfg = config_fn(**overrides)
     maps = tensor_maps(cfg, prefix)
-    check_table(maps, GPT(without_scan(cfg)), jnp.zeros((1, 1), jnp.int32), what=what)
-    params = load_params(maps, reader, finish=False)
+    inputs = (jnp.zeros((1, 1), jnp.int32),)
+    check_table(maps, GPT(without_scan(cfg)), *inputs, what=what)
+    target = getattr(state_dict, "load_target", None)
+    if target is None:
+        params = load_params(maps, reader, finish=False)
+    else:                                # tensor by tensor onto the devices (hf/stream.py)
+        from .stream import stream_params
+        params = stream_params(maps, reader, param_dtype=cfg.param_dtype,
+                               stacks=cfg.layer_stacks, scanned=cfg.scan_layers,
+                               target=target, module=GPT(cfg), inputs=inputs)
     if cfg.tie_embeddings and not base_model and "lm_head.weight" in reader:
         head = reader.take("lm_head.weight", (cfg.vocab_size, cfg.d_model))
-        if not np.array_equal(head, params["wte"]["embedding"]):
+        embedding = np.asarray(params["wte"]["embedding"])
+        if not np.array_equal(head.astype(embedding.dtype), embedding):
             raise ConversionError(f"'lm_head.weight' differs from '{prefix}{embed_key}' although "
                                   "the config says tie_word_embeddings=True; pass "
                                   "tie_embeddings=False to keep a separate head")
     take_buffers(reader, cfg, prefix)
     reader.finish()
+    if target is not None:               # cast, laid out and placed already
+        return GPT(cfg), params
     params = to_layout(cast_params(params, cfg.param_dtype), cfg.layer_stacks,
                        scanned=cfg.scan_layers, what="GPT params")
     return GPT(cfg), params

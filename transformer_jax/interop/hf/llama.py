@@ -37,15 +37,17 @@ Keys that are not parameters:
     ``save_pretrained`` file omits it) is accepted only if it equals ``embed_tokens.weight``.
   * ``layers.{i}.self_attn.rotary_emb.inv_freq`` (H/2,), which transformers before 4.31
     saved into checkpoints, is recomputed by our RoPE: it is dropped after a check against
-    ``rope_theta ** (-2j / H)`` (a different table means another RoPE variant: refused).
+    our table (``layers.embeddings.rope_frequencies``: ``rope_theta ** (-2j / H)``, rescaled
+    by the config's rope scaling; a different table means another RoPE variant: refused).
     ``to_hf`` never emits it.
   * Anything else unexpected, any missing key and any shape mismatch raise
     ``ConversionError`` naming the key (and the expected/actual shape).
 
 Config options our GPT cannot express are refused by name (:data:`LLAMA_FIXED_OPTIONS`,
-``hidden_act`` other than silu, a ``head_dim`` other than D / N, and ``rope_scaling``: our
-RoPE has no frequency scaling, so e.g. Llama 3.1/3.2's ``rope_type="llama3"`` is refused,
-and so is a transformers >= 5 ``rope_parameters`` whose ``rope_type`` is not "default").
+``hidden_act`` other than silu, and a RoPE scaling other than Llama 3.1-3.3's
+``rope_type="llama3"`` and ``"linear"``: ``yarn``, ``longrope``, ``dynamic``, ... are
+refused, from transformers < 5 ``rope_scaling`` and >= 5 ``rope_parameters`` alike).
+An explicit ``head_dim`` other than D / N becomes ``GPTConfig.head_size``.
 Llama has no embedding or residual dropout: the converted ``GPTConfig`` has
 ``dropout_rate=0``, and ``dropout_rate`` is not written back (HF has no such field).
 
@@ -59,6 +61,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from ...errors import UserError
+from ...layers.embeddings import rope_frequencies
 from ...models.gpt import GPT, GPTConfig
 from ..common import (ConversionError, StateDictReader, TensorMap, attention_mismatches,
                       layer_norm, linear)
@@ -107,24 +110,60 @@ _DEFAULT_ROPE_THETA = 10000.0
 
 # ============================================================================ config
 
-def _rope_theta(config: Mapping[str, Any], family: str = "Llama") -> float:
-    """``rope_theta`` of an HF config (transformers < 5: ``rope_theta`` and ``rope_scaling``;
-    >= 5: ``rope_parameters``); any RoPE scaling raises, naming the option."""
-    scaling = config.get("rope_scaling")
-    params = config.get("rope_parameters")
-    for option, value in (("rope_scaling", scaling), ("rope_parameters", params)):
+#: HF rope_type -> the fields of its rope parameters and our ``RopeScaling`` names.
+_ROPE_FIELDS: dict[str, dict[str, str]] = {
+    "llama3": {"factor": "factor", "low_freq_factor": "low_freq_factor",
+               "high_freq_factor": "high_freq_factor",
+               "original_max_position_embeddings": "original_max_len"},
+    "linear": {"factor": "factor"},
+}
+
+
+def rope_from_hf(config: Mapping[str, Any], family: str = "Llama"
+                 ) -> tuple[float, dict[str, Any] | None]:
+    """``(rope_theta, rope_scaling)`` of an HF config: transformers < 5 ``rope_theta`` and
+    ``rope_scaling``, >= 5 ``rope_parameters``. ``rope_scaling`` is None or the dict form of
+    ``layers.embeddings.RopeScaling`` ("llama3" or "linear"); any other rope type, or a field
+    we do not implement (``attention_factor``, ...), raises naming it."""
+    theta = config.get("rope_theta")
+    found = None
+    for option in ("rope_scaling", "rope_parameters"):
+        value = config.get(option)
         if value is None:
             continue
         if not isinstance(value, Mapping):
             raise UserError(f"unsupported {family} config option {option}={value!r}: expected a dict")
         rope_type = value.get("rope_type", value.get("type", "default"))
-        extra = sorted(set(value) - {"rope_type", "type", "rope_theta"})
-        if rope_type != "default" or extra:
-            raise UserError(f"unsupported {family} config option rope_scaling ({option}={dict(value)!r}): "
-                            "transformer_jax's RoPE has no frequency scaling; only "
-                            "rope_type='default' (plain RoPE with rope_theta) converts")
-    theta = (params or {}).get("rope_theta", config.get("rope_theta"))
-    return float(_DEFAULT_ROPE_THETA if theta is None else theta)
+        theta = value.get("rope_theta", theta)
+        fields = _ROPE_FIELDS.get(rope_type, {}) if rope_type != "default" else {}
+        if rope_type != "default" and rope_type not in _ROPE_FIELDS:
+            raise UserError(f"unsupported {family} config option {option} with rope_type="
+                            f"{rope_type!r}: transformer_jax's RoPE implements 'default', "
+                            f"'llama3' and 'linear' scaling only")
+        extra = sorted(set(value) - {"rope_type", "type", "rope_theta"} - set(fields))
+        if extra:
+            raise UserError(f"unsupported {family} config option {option} field(s) {extra} "
+                            f"(rope_type={rope_type!r}): transformer_jax's RoPE does not "
+                            f"implement them; only {sorted(fields) or 'rope_theta'} convert")
+        if fields:
+            missing = sorted(set(fields) - set(value))
+            if missing:
+                raise UserError(f"{family} config option {option} (rope_type={rope_type!r}) "
+                                f"lacks {missing}; add them as the checkpoint's config has them")
+            found = {"kind": rope_type, **{ours: value[hf] for hf, ours in fields.items()}}
+    return float(_DEFAULT_ROPE_THETA if theta is None else theta), found
+
+
+def rope_to_hf(config: GPTConfig) -> dict[str, Any]:
+    """The HF config fields of ``config``'s RoPE (transformers >= 5 ``rope_parameters``;
+    transformers reads it, and older versions read ``rope_theta`` and ``rope_scaling``)."""
+    values: dict[str, Any] = {"rope_theta": config.rope_base}
+    scaling = config.rope_scaling
+    if scaling is None:
+        return values
+    fields = {hf: getattr(scaling, ours) for hf, ours in _ROPE_FIELDS[scaling.kind].items()}
+    values["rope_scaling"] = {"rope_type": scaling.kind, **fields}
+    return values
 
 
 def llama_layout_config_from_hf(config: Mapping[str, Any], *, model_type: str, family: str,
@@ -154,10 +193,9 @@ def llama_layout_config_from_hf(config: Mapping[str, Any], *, model_type: str, f
     values = {k: v for k, v in values.items() if v is not None}
     head_dim = config.get("head_dim")
     if head_dim is not None and head_dim * values["num_heads"] != values["d_model"]:
-        raise UserError(f"unsupported {family} config option head_dim={head_dim}: transformer_jax's "
-                        f"GPT needs head_dim = hidden_size / num_attention_heads = "
-                        f"{values['d_model']} / {values['num_heads']}")
-    values.update(LLAMA_SETTINGS, rope_base=_rope_theta(config, family), dropout_rate=0.0)
+        values["head_size"] = head_dim         # an explicit H (Qwen 3; some Llama configs)
+    theta, scaling = rope_from_hf(config, family)
+    values.update(LLAMA_SETTINGS, rope_base=theta, rope_scaling=scaling, dropout_rate=0.0)
     values.update(settings)
     values.update(overrides)
     return GPTConfig.from_dict(values)
@@ -209,7 +247,7 @@ def llama_layout_hf_values(config: GPTConfig) -> dict[str, Any]:
     """The HF config fields Llama and Mistral share, for ``config`` (checked by the caller)."""
     values = {hf: getattr(config, ours) for hf, ours in LLAMA_CONFIG_FIELDS}
     values["num_key_value_heads"] = config.num_kv_heads or config.num_heads
-    values.update(hidden_act="silu", head_dim=config.head_dim, rope_theta=config.rope_base)
+    values.update(hidden_act="silu", head_dim=config.head_dim, **rope_to_hf(config))
     return values
 
 
@@ -261,15 +299,16 @@ def llama_tensor_maps(cfg: GPTConfig, prefix: str = "model.") -> list[TensorMap]
 def take_rope_buffers(reader: StateDictReader, cfg: GPTConfig, prefix: str) -> None:
     """Check and drop old checkpoints' ``rotary_emb.inv_freq`` buffers (module docstring)."""
     h = cfg.head_dim
-    expected = 1.0 / (cfg.rope_base ** (np.arange(0, h, 2, dtype=np.float64) / h))
+    expected = rope_frequencies(h, cfg.rope_base, cfg.rope_scaling).astype(np.float64)
     for i in range(cfg.num_layers):
         key = f"{prefix}layers.{i}.self_attn.rotary_emb.inv_freq"
         if key in reader:
             stored = reader.take(key, (h // 2,)).astype(np.float64)
             if not np.allclose(stored, expected, rtol=1e-5, atol=0):
                 raise ConversionError(f"{key!r}: this RoPE frequency table is not "
-                                      f"rope_theta={cfg.rope_base:g} ** (-2j / {h}); a scaled or "
-                                      "otherwise modified RoPE is not supported")
+                                      f"rope_theta={cfg.rope_base:g} ** (-2j / {h}) with the "
+                                      f"config's rope scaling ({cfg.rope_scaling}); another "
+                                      "RoPE variant is not supported")
 
 
 def _llama_from_state_dict(config: Mapping[str, Any], state_dict: Mapping[str, Any],
