@@ -20,8 +20,9 @@ downloaded and no weight is made, only shapes)::
 
     transformer-jax compile --experiment llama3_8b_qlora_tpu_v5e_1 --tpu v5e-1
 
-Model: Llama 3.1 8B's shapes (vocabulary 128256, 32 layers, width 4096, 32 query and 8
-key/value heads of 128, SwiGLU 14336, RoPE base 500000, untied head). Without
+Model: the ``llama-3.1-8b`` preset (vocabulary 128256, 32 layers, width 4096, 32 query and
+8 key/value heads of 128, SwiGLU 14336, RoPE base 500000 with Llama 3's scaling, untied
+head). Without
 ``--init-from`` the weights are random (what the compile check sizes); with it they are
 the checkpoint's, its tokenizer with them.
 
@@ -41,10 +42,6 @@ import dataclasses
 
 from transformer_jax.train.config import ExperimentConfig
 
-#: Llama 3.1 8B's shapes over the llama-2-7b preset (its RoPE without Llama 3's scaling,
-#: which only matters past 8192 tokens)
-LLAMA3_8B = dict(vocab_size=128256, max_len=8192, num_layers=32, num_heads=32, num_kv_heads=8,
-                 d_model=4096, mlp_dim=14336, rope_base=500000.0, tie_embeddings=False)
 #: every projection of attention and MLP
 ALL_PROJECTIONS = "attn/(query|key|value|out)|mlp/(wi_0|wi_1|wo)"
 
@@ -60,8 +57,8 @@ def get_config() -> ExperimentConfig:
     return ExperimentConfig(
         name="llama3_8b_qlora_tpu_v5e_1",
         model="gpt",
-        model_preset="llama-2-7b",
-        model_overrides=dict(LLAMA3_8B, dtype="bfloat16", param_dtype="bfloat16",
+        model_preset="llama-3.1-8b",
+        model_overrides=dict(dtype="bfloat16", param_dtype="bfloat16",
                              scan_layers=True, remat=True,
                              lora=dict(rank=16, alpha=32, targets=ALL_PROJECTIONS,
                                        quantize="nf4")),

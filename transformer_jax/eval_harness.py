@@ -154,6 +154,16 @@ def score_program(module, mesh: Mesh, param_sh):
                    out_shardings=NamedSharding(mesh, P()))
 
 
+def _cast(x, dtype):
+    """A floating leaf in ``dtype`` (device arrays stay on their devices, host ones on the
+    host); integer leaves (quantized kernels) as they are."""
+    if not isinstance(x, jax.Array):
+        x = np.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == dtype:
+        return x
+    return x.astype(dtype)
+
+
 def _is_gpt(module) -> bool:
     from .models.gpt import GPT
     return isinstance(module, GPT)
@@ -168,14 +178,14 @@ class HarnessLM(TemplateLM):
       batch_size: rows per forward (and per generation batch).
       dtype: the parameters' and compute dtype (:data:`DTYPES`; float32 for parity with
         ``--model hf``, bfloat16 for half the memory).
-      mesh: the device mesh, ``"fsdp=-1"`` / ``"tensor=4"`` / ... as training's ``--mesh``
-        (default: every device on ``data``, the parameters replicated); the parameters are
-        sharded by the model's logical axes (:func:`param_shardings`), the rows of each
-        batch split over ``data`` x ``fsdp``.
+      mesh: the device mesh (a ``Mesh``, or ``"fsdp=-1"`` / ``"tensor=4"`` / ... as
+        training's ``--mesh``; default: every device on ``data``, the parameters
+        replicated); the parameters are sharded by the model's logical axes
+        (:func:`param_shardings`), the rows of each batch split over ``data`` x ``fsdp``.
     """
 
     def __init__(self, module, params, tokenizer, *, batch_size: int = DEFAULT_BATCH_SIZE,
-                 dtype: str = "float32", mesh: str | None = None,
+                 dtype: str = "float32", mesh: str | Mesh | None = None,
                  max_gen_toks: int = DEFAULT_MAX_GEN_TOKS):
         super().__init__()
         if not _is_gpt(module):
@@ -190,10 +200,9 @@ class HarnessLM(TemplateLM):
         self.max_len = config.max_len - (getattr(config, "prefix_tokens", 0) or 0)
         self._batch_size = batch_size
         self._max_gen_toks = max_gen_toks
-        self.mesh = sh.make_mesh(mesh)
-        params = jax.tree_util.tree_map(
-            lambda x: np.asarray(x, jnp.dtype(dtype)) if jnp.issubdtype(x.dtype, jnp.floating)
-            else np.asarray(x), nn.meta.unbox(params))   # quantized kernels stay as they are
+        self.mesh = mesh if isinstance(mesh, Mesh) else sh.make_mesh(mesh)
+        params = jax.tree_util.tree_map(functools.partial(_cast, dtype=jnp.dtype(dtype)),
+                                        nn.meta.unbox(params))
         self.param_shardings = param_shardings(self.module, params, self.mesh)
         self.params = sh.put_global(params, self.param_shardings)
         self._score = score_program(self.module, self.mesh, self.param_shardings)
@@ -206,7 +215,8 @@ class HarnessLM(TemplateLM):
     def from_dir(cls, path: str | os.PathLike, **kwargs) -> "HarnessLM":
         """From a transformer_jax workdir (its latest checkpoint as it trained: LoRA
         adapters, a prefix, a quantized base, with its run's tokenizer) or a Hugging Face
-        ``save_pretrained`` directory (with its tokenizer files)."""
+        ``save_pretrained`` directory (with its tokenizer files), streamed onto the devices
+        in ``dtype`` on ``mesh`` (the host never holds the whole model)."""
         from . import storage
         from .data.tokenizers import get_tokenizer
 
@@ -220,7 +230,10 @@ class HarnessLM(TemplateLM):
         else:
             from .train.finetune import load_source
 
-            source = load_source(path)
+            # streamed tensor by tensor onto the devices, in the harness's dtype and sharding
+            kwargs["mesh"] = mesh = sh.make_mesh(kwargs.get("mesh"))
+            source = load_source(path, param_dtype=harness_dtype(kwargs.get("dtype", "float32")),
+                                 mesh=mesh)
             family, model_config, params = source.family, source.model_config, source.params
             spec, where = source.tokenizer, source.path
         if family != "gpt":

@@ -362,3 +362,24 @@ def test_sharded_parameters_score_as_one_device_and_bfloat16_stays_close():
     assert sum(sh.bytes_per_device(bf16_lm.params).values()) == total // 2
     assert scores(bf16) != scores(fp32)
     np.testing.assert_allclose(scores(bf16), scores(fp32), rtol=1e-3)
+
+
+def test_an_hf_directory_streams_in_bfloat16(llama_hf):
+    """``--init-from DIR --dtype bfloat16``: the checkpoint is read straight into bfloat16
+    device arrays (no float32 copy of the whole model on the host), placed as the mesh
+    says, and scores within 1e-3 of float32."""
+    import jax
+    import numpy as np
+    from lm_eval.api.instance import Instance
+
+    from transformer_jax.eval_harness import HarnessLM
+
+    pairs = [Instance("loglikelihood", {}, tuple(r), k) for k, r in enumerate(REQUESTS["pairs"])]
+    fp32 = HarnessLM.from_dir(llama_hf, batch_size=4)
+    bf16 = HarnessLM.from_dir(llama_hf, batch_size=4, dtype="bfloat16")
+    leaves = jax.tree_util.tree_leaves(bf16.params)
+    assert {(type(x).__name__, str(x.dtype)) for x in leaves} == {("ArrayImpl", "bfloat16")}
+    assert all(x.sharding == s for x, s in zip(leaves, jax.tree_util.tree_leaves(
+        bf16.param_shardings)))
+    got, want = bf16.loglikelihood(pairs), fp32.loglikelihood(pairs)
+    np.testing.assert_allclose([x for x, _ in got], [x for x, _ in want], rtol=1e-3)
