@@ -19,7 +19,7 @@ Check it first, from any machine (only shapes; the TPU compiler runs on a CPU ho
 Recipe: every parameter trains (AdamW, lr 2e-5, warmup + cosine, weight decay 0.1),
 parameters and AdamW moments in bf16 (float32 ones with their moments need 16 bytes a
 parameter: 19.8 GB for these 1.24B, more than the chip), compute in bf16, layers scanned
-and rematerialised, 2048-token windows, 16 sequences a step as 8 micro-batches of 2
+and rematerialised, 2048-token windows, 16 sequences a step as 16 micro-batches of 1
 (32,768 tokens per step). Data: ``llama3_8b_qlora_tpu_v5e_1``'s (``finetune_stdlib``'s
 fine-tuning slice of the stdlib validation modules, as plain text windows).
 """
@@ -34,11 +34,12 @@ def get_config() -> ExperimentConfig:
         base,
         name="llama3_2_1b_finetune_tpu_v5e_1",
         model_preset="llama-3.2-1b",
-        model_overrides=dict(dtype="bfloat16", param_dtype="bfloat16", scan_layers=True,
-                             remat=True),
+        # vocab_size: the compile check tokenizes bytes; the model keeps Llama 3's 128256 rows
+        model_overrides=dict(vocab_size=128256, dtype="bfloat16", param_dtype="bfloat16",
+                             scan_layers=True, remat=True),
         seq_len=2048,
         batch_size=16,
-        accum_steps=8,
+        accum_steps=16,
         learning_rate=2e-5,
         weight_decay=0.1,
     )

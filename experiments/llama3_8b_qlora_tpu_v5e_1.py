@@ -58,7 +58,8 @@ def get_config() -> ExperimentConfig:
         name="llama3_8b_qlora_tpu_v5e_1",
         model="gpt",
         model_preset="llama-3.1-8b",
-        model_overrides=dict(dtype="bfloat16", param_dtype="bfloat16",
+        # vocab_size: the compile check tokenizes bytes; the model keeps Llama 3's 128256 rows
+        model_overrides=dict(vocab_size=128256, dtype="bfloat16", param_dtype="bfloat16",
                              scan_layers=True, remat=True,
                              lora=dict(rank=16, alpha=32, targets=ALL_PROJECTIONS,
                                        quantize="nf4")),

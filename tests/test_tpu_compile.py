@@ -523,6 +523,27 @@ def _qlora_8b_parameter_bytes(layers: int) -> int:
     return 2 * vocab * d * 2 + d * 2 + layers * (nf4 + 2 * d * 2 + adapters * 2)
 
 
+@pytest.mark.parametrize("name,parameters", [("llama3_8b_qlora_tpu_v5e_1", 8_030_261_248),
+                                             ("llama3_8b_lora_tpu_v5e_8", 8_030_261_248),
+                                             ("llama3_2_1b_finetune_tpu_v5e_1", 1_235_814_400)])
+def test_the_llama_experiments_build_meta_s_models(name, parameters, tmp_path):
+    """What ``compile`` builds for each Llama experiment is Meta's model, parameter for
+    parameter (Llama 3.1 8B, Llama 3.2 1B), though the check tokenizes bytes: the byte
+    tokenizer's 259 ids do not shrink the 128256-word vocabulary. Shapes only."""
+    import flax.linen as nn
+
+    from transformer_jax.run import build
+
+    cfg = load_experiment(name)
+    task, overrides = aot._planned_task(cfg, str(tmp_path))
+    model_cfg, model = build(cfg, overrides)
+    assert (model_cfg.vocab_size, model_cfg.rope_scaling.kind) == (128256, "llama3")
+    model_cfg = model_cfg.replace(lora=None)
+    shapes = nn.meta.unbox(jax.eval_shape(lambda: type(model)(model_cfg).init(
+        jax.random.PRNGKey(0), *task.init_args())))["params"]
+    assert sum(a.size for a in jax.tree_util.tree_leaves(shapes)) == parameters
+
+
 @pytest.mark.slow
 def test_an_8b_qlora_step_sees_the_nf4_base_and_its_layers_add_up(data_dir):
     """``llama3_8b_qlora_tpu_v5e_1`` with 2 of its 32 layers (the full compile takes minutes
