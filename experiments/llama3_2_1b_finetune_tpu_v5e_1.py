@@ -1,10 +1,11 @@
 """Full fine-tuning of Llama 3.2 1B on one TPU chip: Colab's v5e-1 (16 GiB HBM; also its v6e-1).
 
 Compiled for the chip on a CPU host (``transformer-jax compile``, libtpu 0.0.42.1, jax
-0.10.2; 142 s, 1.7 GB of host memory): per device 12.80 GiB of 16 (arguments 5.44:
-parameters 1.81, AdamW moments 3.63; temporaries 3.73; outputs 7.25, 3.63 of them over the
-donated arguments), 3.20 GiB headroom. Estimated step 2.76 s at 40% MFU (2.18e14 model
-FLOPs per 32,768 tokens); not measured.
+0.10.2; 92 s, 1.7 GB of host memory): per device 14.78 GiB of 16 (arguments 6.91:
+parameters 2.30, AdamW moments 4.60; temporaries 3.27; outputs 9.21, 4.60 of them over the
+donated arguments), 1.22 GiB headroom. Micro-batches of 2 would add another row's float32
+logits (1 GiB) and their softmax: keep 1 on a v5e-1. Estimated step 3.42 s at 40% MFU
+(2.69e14 model FLOPs per 32,768 tokens); not measured.
 
 Command (in a Colab TPU runtime, Meta's weights as a Hugging Face directory)::
 

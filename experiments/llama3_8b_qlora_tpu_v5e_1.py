@@ -1,11 +1,12 @@
 """QLoRA of Llama 3.1 8B on one TPU chip: Colab's v5e-1 (16 GiB HBM; also right for its v6e-1).
 
 Compiled for the chip on a CPU host (``transformer-jax compile``, libtpu 0.0.42.1, jax
-0.10.2; 144-160 s, 2.2 GB of host memory: shapes only, no weight is made): per device
+0.10.2; 75-160 s, 2.2 GB of host memory: shapes only, no weight is made): per device
 11.02 GiB of 16 (arguments 5.85: parameters 5.69, of them the NF4 projections 3.66 and
 the bf16 embedding and untied head 1.96, the adapters' AdamW moments 0.16; temporaries
 5.02; outputs 5.93, 5.77 of them over the donated arguments), 4.98 GiB headroom.
-v6e-1: 11.07 GiB of 32 (temporaries 5.06), 1.04 s a step.
+v6e-1: 11.07 GiB of 32 (temporaries 5.06; compiled with the same shapes before the
+preset's RoPE scaling), 1.04 s a step.
 Estimated step 4.85 s at 40% MFU (3.82e14 model FLOPs per 8,192 tokens); not
 measured. docs/tpu.md says what takes the memory.
 
