@@ -1,7 +1,7 @@
 """LoRA of Llama 3.1 8B on Kaggle's v5e-8 (8 chips of 16 GiB), the bf16 base split by FSDP.
 
 Compiled for the slice on a CPU host (``transformer-jax compile``, libtpu 0.0.42.1, jax
-0.10.2; 220 s, 2.2 GB of host memory: shapes only): per chip 4.71 GiB of 16 (arguments
+0.10.2; 183-220 s, 2.2 GB of host memory: shapes only): per chip 4.71 GiB of 16 (arguments
 2.03: parameters 1.92, the adapters' AdamW moments 0.11; temporaries 2.57; outputs 2.09,
 1.98 of them over the donated arguments). The 16.1 GB bf16 base is split 8 ways; the
 collectives per step as the report counts them: all-gather x5382 (580,076 MiB), all-reduce
