@@ -8,7 +8,7 @@ cores, FSDP does.
 
 Usage::
 
-    python benchmarks/tpu_table.py               # all rows (~20 min on 2 CPU cores)
+    python benchmarks/tpu_table.py               # all rows (~35 min on 2 CPU cores)
     python benchmarks/tpu_table.py --only gpt2_124m_tpu_v5e_1
 
 Writes ``benchmarks/results/tpu_table.{json,md}``; docs/tpu.md carries the table.
@@ -37,6 +37,10 @@ ROWS = [
     ("vit_b16_tpu_v3_8", "v2-8", None, [], ""),
     ("gpt2_124m_tpu_v4_32", "v4-32", None, [], ""),
     ("vit_b16_tpu_v4_32", "v4-32", None, [], ""),
+    ("llama3_8b_qlora_tpu_v5e_1", "v5e-1", None, [], ""),
+    ("llama3_8b_qlora_tpu_v5e_1", "v6e-1", None, [], ""),
+    ("llama3_8b_lora_tpu_v5e_8", "v5e-8", None, [], ""),
+    ("llama3_2_1b_finetune_tpu_v5e_1", "v5e-1", None, [], ""),
     ("gpt2_124m_tpu_v3_8", "v2-8", "data=-1", ["model_preset=gpt2-large"], "GPT-2 large"),
     ("gpt2_124m_tpu_v3_8", "v2-8", "fsdp=-1", ["model_preset=gpt2-large"], "GPT-2 large"),
 ]

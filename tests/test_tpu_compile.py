@@ -486,3 +486,91 @@ def test_memory_breakdown_from_the_compilers_need_counts_the_outputs():
     assert (arg, out, alias) == (state_bytes + 8 * 256 * 4, state_bytes + 4, state_bytes)
     assert arg + temp + out - alias == int(1.5 * GIB) == over.need
     assert alias == lowered.compile().memory_analysis().alias_size_in_bytes
+
+
+
+
+@pytest.mark.slow
+def test_the_harness_scores_an_8b_llama_in_bfloat16_over_a_v5e_8():
+    """``eval --tasks --dtype bfloat16 --mesh fsdp=-1`` on a v5e-8: the harness's
+    loglikelihood program for a batch of 16 rows of 2048 tokens compiles, its parameters
+    split 8 ways (2.0 GB a chip of 16.1 GB), and the whole need fits the 16 GiB of HBM."""
+    import flax.linen as nn
+
+    from transformer_jax import sharding as sh
+    from transformer_jax.eval_harness import harness_module, param_shardings, score_program
+    from transformer_jax.models import GPT, GPTConfig
+
+    # scanned: the compile takes ~40 s here instead of ~140 s unrolled
+    module = harness_module(GPT(GPTConfig.preset("llama-3.1-8b", scan_layers=True)), "bfloat16")
+    tpu = TpuSlice.parse("v5e-8")
+    mesh = sh.make_mesh("fsdp=-1", devices=tpu.jax_devices())
+    abstract = nn.meta.unbox(jax.eval_shape(
+        lambda: module.init(jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32)))["params"])
+    param_sh = param_shardings(module, abstract, mesh)
+    rows = sh.batch_sharding(mesh)
+    batch = [jax.ShapeDtypeStruct((16, 2048), dtype, sharding=rows)
+             for dtype in (jnp.int32, jnp.int32, jnp.bool_)]
+    with sh.use_mesh(mesh):
+        compiled = score_program(module, mesh, param_sh).trace(
+            sh.with_shardings(abstract, param_sh), *batch).lower().compile()
+    total = sum(a.size * a.dtype.itemsize for a in jax.tree_util.tree_leaves(abstract))
+    assert {str(a.dtype) for a in jax.tree_util.tree_leaves(abstract)} == {"bfloat16"}
+    assert total == 2 * 8_030_261_248            # Llama 3.1 8B's parameters, 2 bytes each
+    per_device = aot._per_device_bytes(abstract, param_sh)
+    assert total / 8 <= per_device < total / 8 * 1.001      # only the norms stay whole
+    mem = compiled.memory_analysis()
+    batch_bytes = 16 * 2048 * (4 + 4 + 1) // 8
+    # the compiler rounds small buffers (the norms, the mask) up: 4 KiB more here
+    assert 0 <= mem.argument_size_in_bytes - (per_device + batch_bytes) < 2**16
+    need = mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes
+    assert need < 16 * GIB, need / GIB
+
+
+def _qlora_8b_parameter_bytes(layers: int) -> int:
+    """Bytes of ``llama3_8b_qlora_tpu_v5e_1``'s parameters with ``layers`` layers, from its
+    shapes: the embedding and the untied head in bf16, and per layer the seven projections
+    as NF4 (half a byte a weight + a float32 absmax per block of 64), two bf16 norms and the
+    rank-16 bf16 adapters of the seven projections."""
+    d, f, kv, vocab, r = 4096, 14336, 1024, 128256, 16
+    weights = 2 * d * d + 2 * d * kv + 3 * d * f
+    nf4 = weights // 2 + weights // 64 * 4
+    adapters = r * (2 * (d + d) + 2 * (d + kv) + 3 * (d + f))
+    return 2 * vocab * d * 2 + d * 2 + layers * (nf4 + 2 * d * 2 + adapters * 2)
+
+
+@pytest.mark.parametrize("name,parameters", [("llama3_8b_qlora_tpu_v5e_1", 8_030_261_248),
+                                             ("llama3_8b_lora_tpu_v5e_8", 8_030_261_248),
+                                             ("llama3_2_1b_finetune_tpu_v5e_1", 1_235_814_400)])
+def test_the_llama_experiments_build_meta_s_models(name, parameters, tmp_path):
+    """What ``compile`` builds for each Llama experiment is Meta's model, parameter for
+    parameter (Llama 3.1 8B, Llama 3.2 1B), though the check tokenizes bytes: the byte
+    tokenizer's 259 ids do not shrink the 128256-word vocabulary. Shapes only."""
+    import flax.linen as nn
+
+    from transformer_jax.run import build
+
+    cfg = load_experiment(name)
+    task, overrides = aot._planned_task(cfg, str(tmp_path))
+    model_cfg, model = build(cfg, overrides)
+    assert (model_cfg.vocab_size, model_cfg.rope_scaling.kind) == (128256, "llama3")
+    model_cfg = model_cfg.replace(lora=None)
+    shapes = nn.meta.unbox(jax.eval_shape(lambda: type(model)(model_cfg).init(
+        jax.random.PRNGKey(0), *task.init_args())))["params"]
+    assert sum(a.size for a in jax.tree_util.tree_leaves(shapes)) == parameters
+
+
+@pytest.mark.slow
+def test_an_8b_qlora_step_sees_the_nf4_base_and_its_layers_add_up(data_dir):
+    """``llama3_8b_qlora_tpu_v5e_1`` with 2 of its 32 layers (the full compile takes minutes
+    here; its figures are in the experiment's docstring): the compiler gets the NF4 base's
+    shapes (0.56 bytes a frozen weight), only the adapters have AdamW moments, and the
+    32-layer parameters this implies are the 5.69 GiB the full compile reports."""
+    cfg = apply_overrides(load_experiment("llama3_8b_qlora_tpu_v5e_1"),
+                          ["model.num_layers=2", f"data_dir={data_dir}"])
+    report = aot.compile_experiment(cfg, "v5e-1")
+    assert report.fits and report.mesh == "data=1,fsdp=1,tensor=1"
+    assert report.parameter_bytes == _qlora_8b_parameter_bytes(2)
+    adapters = 2 * 16 * (2 * 8192 + 2 * 5120 + 3 * 18432) * 2            # 2 layers, bf16
+    assert adapters * 2 <= report.optimizer_bytes < adapters * 2 + 2**10  # mu, nu (+ counts)
+    assert round(_qlora_8b_parameter_bytes(32) / GIB, 2) == 5.69

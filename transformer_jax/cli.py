@@ -5,7 +5,7 @@
                         [--parallelism jit|pmap] [--mesh data=N,fsdp=N,tensor=N]
                         [--coordinator HOST:PORT --num-processes N --process-id I]
   transformer-jax eval --workdir DIR [--batches N]
-  transformer-jax eval --tasks A,B (--workdir DIR | --init-from DIR) [--include-path DIR] [--num-fewshot K]
+  transformer-jax eval --tasks A,B (--workdir DIR | --init-from DIR) [--include-path DIR] [--num-fewshot K] [--dtype bfloat16] [--mesh fsdp=-1]
                        [--limit N] [--batch-size B] [--bootstrap-iters N] [--output OUT.json]
   transformer-jax generate --workdir DIR --prompt TEXT --max-new-tokens N [--temperature T] [--top-k K] [--top-p P] [--seed S]
   transformer-jax export --workdir DIR --out DIR [--format hf|peft] [--merge]
@@ -126,6 +126,12 @@ def _add_eval_parser(sub) -> None:
                    help="at most N >= 1 documents per task, or a fraction in (0, 1) of them "
                         "(default: every document)")
     h.add_argument("--batch-size", type=int, default=16, metavar="B", help="rows per forward (16)")
+    h.add_argument("--dtype", default="float32", metavar="float32|bfloat16",
+                   help="parameters and compute (default float32, as lm_eval --model hf; "
+                        "bfloat16 halves the memory)")
+    h.add_argument("--mesh", default=None, metavar="fsdp=-1|tensor=N|data=N,...",
+                   help="device mesh as train --mesh (default: all devices on data, parameters "
+                        "replicated); fsdp and tensor shard the parameters")
     h.add_argument("--bootstrap-iters", type=int, default=100000, metavar="N",
                    help="bootstrap resamples for the stderr of perplexities (0: none)")
     h.add_argument("--output", default=None, metavar="OUT.json", help="write the results JSON")
@@ -252,7 +258,10 @@ def _eval(args) -> int:
     harness_only = [flag for flag, value in (("--init-from", args.init_from),
                                              ("--include-path", args.include_path),
                                              ("--num-fewshot", args.num_fewshot),
-                                             ("--limit", args.limit), ("--output", args.output))
+                                             ("--limit", args.limit), ("--output", args.output),
+                                             ("--mesh", args.mesh),
+                                             ("--dtype", None if args.dtype == "float32"
+                                              else args.dtype))
                     if value is not None]
     if harness_only:
         raise UserError(f"{', '.join(harness_only)} go with --tasks (the lm-evaluation-harness)")
@@ -281,7 +290,12 @@ def _harness(args) -> int:
     if args.output and not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
         raise UserError(f"--output {args.output}: its directory does not exist; create it first")
     distributed.initialize(None, None, None)     # a pod or $TRANSFORMER_JAX_COORDINATOR...
-    from . import eval_harness
+    from . import eval_harness, sharding
+
+    import jax
+
+    eval_harness.harness_dtype(args.dtype)        # both refused before any model loads
+    sharding.mesh_shape(args.mesh, jax.device_count())
 
     step = None
     if args.workdir is not None:
@@ -290,7 +304,8 @@ def _harness(args) -> int:
             raise UserError(f"--workdir {args.workdir} holds no checkpoint; for a Hugging Face "
                             "save_pretrained directory use --init-from DIR")
     source = args.workdir or args.init_from
-    lm = eval_harness.HarnessLM.from_dir(source, batch_size=args.batch_size)
+    lm = eval_harness.HarnessLM.from_dir(source, batch_size=args.batch_size, dtype=args.dtype,
+                                         mesh=args.mesh)
     results = eval_harness.run_harness(lm, tasks, include_path=args.include_path,
                                        num_fewshot=args.num_fewshot, limit=limit,
                                        bootstrap_iters=args.bootstrap_iters)

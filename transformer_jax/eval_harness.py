@@ -30,6 +30,13 @@ through the encoder, the continuation scored by the decoder from ``decoder_start
 left truncation of the continuation, no rolling windows through the decoder), and
 generation with an encoder-decoder cache; none of that is here yet.
 
+Placement (``--dtype``, ``--mesh``): the parameters and compute are float32 by default (the
+parity above) or bfloat16, and the parameters sit on a mesh as training's ``--mesh``
+places them (:mod:`transformer_jax.sharding`'s logical rules): replicated over ``data``
+(the default), split along their embed axis by ``fsdp`` and along heads, MLP units and
+vocabulary by ``tensor``. An 8B Llama in bfloat16 over ``fsdp=8`` holds 2 GiB of
+parameters per chip of a v5e-8 instead of 32 GB float32 on each.
+
 Several processes (``jax.distributed``; a TPU pod): process 0 runs the harness, the others
 call :meth:`HarnessLM.follow`. Each batch process 0 scores is broadcast first, and every
 process runs the same jitted forward on it, the rows split over all devices; generation
@@ -45,11 +52,13 @@ import json
 import os
 from typing import Any, Callable, Sequence
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from . import sharding as sh
 from .decode import argmax, generate
 from .errors import UserError
 
@@ -106,6 +115,55 @@ def score_tokens(module, params, tokens, targets, mask):
     return logprob, greedy
 
 
+#: the dtypes ``--dtype`` takes: parameters and compute alike (float32: parity with ``--model hf``)
+DTYPES = ("float32", "bfloat16")
+
+
+def harness_dtype(dtype: str) -> str:
+    """``dtype`` if the harness runs in it (:data:`DTYPES`), else a UserError."""
+    if dtype not in DTYPES:
+        raise UserError(f"--dtype {dtype!r} is not one the harness runs in; choose "
+                        f"{' or '.join(DTYPES)} (bfloat16 halves the parameters' memory)")
+    return dtype
+
+
+def harness_module(module, dtype: str):
+    """``module`` rebuilt with its parameters and compute in ``dtype`` (:data:`DTYPES`)."""
+    harness_dtype(dtype)
+    return type(module)(module.config.replace(dtype=dtype, param_dtype=dtype))
+
+
+def param_shardings(module, params, mesh: Mesh):
+    """Shardings of ``params`` (concrete or abstract) on ``mesh``: each leaf by the logical
+    axes the model gives it (:mod:`transformer_jax.sharding`'s rules: ``fsdp`` splits the
+    embed axis, ``tensor`` heads, MLP units and vocabulary); leaves the model does not
+    create (a stored quantized kernel) are replicated. Only shapes are computed."""
+    boxed = jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0),
+                                               jnp.zeros((1, 1), jnp.int32)))["params"]
+    return sh.shardings_like_params(params, nn.meta.unbox(boxed),
+                                    sh.param_shardings(boxed, mesh), mesh)
+
+
+def score_program(module, mesh: Mesh, param_sh):
+    """The jitted :func:`score_tokens` the harness runs: ``(params, tokens, targets, mask)``
+    with the parameters as ``param_sh`` places them and the rows split over ``data`` x
+    ``fsdp``; its results replicated. Call (and trace) it inside ``sharding.use_mesh(mesh)``."""
+    rows = sh.batch_sharding(mesh)
+    return jax.jit(functools.partial(score_tokens, module),
+                   in_shardings=(param_sh, rows, rows, rows),
+                   out_shardings=NamedSharding(mesh, P()))
+
+
+def _cast(x, dtype):
+    """A floating leaf in ``dtype`` (device arrays stay on their devices, host ones on the
+    host); integer leaves (quantized kernels) as they are."""
+    if not isinstance(x, jax.Array):
+        x = np.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == dtype:
+        return x
+    return x.astype(dtype)
+
+
 def _is_gpt(module) -> bool:
     from .models.gemma import Gemma
     from .models.gpt import GPT
@@ -119,30 +177,36 @@ class HarnessLM(TemplateLM):
       module, params: a ``GPT`` and its parameters (unscanned or scanned alike).
       tokenizer: a transformer_jax tokenizer (``hf:DIR``, byte, SentencePiece).
       batch_size: rows per forward (and per generation batch).
-      dtype: the compute dtype the harness runs in (float32 for parity with ``--model hf``).
+      dtype: the parameters' and compute dtype (:data:`DTYPES`; float32 for parity with
+        ``--model hf``, bfloat16 for half the memory).
+      mesh: the device mesh (a ``Mesh``, or ``"fsdp=-1"`` / ``"tensor=4"`` / ... as
+        training's ``--mesh``; default: every device on ``data``, the parameters
+        replicated); the parameters are sharded by the model's logical axes
+        (:func:`param_shardings`), the rows of each batch split over ``data`` x ``fsdp``.
     """
 
     def __init__(self, module, params, tokenizer, *, batch_size: int = DEFAULT_BATCH_SIZE,
-                 dtype: str = "float32", max_gen_toks: int = DEFAULT_MAX_GEN_TOKS):
+                 dtype: str = "float32", mesh: str | Mesh | None = None,
+                 max_gen_toks: int = DEFAULT_MAX_GEN_TOKS):
         super().__init__()
         if not _is_gpt(module):
             raise UserError(f"the lm-evaluation-harness runs decoder-only models (GPT-2, Llama, "
                             f"Mistral, Gemma 3); this is a {type(module).__name__}")
         if batch_size < 1:
             raise UserError(f"--batch-size must be >= 1, got {batch_size}")
-        config = module.config.replace(dtype=dtype, param_dtype=dtype)
-        self.module = type(module)(config)
+        self.module = harness_module(module, dtype)
+        config = self.module.config
         self.tokenizer_ = tokenizer
         # the positions a sequence may use: a prefix-tuned model's prefix takes its first P
         self.max_len = config.max_len - (getattr(config, "prefix_tokens", 0) or 0)
         self._batch_size = batch_size
         self._max_gen_toks = max_gen_toks
-        self.mesh = Mesh(np.asarray(jax.devices()), ("data",))
-        self.params = self._global(jax.tree_util.tree_map(
-            lambda x: np.asarray(x, dtype) if jnp.issubdtype(x.dtype, jnp.floating)
-            else np.asarray(x), params), P())     # quantized kernels stay as they are
-        self._score = jax.jit(functools.partial(score_tokens, self.module),
-                              out_shardings=NamedSharding(self.mesh, P()))
+        self.mesh = mesh if isinstance(mesh, Mesh) else sh.make_mesh(mesh)
+        params = jax.tree_util.tree_map(functools.partial(_cast, dtype=jnp.dtype(dtype)),
+                                        nn.meta.unbox(params))
+        self.param_shardings = param_shardings(self.module, params, self.mesh)
+        self.params = sh.put_global(params, self.param_shardings)
+        self._score = score_program(self.module, self.mesh, self.param_shardings)
         self.buckets = buckets(self.max_len)
         self._leader = jax.process_count() > 1 and jax.process_index() == 0
         self.forwards = 0   # batches scored (for the benchmark)
@@ -152,7 +216,8 @@ class HarnessLM(TemplateLM):
     def from_dir(cls, path: str | os.PathLike, **kwargs) -> "HarnessLM":
         """From a transformer_jax workdir (its latest checkpoint as it trained: LoRA
         adapters, a prefix, a quantized base, with its run's tokenizer) or a Hugging Face
-        ``save_pretrained`` directory (with its tokenizer files)."""
+        ``save_pretrained`` directory (with its tokenizer files), streamed onto the devices
+        in ``dtype`` on ``mesh`` (the host never holds the whole model)."""
         from . import storage
         from .data.tokenizers import get_tokenizer
 
@@ -166,7 +231,10 @@ class HarnessLM(TemplateLM):
         else:
             from .train.finetune import load_source
 
-            source = load_source(path)
+            # streamed tensor by tensor onto the devices, in the harness's dtype and sharding
+            kwargs["mesh"] = mesh = sh.make_mesh(kwargs.get("mesh"))
+            source = load_source(path, param_dtype=harness_dtype(kwargs.get("dtype", "float32")),
+                                 mesh=mesh)
             family, model_config, params = source.family, source.model_config, source.params
             spec, where = source.tokenizer, source.path
         if family not in ("gpt", "gemma"):
@@ -243,9 +311,9 @@ class HarnessLM(TemplateLM):
 
     def _score_rows(self, rows: list) -> list[tuple[float, bool]]:
         """One padded batch through the jitted forward (on every process alike)."""
-        n_dev = len(self.mesh.devices.flat)
+        split = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
         b = max(self._batch_size, len(rows))
-        b = -(-b // n_dev) * n_dev
+        b = -(-b // split) * split
         t = bucket_of(max(len(full) - 1 for full, _ in rows), self.buckets)
         tokens = np.zeros((b, t), np.int32)
         targets = np.zeros((b, t), np.int32)
@@ -254,10 +322,11 @@ class HarnessLM(TemplateLM):
             n = len(full) - 1
             tokens[r, :n], targets[r, :n] = full[:-1], full[1:]
             mask[r, n - n_cont:n] = True
-        rows_sharding = P("data")
-        logprob, greedy = self._score(self.params, self._global(tokens, rows_sharding),
-                                      self._global(targets, rows_sharding),
-                                      self._global(mask, rows_sharding))
+        rows_sharding = P(sh.BATCH_AXES)
+        with sh.use_mesh(self.mesh):
+            logprob, greedy = self._score(self.params, self._global(tokens, rows_sharding),
+                                          self._global(targets, rows_sharding),
+                                          self._global(mask, rows_sharding))
         self.forwards += 1
         logprob, greedy = np.asarray(logprob), np.asarray(greedy)
         return [(float(logprob[r]), bool(greedy[r])) for r in range(len(rows))]
@@ -319,7 +388,7 @@ class HarnessLM(TemplateLM):
         for r, p in enumerate(prompts):
             ids[r, t0 - len(p):], mask[r, t0 - len(p):] = p, 1
         mask[len(prompts):, -1] = 1          # filler rows: one real token each
-        with jax.default_matmul_precision("highest"):
+        with jax.default_matmul_precision("highest"), sh.use_mesh(self.mesh):
             result = generate(self.module, self.params, self._global(ids, P()), max_new_tokens=max_gen,
                               eos_id=eos, pad_id=pad, prompt_mask=self._global(mask, P()))
         result = np.asarray(result)[:len(prompts), t0:].tolist()

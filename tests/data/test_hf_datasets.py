@@ -455,6 +455,30 @@ def _first_batches(cfg, tmp_path):
     return task, first_train, next(iter(task.eval_batches(0, 1)))
 
 
+def _docs_first_batches(cfg, tmp_path):
+    """An experiment over in-memory documents (the Llama fine-tuning ones: finetune_stdlib's
+    slice): windows of them, in its byte tokenizer (``--init-from`` brings the checkpoint's)."""
+    from transformer_jax.train.config import apply_overrides, load_experiment
+
+    assert cfg.dataset == load_experiment("finetune_stdlib").dataset
+    assert (cfg.task, cfg.tokenizer) == ("lm", "byte")
+    b = math.lcm(4, cfg.accum_steps)
+    local = apply_overrides(cfg, ["seq_len=24", f"batch_size={b}", "model.max_len=24",
+                                  f"data_dir={tmp_path / 'data'}"])
+    task, first_train, first_eval = _first_batches(local, tmp_path)
+    tok, eos = task.tokenizer, task.eos_id
+    stream = "\x1e".join(cfg.dataset) + "\x1e"
+    for batch in (first_train, first_eval):
+        assert {k: (v.shape, v.dtype.name) for k, v in batch.items()} == {
+            "inputs": ((b, 24), "int32"), "targets": ((b, 24), "int32"),
+            "weights": ((b, 24), "float32")}
+        np.testing.assert_array_equal(batch["inputs"][:, 1:], batch["targets"][:, :-1])
+        for row in batch["inputs"]:
+            cuts = [-1, *np.flatnonzero(row == eos), len(row)]
+            text = "\x1e".join(tok.decode(row[a + 1:z].tolist()) for a, z in zip(cuts, cuts[1:]))
+            assert len(text) == 24 - (len(cuts) - 2) and text in stream, text
+
+
 def _lm_first_batches(cfg, tmp_path, wikitext_copy):
     from transformer_jax.train.config import apply_overrides
 
@@ -529,7 +553,9 @@ def test_tpu_experiment_data_runs_on_a_local_copy(name, tmp_path, wikitext_copy,
 
     assert len(TPU_EXPERIMENTS) >= 7
     cfg = load_experiment(name)
-    if cfg.dataset.startswith(f"hf:{WIKITEXT}:"):
+    if isinstance(cfg.dataset, list):
+        _docs_first_batches(cfg, tmp_path)
+    elif cfg.dataset.startswith(f"hf:{WIKITEXT}:"):
         _lm_first_batches(cfg, tmp_path, wikitext_copy)
     elif cfg.dataset == "imagenet2012":
         _vit_first_batches(cfg, tmp_path, imagenet_copy)
