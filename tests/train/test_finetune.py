@@ -352,3 +352,65 @@ def test_init_from_a_bf16_directory_streams_in_the_runs_param_dtype(data_dir, tm
         got = np.asarray(params[path])
         assert got.dtype == jnp.bfloat16 and got.shape == want.shape, path
         assert got.tobytes() == np.asarray(want).astype(jnp.bfloat16).tobytes(), path
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    """A tiny Llama directory (2 layers, 2 kv heads of 4), bf16 weights."""
+    directory = tmp_path_factory.mktemp("llama") / "bf16"
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)).to(
+        torch.bfloat16).save_pretrained(directory)
+    return str(directory)
+
+
+def _leaves(tree):
+    return {"/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in p): np.asarray(x)
+            for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+@pytest.mark.parametrize("quantize,scan", [("int8", False), ("int8", True), ("nf4", False),
+                                           ("nf4", True)])
+def test_a_qlora_start_puts_the_streamed_stored_base_in_the_state(data_dir, llama_dir, tmp_path,
+                                                                  monkeypatch, quantize, scan):
+    """QLoRA --init-from an HF directory streams the base stored quantized into
+    TrainState.frozen, and initialises only what trains: the whole state (frozen base,
+    adapters, optimizer state, keys) and the first step's loss equal, bit for bit, those of
+    the path that builds the whole tree (fresh init, the base filled in, then quantized)."""
+    from transformer_jax import run as run_module
+    from transformer_jax.interop.hf import stream
+    from transformer_jax.layers.quant import quantize_params
+
+    cfg = task_cfg(data_dir, "lm", llama_dir, "lora.rank=4", "lora.targets=attn/|mlp/",
+                   f"lora.quantize={quantize}", f"model.scan_layers={scan}",
+                   "model.param_dtype=bfloat16", "learning_rate=1e-2")
+    placed = []
+    real_put = stream.put
+    monkeypatch.setattr(stream, "put", lambda x, s: placed.append(x.dtype) or real_put(x, s))
+    new = setup(cfg, tmp_path / "new")
+    new.ckpt.close()
+    # the stored kernels are what was streamed: 7 kernels a layer, int8 codes or nf4 bytes
+    codes = np.dtype(np.int8 if quantize == "int8" else np.uint8)
+    assert placed.count(codes) == 7 * (1 if scan else 2)
+    want_frozen = _leaves(quantize_params(from_hf(llama_dir, param_dtype="bfloat16",
+                                                  scan_layers=scan)[1],
+                                          LoraConfig(quantize=quantize)))
+    got_frozen = _leaves(new.state.frozen)
+    assert sorted(got_frozen) == sorted(want_frozen)
+    for key, want in want_frozen.items():
+        assert got_frozen[key].dtype == want.dtype and got_frozen[key].tobytes() == want.tobytes(), key
+
+    source_placement = run_module._source_placement       # the whole-tree path: unquantized
+    monkeypatch.setattr(run_module, "_source_placement", lambda c: {
+        k: v for k, v in source_placement(c).items() if k not in ("quantize", "scan_layers")})
+    old = setup(cfg, tmp_path / "old")
+    old.ckpt.close()
+    assert old.run_config["init_from"]["fresh"] == new.run_config["init_from"]["fresh"] == []
+    got, want = _leaves(new.state), _leaves(old.state)
+    assert sorted(got) == sorted(want) and any("lora_a" in k for k in got)
+    for key in want:
+        assert got[key].dtype == want[key].dtype and got[key].tobytes() == want[key].tobytes(), key
+    losses = [float(run.train_step(run.state, next(run.batches))[1]["loss"]) for run in (new, old)]
+    assert losses[0] == losses[1] and np.isfinite(losses[0])
