@@ -5,6 +5,7 @@
 that reproduces our logits within 1e-5 (fp32)."""
 import json
 import os
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -414,3 +415,33 @@ def test_a_qlora_start_puts_the_streamed_stored_base_in_the_state(data_dir, llam
         assert got[key].dtype == want[key].dtype and got[key].tobytes() == want[key].tobytes(), key
     losses = [float(run.train_step(run.state, next(run.batches))[1]["loss"]) for run in (new, old)]
     assert losses[0] == losses[1] and np.isfinite(losses[0])
+
+
+def test_peak_host_memory_of_a_qlora_start_stays_below_the_bf16_base(tmp_path):
+    """The real QLoRA --init-from start (run.setup, in a subprocess: NF4 base, rank-8 LoRA on
+    every projection, bf16, AdamW) of a 99M-parameter bf16 Llama directory. On the CPU
+    backend the devices are host memory, so the start's peak RSS growth is the state (the
+    NF4 base, the adapters and their two AdamW moments: 71 MiB here) plus what is in flight:
+    one tensor read, cast and quantized, and the compile of the adapters' init. The bound
+    is the bf16 base itself (188 MiB): the way that built the whole base first held it
+    (and its float32 init) on top of the state. XLA's compiles of each kernel shape are
+    warmed by a one-layer start of the same widths (benchmarks/load_memory.py)."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from benchmarks.load_memory import measure, write_checkpoint
+    from transformer_jax.models import GPTConfig
+
+    # 8 layers, D 1024, 16 heads (4 kv), F 2816, vocab 4096 untied: 98.6M parameters
+    cfg = GPTConfig.preset("llama-tiny").replace(
+        vocab_size=4096, d_model=1024, num_heads=16, num_kv_heads=4, mlp_dim=2816,
+        num_layers=8, tie_embeddings=False)
+    total = write_checkpoint(tmp_path / "ckpt", cfg, shard_bytes=64 << 20)
+    assert total == 2 * cfg.num_params() == 197_167_104
+    out = measure(tmp_path / "ckpt", "qlora-start")
+    # the frozen base: 90.2M kernel values as 4-bit codes + an fp32 absmax per 64, and the
+    # embeddings, head and norms in bf16
+    kernels = 8 * (2 * 1024 * 1024 + 2 * 1024 * 256 + 3 * 1024 * 2816)
+    assert out["state_bytes"]["frozen"] == kernels // 2 + kernels // 64 * 4 + 2 * (
+        2 * 4096 * 1024 + 17 * 1024) == 67_536_896
+    assert out["state_bytes"]["opt_state"] >= 2 * out["state_bytes"]["params"]   # AdamW mu, nu
+    assert out["peak_rss_growth"] < total, out
