@@ -159,20 +159,12 @@ def setup(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
     if is_main() and placement.notes and progress:
         _describe_placement(placement)
     if restored is None:
-        adjust = task.init_params
-        if pretrained is None and cfg.init_from is not None:   # resumed, but nothing saved yet
-            source = finetune.load_source(cfg.init_from, **_source_placement(cfg))
-            pretrained = finetune.Start.plan(source, model_cfg, abstract())
-        if pretrained is not None and is_main():
-            print(pretrained.describe(), flush=True)
-        if pretrained is not None and pretrained.source.stored is not None:   # QLoRA, streamed
-            state = placement.init_frozen_state(lambda: create_train_state(
-                model, tx, rng, *init_args, loss_scale=loss_scale,
-                partition=lambda p: (split.trainable(p), None)), pretrained.frozen_params(split))
-        else:
-            if pretrained is not None:
-                adjust = lambda p: task.init_params(pretrained.fill(p))  # noqa: E731
-            state = placement.init_state(create_state, tx, adjust, split)
+        create_trainable = lambda: create_train_state(  # noqa: E731
+            model, tx, rng, *init_args, loss_scale=loss_scale,
+            partition=lambda p: (split.trainable(p), None))
+        state = _initial_state(cfg, placement, task, tx, (create_state, create_trainable),
+                               pretrained, split, lambda source: finetune.Start.plan(
+                                   source, model_cfg, abstract()))
     else:
         _, state, data_state = restored
         train_it.set_state(local_data_state(data_state))
@@ -199,6 +191,24 @@ def setup(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
                state=state, start=start, resumed=resumed, tokens_per_step=task.tokens_per_step(),
                flops_per_step=task.flops_per_step(model_cfg), peak_flops=peak_flops_per_device(),
                watch=LossWatch(cfg.loss_spike_factor, cfg.loss_spike_window, warn=warn))
+
+
+def _initial_state(cfg, placement, task, tx, create, pretrained, split, plan):
+    """The train state of a run that starts: a fresh init (``create[0]``) with the
+    pretrained weights put in; or, for a QLoRA start whose base was streamed stored, that
+    base as the frozen part and only what trains initialised (``create[1]``). ``plan``:
+    source -> Start, for a resumed run that saved nothing yet (its source is read now)."""
+    create_state, create_trainable = create
+    if pretrained is None and cfg.init_from is not None:   # resumed, but nothing saved yet
+        pretrained = plan(finetune.load_source(cfg.init_from, **_source_placement(cfg)))
+    if pretrained is not None and is_main():
+        print(pretrained.describe(), flush=True)
+    if pretrained is not None and pretrained.source.stored is not None:     # QLoRA, streamed
+        return placement.init_frozen_state(create_trainable, pretrained.frozen_params(split))
+    adjust = task.init_params
+    if pretrained is not None:
+        adjust = lambda p: task.init_params(pretrained.fill(p))  # noqa: E731
+    return placement.init_state(create_state, tx, adjust, split)
 
 
 def _abstract_params(model, rng, init_args) -> Callable[[], Any]:

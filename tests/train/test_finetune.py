@@ -380,7 +380,6 @@ def test_a_qlora_start_puts_the_streamed_stored_base_in_the_state(data_dir, llam
     TrainState.frozen, and initialises only what trains: the whole state (frozen base,
     adapters, optimizer state, keys) and the first step's loss equal, bit for bit, those of
     the path that builds the whole tree (fresh init, the base filled in, then quantized)."""
-    from transformer_jax import run as run_module
     from transformer_jax.interop.hf import stream
     from transformer_jax.layers.quant import quantize_params
 
@@ -403,18 +402,41 @@ def test_a_qlora_start_puts_the_streamed_stored_base_in_the_state(data_dir, llam
     for key, want in want_frozen.items():
         assert got_frozen[key].dtype == want.dtype and got_frozen[key].tobytes() == want.tobytes(), key
 
-    source_placement = run_module._source_placement       # the whole-tree path: unquantized
+    _assert_same_start_as_the_whole_tree_way(cfg, new, tmp_path, monkeypatch, fresh=[])
+
+
+def _assert_same_start_as_the_whole_tree_way(cfg, new, tmp_path, monkeypatch, fresh):
+    """``new`` (a QLoRA start's Run) against the way that built the whole tree (the base
+    streamed unquantized, a fresh init, the base filled in, then quantized): the same
+    state bit for bit, and the same loss after one step on the same batch."""
+    from transformer_jax import run as run_module
+
+    source_placement = run_module._source_placement
     monkeypatch.setattr(run_module, "_source_placement", lambda c: {
         k: v for k, v in source_placement(c).items() if k not in ("quantize", "scan_layers")})
     old = setup(cfg, tmp_path / "old")
     old.ckpt.close()
-    assert old.run_config["init_from"]["fresh"] == new.run_config["init_from"]["fresh"] == []
+    assert old.run_config["init_from"]["fresh"] == new.run_config["init_from"]["fresh"] == fresh
     got, want = _leaves(new.state), _leaves(old.state)
     assert sorted(got) == sorted(want) and any("lora_a" in k for k in got)
     for key in want:
         assert got[key].dtype == want[key].dtype and got[key].tobytes() == want[key].tobytes(), key
     losses = [float(run.train_step(run.state, next(run.batches))[1]["loss"]) for run in (new, old)]
     assert losses[0] == losses[1] and np.isfinite(losses[0])
+
+
+def test_a_qlora_start_with_a_fresh_head_equals_the_whole_tree_way(data_dir, hf_dirs, tmp_path,
+                                                                  monkeypatch):
+    """ViT (converted whole, then stored int8): its head (5 classes there, 10 here) starts
+    fresh and trains with the adapters, as it did before."""
+    cfg = task_cfg(data_dir, "image", hf_dirs["vit"], "lora.rank=4", "lora.targets=attn/|mlp/",
+                   "lora.quantize=int8")
+    new = setup(cfg, tmp_path / "new")
+    new.ckpt.close()
+    assert {"/".join(p) for p in flat(new.state.params)} >= {"head/kernel", "head/bias"}
+    assert any(p[-1] == "kernel_q" for p in flat(new.state.frozen))
+    _assert_same_start_as_the_whole_tree_way(cfg, new, tmp_path, monkeypatch,
+                                             fresh=["head/bias", "head/kernel"])
 
 
 def test_peak_host_memory_of_a_qlora_start_stays_below_the_bf16_base(tmp_path):
