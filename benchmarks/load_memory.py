@@ -237,7 +237,8 @@ def run(args) -> dict:
         common.md_table(header, body), "",
         f"{args.preset} ({cfg.num_params() / 1e9:.2f}B parameters): {total:,} bytes of bf16 "
         f"safetensors in {len(files)} shards. Peak RSS (ru_maxrss) of a fresh process above "
-        "its baseline after the imports; on the CPU backend the params are host memory too.",
+        "its baseline after the imports (qlora-*: VmHWM above the RSS after a one-layer warm-up "
+        "start, see the module docstring); on the CPU backend the params are host memory too.",
         f"- Machine: {machine['cpu']}, jax {machine['jax']} ({machine['backend']}), "
         f"{time.strftime('%Y-%m-%d')}.",
     ])
