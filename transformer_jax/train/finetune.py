@@ -30,9 +30,9 @@ optimizer state, and the rest is ``TrainState.frozen`` (stored quantized with
 already stored quantized (``load_source(..., quantize=)``) and :meth:`Start.frozen_params`
 hands those leaves to the state as they are: the unquantized base tree is never built
 (only the trainable leaves are initialised, ``train/distributed.py``'s ``init_frozen_state``),
-and ``init_from.sha256`` is then the digest of the stored leaves. LoRA ``targets`` that match no Dense layer are
-refused (:func:`check_adapters`), and the run prints how many parameters each kind of
-adapter trains (:func:`describe_trainable`).
+and ``init_from.sha256`` is then the digest of the stored leaves. LoRA ``targets`` that
+match no Dense layer are refused (:func:`check_adapters`), and the run prints how many
+parameters each kind of adapter trains (:func:`describe_trainable`).
 """
 from __future__ import annotations
 
