@@ -26,6 +26,7 @@ from . import sharding as sh
 from . import storage
 from .errors import UserError
 from .layers.attention_dispatch import tpu_generation
+from .layers.lora import LoraConfig
 from .models import build_model
 from .models.base import attention_plan, describe_attention_plan
 from .tasks import TASKS, make_task, tasks_for
@@ -137,6 +138,8 @@ def setup(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
     if getattr(model_cfg, "lora", None) is not None:
         finetune.check_adapters(model_cfg, abstract())   # targets that match no Dense
     pretrained, split = _fine_tuning_start(cfg, source, saved, model_cfg, abstract, run_config)
+    if source is not None and source.stored is not None:
+        _check_whole_tree_free(task, abstract())
     create_state = lambda: create_train_state(  # noqa: E731
         model, tx, rng, *init_args, loss_scale=loss_scale,
         partition=None if split is None else split.split)
@@ -156,15 +159,12 @@ def setup(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
     if is_main() and placement.notes and progress:
         _describe_placement(placement)
     if restored is None:
-        adjust = task.init_params
-        if pretrained is None and cfg.init_from is not None:   # resumed, but nothing saved yet
-            source = finetune.load_source(cfg.init_from, **_source_placement(cfg))
-            pretrained = finetune.Start.plan(source, model_cfg, abstract())
-        if pretrained is not None:
-            if is_main():
-                print(pretrained.describe(), flush=True)
-            adjust = lambda p: task.init_params(pretrained.fill(p))  # noqa: E731
-        state = placement.init_state(create_state, tx, adjust, split)
+        create_trainable = lambda: create_train_state(  # noqa: E731
+            model, tx, rng, *init_args, loss_scale=loss_scale,
+            partition=lambda p: (split.trainable(p), None))
+        state = _initial_state(cfg, placement, task, tx, (create_state, create_trainable),
+                               pretrained, split, lambda source: finetune.Start.plan(
+                                   source, model_cfg, abstract()))
     else:
         _, state, data_state = restored
         train_it.set_state(local_data_state(data_state))
@@ -191,6 +191,24 @@ def setup(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
                state=state, start=start, resumed=resumed, tokens_per_step=task.tokens_per_step(),
                flops_per_step=task.flops_per_step(model_cfg), peak_flops=peak_flops_per_device(),
                watch=LossWatch(cfg.loss_spike_factor, cfg.loss_spike_window, warn=warn))
+
+
+def _initial_state(cfg, placement, task, tx, create, pretrained, split, plan):
+    """The train state of a run that starts: a fresh init (``create[0]``) with the
+    pretrained weights put in; or, for a QLoRA start whose base was streamed stored, that
+    base as the frozen part and only what trains initialised (``create[1]``). ``plan``:
+    source -> Start, for a resumed run that saved nothing yet (its source is read now)."""
+    create_state, create_trainable = create
+    if pretrained is None and cfg.init_from is not None:   # resumed, but nothing saved yet
+        pretrained = plan(finetune.load_source(cfg.init_from, **_source_placement(cfg)))
+    if pretrained is not None and is_main():
+        print(pretrained.describe(), flush=True)
+    if pretrained is not None and pretrained.source.stored is not None:     # QLoRA, streamed
+        return placement.init_frozen_state(create_trainable, pretrained.frozen_params(split))
+    adjust = task.init_params
+    if pretrained is not None:
+        adjust = lambda p: task.init_params(pretrained.fill(p))  # noqa: E731
+    return placement.init_state(create_state, tx, adjust, split)
 
 
 def _abstract_params(model, rng, init_args) -> Callable[[], Any]:
@@ -223,11 +241,24 @@ def _fine_tuning_config(cfg: ExperimentConfig, workdir: Path, resume: bool):
 
 def _source_placement(cfg: ExperimentConfig) -> dict[str, Any]:
     """How ``load_source`` streams an HF directory for this run: in the run's
-    ``param_dtype`` and, under ``--parallelism jit``, sharded over the run's mesh."""
+    ``param_dtype`` and, under ``--parallelism jit``, sharded over the run's mesh; with
+    QLoRA (``lora.quantize``) its base stored quantized, in the run's layer layout."""
     out: dict[str, Any] = {"param_dtype": cfg.model_overrides.get("param_dtype")}
     if cfg.parallelism == "jit":
         out["mesh"] = sh.make_mesh(cfg.mesh)
+    lora = LoraConfig.from_value(cfg.model_overrides.get("lora"))
+    if lora is not None and lora.quantize is not None:
+        out.update(quantize=lora, scan_layers=cfg.model_overrides.get("scan_layers"))
     return out
+
+
+def _check_whole_tree_free(task, shapes) -> None:
+    """A QLoRA start never builds the whole parameter tree: refuse a task that edits it
+    (``task.pretrained`` of a classifier loads an encoder over it)."""
+    if task.init_params(shapes) is not shapes:
+        raise UserError("task.pretrained and --init-from with lora.quantize both load "
+                        "pretrained weights; drop task.pretrained (--init-from already loads "
+                        "the model), or lora.quantize")
 
 
 def check_task(cfg: ExperimentConfig, source: finetune.Source) -> None:

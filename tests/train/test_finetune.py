@@ -5,6 +5,7 @@
 that reproduces our logits within 1e-5 (fp32)."""
 import json
 import os
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -440,3 +441,117 @@ def test_init_from_a_bf16_directory_streams_in_the_runs_param_dtype(data_dir, tm
         got = np.asarray(params[path])
         assert got.dtype == jnp.bfloat16 and got.shape == want.shape, path
         assert got.tobytes() == np.asarray(want).astype(jnp.bfloat16).tobytes(), path
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    """A tiny Llama directory (2 layers, 2 kv heads of 4), bf16 weights."""
+    directory = tmp_path_factory.mktemp("llama") / "bf16"
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)).to(
+        torch.bfloat16).save_pretrained(directory)
+    return str(directory)
+
+
+def _leaves(tree):
+    return {"/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in p): np.asarray(x)
+            for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+@pytest.mark.parametrize("quantize,scan", [("int8", False), ("int8", True), ("nf4", False),
+                                           ("nf4", True)])
+def test_a_qlora_start_puts_the_streamed_stored_base_in_the_state(data_dir, llama_dir, tmp_path,
+                                                                  monkeypatch, quantize, scan):
+    """QLoRA --init-from an HF directory streams the base stored quantized into
+    TrainState.frozen, and initialises only what trains: the whole state (frozen base,
+    adapters, optimizer state, keys) and the first step's loss equal, bit for bit, those of
+    the path that builds the whole tree (fresh init, the base filled in, then quantized)."""
+    from transformer_jax.interop.hf import stream
+    from transformer_jax.layers.quant import quantize_params
+
+    cfg = task_cfg(data_dir, "lm", llama_dir, "lora.rank=4", "lora.targets=attn/|mlp/",
+                   f"lora.quantize={quantize}", f"model.scan_layers={scan}",
+                   "model.param_dtype=bfloat16", "learning_rate=1e-2")
+    placed = []
+    real_put = stream.put
+    monkeypatch.setattr(stream, "put", lambda x, s: placed.append(x.dtype) or real_put(x, s))
+    new = setup(cfg, tmp_path / "new")
+    new.ckpt.close()
+    # the stored kernels are what was streamed: 7 kernels a layer, int8 codes or nf4 bytes
+    codes = np.dtype(np.int8 if quantize == "int8" else np.uint8)
+    assert placed.count(codes) == 7 * (1 if scan else 2)
+    want_frozen = _leaves(quantize_params(from_hf(llama_dir, param_dtype="bfloat16",
+                                                  scan_layers=scan)[1],
+                                          LoraConfig(quantize=quantize)))
+    got_frozen = _leaves(new.state.frozen)
+    assert sorted(got_frozen) == sorted(want_frozen)
+    for key, want in want_frozen.items():
+        assert got_frozen[key].dtype == want.dtype and got_frozen[key].tobytes() == want.tobytes(), key
+
+    _assert_same_start_as_the_whole_tree_way(cfg, new, tmp_path, monkeypatch, fresh=[])
+
+
+def _assert_same_start_as_the_whole_tree_way(cfg, new, tmp_path, monkeypatch, fresh):
+    """``new`` (a QLoRA start's Run) against the way that built the whole tree (the base
+    streamed unquantized, a fresh init, the base filled in, then quantized): the same
+    state bit for bit, and the same loss after one step on the same batch."""
+    from transformer_jax import run as run_module
+
+    source_placement = run_module._source_placement
+    monkeypatch.setattr(run_module, "_source_placement", lambda c: {
+        k: v for k, v in source_placement(c).items() if k not in ("quantize", "scan_layers")})
+    old = setup(cfg, tmp_path / "old")
+    old.ckpt.close()
+    assert old.run_config["init_from"]["fresh"] == new.run_config["init_from"]["fresh"] == fresh
+    got, want = _leaves(new.state), _leaves(old.state)
+    assert sorted(got) == sorted(want) and any("lora_a" in k for k in got)
+    for key in want:
+        assert got[key].dtype == want[key].dtype and got[key].tobytes() == want[key].tobytes(), key
+    losses = [float(run.train_step(run.state, next(run.batches))[1]["loss"]) for run in (new, old)]
+    assert losses[0] == losses[1] and np.isfinite(losses[0])
+
+
+def test_a_qlora_start_with_a_fresh_head_equals_the_whole_tree_way(data_dir, hf_dirs, tmp_path,
+                                                                  monkeypatch):
+    """ViT (converted whole, then stored int8): its head (5 classes there, 10 here) starts
+    fresh and trains with the adapters, as it did before."""
+    cfg = task_cfg(data_dir, "image", hf_dirs["vit"], "lora.rank=4", "lora.targets=attn/|mlp/",
+                   "lora.quantize=int8")
+    new = setup(cfg, tmp_path / "new")
+    new.ckpt.close()
+    assert {"/".join(p) for p in flat(new.state.params)} >= {"head/kernel", "head/bias"}
+    assert any(p[-1] == "kernel_q" for p in flat(new.state.frozen))
+    _assert_same_start_as_the_whole_tree_way(cfg, new, tmp_path, monkeypatch,
+                                             fresh=["head/bias", "head/kernel"])
+
+
+def test_peak_host_memory_of_a_qlora_start_stays_below_the_bf16_base(tmp_path):
+    """The real QLoRA --init-from start (run.setup, in a subprocess: NF4 base, rank-8 LoRA on
+    every projection, bf16, AdamW) of a 99M-parameter bf16 Llama directory. On the CPU
+    backend the devices are host memory, so the start's peak RSS growth is the state (the
+    NF4 base, the adapters and their two AdamW moments: 71 MiB here) plus what is in flight:
+    one tensor read, cast and quantized, and the compile of the adapters' init. The bound
+    is the bf16 base itself (188 MiB): the way that built the whole base first held it
+    (and its float32 init) on top of the state. XLA's compiles of each kernel shape are
+    warmed by a one-layer start of the same widths (benchmarks/load_memory.py)."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from benchmarks.load_memory import measure, write_checkpoint
+    from transformer_jax.models import GPTConfig
+
+    # 8 layers, D 1024, 16 heads (4 kv), F 2816, vocab 4096 untied: 98.6M parameters
+    cfg = GPTConfig.preset("llama-tiny").replace(
+        vocab_size=4096, d_model=1024, num_heads=16, num_kv_heads=4, mlp_dim=2816,
+        num_layers=8, tie_embeddings=False)
+    total = write_checkpoint(tmp_path / "ckpt", cfg, shard_bytes=64 << 20)
+    assert total == 2 * cfg.num_params() == 197_167_104
+    out = measure(tmp_path / "ckpt", "qlora-start")
+    # the frozen base: 90.2M kernel values as 4-bit codes + an fp32 absmax per 64, and the
+    # embeddings, head and norms in bf16
+    kernels = 8 * (2 * 1024 * 1024 + 2 * 1024 * 256 + 3 * 1024 * 2816)
+    assert out["state_bytes"]["frozen"] == kernels // 2 + kernels // 64 * 4 + 2 * (
+        2 * 4096 * 1024 + 17 * 1024) == 67_536_896
+    assert out["state_bytes"]["opt_state"] >= 2 * out["state_bytes"]["params"]   # AdamW mu, nu
+    assert out["peak_rss_growth"] < total, out

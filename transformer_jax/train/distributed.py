@@ -281,6 +281,14 @@ class Placement(abc.ABC):
         a ``split`` (fine-tuning adapters) the result is split again into what trains and
         what stays frozen (``split``: a :class:`~transformer_jax.train.finetune.ParamSplit`)."""
 
+    @abc.abstractmethod
+    def init_frozen_state(self, create_trainable: Callable[[], Any], frozen: Any):
+        """The initial train state of a start whose frozen part is given whole (a QLoRA
+        base streamed stored, ``finetune.Start.frozen_params``): ``create_trainable()``
+        builds the state without it (``frozen`` None), compiled so that only the leaves
+        it returns are computed (the rest of the init is dead code), and ``frozen`` goes
+        in as it is, moved onto the state's shardings."""
+
     def from_checkpoint(self, state):
         return state
 
@@ -362,6 +370,10 @@ class JitPlacement(Placement):
             state = state.replace(params=params, frozen=frozen, opt_state=opt_state)
         return state
 
+    def init_frozen_state(self, create_trainable, frozen):
+        state = jax.jit(create_trainable, out_shardings=self._shardings.replace(frozen=None))()
+        return state.replace(frozen=sh.put_global(frozen, self._shardings.frozen))
+
 
 class PmapPlacement(Placement):
     parallelism = "pmap"
@@ -390,6 +402,9 @@ class PmapPlacement(Placement):
         if changed:
             state = state.replace(opt_state=jax.jit(tx.init)(state.params))
         return sh.pmap_replicate(state)
+
+    def init_frozen_state(self, create_trainable, frozen):
+        return sh.pmap_replicate(jax.jit(create_trainable)().replace(frozen=frozen))
 
     def from_checkpoint(self, state):
         return sh.pmap_replicate(state)

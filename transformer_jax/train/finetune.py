@@ -27,9 +27,13 @@ or a transformer_jax workdir (its latest checkpoint). The run then:
 With ``model.lora`` (``--set lora.rank=8``) or ``model.prefix_tokens`` only the adapters and
 the freshly initialised head train (:class:`ParamSplit`): they alone get gradients and
 optimizer state, and the rest is ``TrainState.frozen`` (stored quantized with
-``lora.quantize``: int8 or NF4, QLoRA). LoRA ``targets`` that match no Dense layer are
-refused (:func:`check_adapters`), and the run prints how many parameters each kind of
-adapter trains (:func:`describe_trainable`).
+``lora.quantize``: int8 or NF4, QLoRA). A QLoRA start from an HF directory streams the base
+already stored quantized (``load_source(..., quantize=)``) and :meth:`Start.frozen_params`
+hands those leaves to the state as they are: the unquantized base tree is never built
+(only the trainable leaves are initialised, ``train/distributed.py``'s ``init_frozen_state``),
+and ``init_from.sha256`` is then the digest of the stored leaves. LoRA ``targets`` that
+match no Dense layer are refused (:func:`check_adapters`), and the run prints how many
+parameters each kind of adapter trains (:func:`describe_trainable`).
 """
 from __future__ import annotations
 
@@ -86,7 +90,9 @@ def _family_of(config: Any) -> str:
 class Source:
     """Pretrained weights: where from, the family, its model config and its parameters
     (unscanned, adapters merged and quantized kernels read back; numpy from a workdir,
-    jax arrays in the run's ``param_dtype`` streamed onto the devices from an HF directory)."""
+    jax arrays in the run's ``param_dtype`` streamed onto the devices from an HF directory).
+    ``stored``: the ``LoraConfig`` an HF directory's base kernels were streamed quantized
+    with (a QLoRA start; the params are then in the layout ``model_config`` says), or None."""
     path: str
     kind: str                       # "hf" or "workdir"
     family: str
@@ -94,6 +100,7 @@ class Source:
     params: dict
     tokenizer: str | None           # the tokenizer spec that goes with the weights
     task: str | None = None         # a workdir's task ("mlm"); an HF directory's architecture
+    stored: Any = None              # the LoraConfig the base kernels are stored with (QLoRA)
 
     def digest(self) -> str:
         """SHA-256 over every parameter's path, shape, dtype and bytes (sorted by path)."""
@@ -129,13 +136,17 @@ def _unflat(flat: dict[tuple[str, ...], Any]) -> dict:
     return tree
 
 
-def load_source(path: str | os.PathLike, *, param_dtype: Any = None, mesh: Any = None) -> Source:
+def load_source(path: str | os.PathLike, *, param_dtype: Any = None, mesh: Any = None,
+                quantize: Any = None, scan_layers: bool | None = None) -> Source:
     """The weights of an HF ``save_pretrained`` directory or a transformer_jax workdir.
 
     An HF directory is streamed tensor by tensor (``interop/hf/stream.py``): cast to
     ``param_dtype`` (None: the family's default; a bf16 checkpoint read for a bf16 run is
     never widened to float32) and placed on the devices, sharded over ``mesh`` by the
-    training loop's rules when given, so the host never holds the whole tree."""
+    training loop's rules when given, so the host never holds the whole tree. With
+    ``quantize`` (the run's ``LoraConfig``, QLoRA) its base kernels are stored quantized as
+    they are read, in the layout ``scan_layers`` says (None: the family's default), so
+    neither host nor devices ever hold the unquantized base; a workdir ignores both."""
     path = os.path.abspath(os.fspath(path))
     if not os.path.isdir(path):
         raise UserError(f"--init-from {path!r} is not a directory; give a Hugging Face "
@@ -151,7 +162,7 @@ def load_source(path: str | os.PathLike, *, param_dtype: Any = None, mesh: Any =
     except ValueError as e:
         raise UserError(f"{config_path}: not valid JSON ({e})") from None
     if isinstance(config, dict) and "model_type" in config:
-        source = _hf_source(path, param_dtype, mesh)
+        source = _hf_source(path, param_dtype, mesh, quantize, scan_layers)
         architectures = config.get("architectures")
         if isinstance(architectures, list) and architectures and isinstance(architectures[0], str):
             source.task = architectures[0]
@@ -162,17 +173,19 @@ def load_source(path: str | os.PathLike, *, param_dtype: Any = None, mesh: Any =
                     "transformer_jax run config (no \"family\"); --init-from takes one of those")
 
 
-def _hf_source(path: str, param_dtype: Any = None, mesh: Any = None) -> Source:
+def _hf_source(path: str, param_dtype: Any = None, mesh: Any = None, quantize: Any = None,
+               scan_layers: bool | None = None) -> Source:
     from ..interop.hf import from_hf          # loads the converters only when asked
 
-    dtype = {} if param_dtype is None else {"param_dtype": param_dtype}
-    module, params = from_hf(path, mesh=mesh, **dtype)
+    fields = {"param_dtype": param_dtype, "scan_layers": scan_layers}
+    module, params = from_hf(path, mesh=mesh, quantize=quantize,
+                             **{k: v for k, v in fields.items() if v is not None})
     tokenizer = _tokenizer_of(path)
     config = module.config.replace(lora=None) if module.config.lora is not None else module.config
     if module.config.lora is not None:
         params = lora_lib.merge(params, module.config.lora)
     return Source(path=path, kind="hf", family=_family_of(config), model_config=config.to_dict(),
-                  params=params, tokenizer=tokenizer)
+                  params=params, tokenizer=tokenizer, stored=quantize)
 
 
 def _tokenizer_of(path: str) -> str | None:
@@ -263,9 +276,14 @@ class Start:
     loaded: dict[tuple[str, ...], Any]             # path (new layout) -> array (host or device)
     fresh: list[tuple[str, ...]]                   # new leaves the source lacks or mis-shapes
     dropped: list[tuple[str, ...]]                 # source leaves the new model lacks
+    dtypes: dict = dataclasses.field(default_factory=dict)   # loaded path -> the model's dtype
 
     @classmethod
     def plan(cls, source: Source, model_config: Any, abstract: dict) -> "Start":
+        """``abstract``: the new model's parameter shapes; a source stored quantized (QLoRA)
+        is matched against them with the base kernels in their stored form."""
+        if source.stored is not None:
+            abstract = stored_shapes(abstract, model_config.lora)
         params = source.params
         old = FAMILIES[source.family][0].from_dict(source.model_config)
         if source.family in ("vit", "clip") and old.image_size != model_config.image_size:
@@ -278,8 +296,10 @@ class Start:
         loaded = {p: a for p, a in theirs.items() if p in mine and tuple(np.shape(a)) == mine[p]}
         fresh = sorted(p for p in mine if p not in loaded)
         dropped = sorted(p for p in theirs if p not in mine)
+        _check_stored_fresh(source, fresh)
+        dtypes = {p: leaf.dtype for p, leaf in _flat(abstract).items() if p in loaded}
         return cls(source=source, model_config=model_config, loaded=loaded, fresh=fresh,
-                   dropped=dropped)
+                   dropped=dropped, dtypes=dtypes)
 
     @property
     def fresh_head(self) -> list[tuple[str, ...]]:
@@ -318,11 +338,47 @@ class Start:
                 flat[path] = jnp.asarray(array, fresh.dtype)
         return _unflat(flat)
 
+    def frozen_params(self, split: "ParamSplit") -> dict:
+        """The frozen part of the train state of a start whose source is stored quantized
+        (QLoRA): the loaded leaves that do not train, cast to the model's dtypes as
+        :meth:`fill` casts them. The leaves move into the result: this Start and its
+        source keep none (so that only the state holds the base)."""
+        frozen = {}
+        for path in [p for p in self.loaded if not split.trains(p)]:
+            array = self.loaded.pop(path)
+            want = self.dtypes[path]
+            frozen[path] = array if array.dtype == want else jnp.asarray(array, want)
+        self.source.params = {}
+        return _unflat(frozen)
+
     def record(self) -> dict:
         """What ``config.json`` keeps of the start: path, kind, digest, fresh leaves."""
         return {"path": self.source.path, "kind": self.source.kind,
                 "family": self.source.family, "sha256": self.source.digest(),
                 "fresh": ["/".join(p) for p in self.fresh_head]}
+
+
+def stored_shapes(shapes: dict, lora: Any) -> dict:
+    """``shapes`` (a parameter tree, abstract) as a QLoRA run's state holds it: the
+    adapters as they are, every other Dense kernel that ``quantize_params`` targets in its
+    stored form (``kernel_q`` and scales), as ``ParamSplit.split`` stores the frozen part."""
+    from ..layers import quant
+
+    adapters, base = split_tree(shapes, lambda p: p[-1] in ADAPTER_LEAVES)
+    return combine(adapters, jax.eval_shape(lambda tree: quant.quantize_params(tree, lora), base))
+
+
+def _check_stored_fresh(source: Source, fresh: list[tuple[str, ...]]) -> None:
+    """A quantized source must bring every stored kernel: one that would start fresh has no
+    unquantized init to start from (the start never builds the base tree)."""
+    from ..layers import quant
+
+    missing = sorted({"/".join(p[:-1]) for p in fresh if p[-1] in quant.STORED_NAMES})
+    if source.stored is not None and missing:
+        raise UserError(f"--init-from {source.path}: the kernels of {', '.join(missing[:4])} "
+                        "are not in the checkpoint (or shaped differently), and a QLoRA start "
+                        "(lora.quantize) loads every base kernel stored; start without "
+                        "lora.quantize, or from a checkpoint of the same model")
 
 
 # ----------------------------------------------------------------------------- adapters
@@ -345,6 +401,10 @@ class ParamSplit:
         if path[-1] in ADAPTER_LEAVES:
             return True
         return path[0] in self.head if self.prefixes else path in self.head
+
+    def trainable(self, params: dict) -> dict:
+        """The leaves that train (``split``'s first part, nothing quantized)."""
+        return split_tree(params, self.trains)[0]
 
     def split(self, params: dict) -> tuple[dict, dict]:
         trainable, frozen = split_tree(params, self.trains)

@@ -15,6 +15,7 @@ Peak host memory is about one (stacked) leaf, plus, on a CPU backend, the params
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from typing import Any, Callable, Sequence
 
@@ -178,10 +179,21 @@ def _quantize(path: Path, kernel: np.ndarray, shapes: dict[Path, tuple], scanned
     if bias in shapes:
         node["bias"] = jax.ShapeDtypeStruct(shapes[bias], kernel.dtype)
     in_axes = quant._in_axes(path[:-1], node, False)
+    quantize = _quantizer(config.quantize, config.quantize_block, config.double_quant, in_axes,
+                          scanned)
     with jax.default_device(jax.devices("cpu")[0]):
-        stored = quant.quantize_kernel(kernel, config.quantize, config.quantize_block,
-                                       config.double_quant, in_axes=in_axes, scanned=scanned)
+        stored = quantize(kernel)
     return {name: np.asarray(leaf) for name, leaf in stored.items()}
+
+
+@functools.lru_cache(maxsize=None)
+def _quantizer(fmt: str, block: int, double_quant: bool, in_axes: int, scanned: bool):
+    """``quantize_kernel`` compiled whole for these settings (once per kernel shape): one
+    program instead of an XLA compile per op and shape, which on the CPU backend is most
+    of a streamed QLoRA load's peak host memory above the params, and its time."""
+    return jax.jit(functools.partial(quant.quantize_kernel, fmt=fmt, block=block,
+                                     double_quant=double_quant, in_axes=in_axes,
+                                     scanned=scanned))
 
 
 def place_params(module: Any, params: dict, target: LoadTarget) -> dict:
