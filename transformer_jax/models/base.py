@@ -352,6 +352,31 @@ def check_decoder_inputs(decoder_input_ids, encoded, decoder_attention_mask, dec
     return decoder_input_ids
 
 
+def check_causal_lm_mask(attention_mask, b: int, t: int, decode: bool) -> None:
+    """A decoder-only model's ``attention_mask``: (B, S), and S = T unless decoding (then
+    it covers the whole cache)."""
+    if attention_mask is None:
+        return
+    shape = jnp.shape(attention_mask)
+    if len(shape) != 2 or shape[0] != b:
+        raise UserError(f"attention_mask must be (B, S) = ({b}, S); got {shape}")
+    if not decode and shape[1] != t:
+        raise UserError(f"attention_mask length {shape[1]} != input length {t}")
+
+
+def running_position(module: Any, t: int, decode: bool):
+    """Position of the first of ``t`` new tokens: 0, or (``decode``) the running cache
+    position kept in ``module``'s ``cache`` variable ``position_index``, advanced by t."""
+    if not decode:
+        return 0
+    index = module.variable("cache", "position_index", lambda: jnp.array(0, jnp.int32))
+    if module.is_initializing():
+        return 0
+    start = index.value
+    index.value = start + t
+    return start
+
+
 def encode_then_decode(model: Any, input_ids, decoder_input_ids, attention_mask,
                        decoder_attention_mask, deterministic: bool):
     """An encoder-decoder's ``__call__``: checked ids, ``model.encode``, ``model.decode``."""

@@ -56,7 +56,7 @@ from ..layers.mlp import ACTIVATIONS, FeedForward
 from ..layers.multi_head import MultiHeadAttention
 from ..layers.norms import make_norm
 from ..layers.stack import layer_stack
-from .base import PresetConfig, check_ids
+from .base import PresetConfig, check_causal_lm_mask, check_ids, running_position
 
 Array = jax.Array
 
@@ -250,7 +250,7 @@ class Gemma(nn.Module):
         scale = jnp.asarray(math.sqrt(cfg.d_model), jnp.float32).astype(param_dtype)
         x = wte(input_ids) * scale.astype(dtype)
         if position_ids is None:
-            position_ids = self._first_position(t, decode) + jnp.arange(t)[None, :]
+            position_ids = running_position(self, t, decode) + jnp.arange(t)[None, :]
         position_ids = jnp.broadcast_to(position_ids, (b, t))
         x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
         x = nn.with_logical_constraint(x, ("act_batch", "act_length", "act_embed"))
@@ -280,24 +280,8 @@ class Gemma(nn.Module):
         if t > cfg.max_len and not decode:
             raise UserError(f"sequence length {t} exceeds the model's max_len={cfg.max_len}; "
                             "shorten the input or use a config with a larger max_len")
-        if attention_mask is not None:
-            shape = jnp.shape(attention_mask)
-            if len(shape) != 2 or shape[0] != b:
-                raise UserError(f"attention_mask must be (B, S) = ({b}, S); got {shape}")
-            if not decode and shape[1] != t:
-                raise UserError(f"attention_mask length {shape[1]} != input length {t}")
+        check_causal_lm_mask(attention_mask, b, t, decode)
         return b, t
-
-    def _first_position(self, t: int, decode: bool):
-        """Position of the first of these ``t`` tokens: 0, or the running cache position."""
-        if not decode:
-            return 0
-        index = self.variable("cache", "position_index", lambda: jnp.array(0, jnp.int32))
-        if self.is_initializing():
-            return 0
-        start = index.value
-        index.value = start + t
-        return start
 
 
 def init_params(model: Gemma, rng: Array, batch_size: int = 1, seq_len: int | None = None):

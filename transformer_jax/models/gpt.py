@@ -40,7 +40,8 @@ from ..layers.masks import key_padding_mask
 from ..layers.mlp import ACTIVATIONS
 from ..layers.norms import make_norm
 from ..layers.stack import layer_stack
-from .base import EfficientAttentionConfig, PresetConfig, check_id_values, check_ids
+from .base import (EfficientAttentionConfig, PresetConfig, check_causal_lm_mask, check_id_values,
+                   check_ids, running_position)
 
 Array = jax.Array
 
@@ -266,7 +267,7 @@ class GPT(nn.Module):
                     embedding_init=init, cpu_tuning=cfg.cpu_tuning, name="wte")
         x = wte(input_ids)
         if position_ids is None:
-            start = prefix + self._first_position(t, decode)
+            start = prefix + running_position(self, t, decode)
             position_ids = start + jnp.arange(t)[None, :]
             rows = True           # one run of positions for every row: a slice of the table
         else:
@@ -299,24 +300,8 @@ class GPT(nn.Module):
             less = f" less its prefix_tokens={prefix}" if prefix else ""
             raise UserError(f"sequence length {t} exceeds the model's max_len={cfg.max_len}"
                             f"{less}; shorten the input or use a config with a larger max_len")
-        if attention_mask is not None:
-            shape = jnp.shape(attention_mask)
-            if len(shape) != 2 or shape[0] != b:
-                raise UserError(f"attention_mask must be (B, S) = ({b}, S); got {shape}")
-            if not decode and shape[1] != t:
-                raise UserError(f"attention_mask length {shape[1]} != input length {t}")
+        check_causal_lm_mask(attention_mask, b, t, decode)
         return b, t
-
-    def _first_position(self, t: int, decode: bool):
-        """Position of the first of these ``t`` tokens: 0, or the running cache position."""
-        if not decode:
-            return 0
-        index = self.variable("cache", "position_index", lambda: jnp.array(0, jnp.int32))
-        if self.is_initializing():
-            return 0
-        start = index.value
-        index.value = start + t
-        return start
 
     def _layers(self, x, mask, rope_positions, deterministic: bool, decode: bool) -> Array:
         """The pre-norm decoder blocks (no cross-attention), causal; the mask holds padding."""
