@@ -24,7 +24,7 @@ numbers for the same weights (``tests/eval/test_harness.py`` checks it to 1e-4):
   ``max_gen_toks`` (default 256), stopped at eos, the text cut at the first stop sequence
   (``until``, eos's text added). Sampling (``do_sample``/``temperature > 0``) is refused.
 
-Families: decoder-only models (``GPTConfig``: GPT-2, Llama, Mistral; ``GemmaConfig``:
+Families: decoder-only models (``GPTConfig``: GPT-2, Llama, Mistral, Qwen; ``GemmaConfig``:
 Gemma 3). Anything else is a UserError. An encoder-decoder (T5) would need the harness's ``seq2seq`` path: the context
 through the encoder, the continuation scored by the decoder from ``decoder_start_id`` (no
 left truncation of the continuation, no rolling windows through the decoder), and
@@ -191,7 +191,7 @@ class HarnessLM(TemplateLM):
         super().__init__()
         if not _is_gpt(module):
             raise UserError(f"the lm-evaluation-harness runs decoder-only models (GPT-2, Llama, "
-                            f"Mistral, Gemma 3); this is a {type(module).__name__}")
+                            f"Mistral, Qwen, Gemma 3); this is a {type(module).__name__}")
         if batch_size < 1:
             raise UserError(f"--batch-size must be >= 1, got {batch_size}")
         self.module = harness_module(module, dtype)
@@ -239,7 +239,7 @@ class HarnessLM(TemplateLM):
             spec, where = source.tokenizer, source.path
         if family not in ("gpt", "gemma"):
             raise UserError(f"{where}: a {family} model; the lm-evaluation-harness runs "
-                            "decoder-only models here (GPT-2, Llama, Mistral, Gemma 3)")
+                            "decoder-only models here (GPT-2, Llama, Mistral, Qwen, Gemma 3)")
         if spec is None:
             raise UserError(f"{where} holds no tokenizer (tokenizer.json, tokenizer.model, "
                             "spiece.model, or ByT5's tokenizer_config.json); save the "
