@@ -48,7 +48,7 @@ from .attention_dispatch import check_attention_impl, kernel_attention
 from .attention_reference import xla_attention
 from .chunked_attention import chunked_attention, default_chunk
 from .linear_attention import DEFAULT_CHUNK, linear_attention
-from .masks import AttentionPattern, combine_masks
+from .masks import AttentionPattern, combine_masks, segment_ids_pair, segment_mask
 
 Array = jax.Array
 
@@ -75,6 +75,7 @@ def dot_product_attention(
     kv_chunk: int | None = None,
     cpu_tuning: bool = True,
     pattern: AttentionPattern | None = None,
+    segment_ids: Array | tuple[Array, Array] | None = None,
 ):
     """``softmax(Q K^T * scale + bias, masked) V`` for every head (``attention="linear"``:
     linear attention instead, module docstring).
@@ -106,6 +107,9 @@ def dot_product_attention(
         ANDed with the mask and causality. ``"xla"`` applies it as a mask; ``"chunked"``
         and ``"pallas"`` skip the key blocks it excludes (a window: O(T W) time and
         memory); ``"jax"``/``"cudnn"`` pass a window as ``local_window_size``.
+      segment_ids: packed documents: a (B, T) int array for self-attention, or a pair
+        (queries (B, T), keys (B, S)); query i sees key j only when their ids are equal
+        (ANDed with the mask, causality and the pattern). Every softmax path takes them.
 
     Returns:
       (B, T, N, Hv) in value's dtype, or ``(out, weights)`` when ``return_weights``.
@@ -123,8 +127,13 @@ def dot_product_attention(
         raise UserError("attention dropout is on (deterministic=False, dropout_rate>0) "
                         "but no dropout_rng was given")
     rng = dropout_rng if dropout else None
+    segments = segment_ids_pair(segment_ids, t, s)
 
     if attention == "linear":
+        if segments is not None:
+            raise UserError("attention='linear' (linear attention) has no segment_ids: its "
+                            "running sums mix every earlier token; use attention='softmax' "
+                            "for packed documents")
         return _linear(query, key, value, mask, bias, causal, dropout, return_weights, pattern,
                        precision, q_chunk)
     if attention_impl == "auto" and (dropout or return_weights or t == 1):
@@ -132,6 +141,8 @@ def dot_product_attention(
     if attention_impl == "xla":
         if pattern is not None:
             mask = combine_masks(mask, pattern.mask(t, s, causal=False))
+        if segments is not None:
+            mask = combine_masks(mask, segment_mask(*segments))
         out, weights = xla_attention(query, key, value, mask, bias, scale, causal, dropout_rate,
                                      rng, precision, return_weights, q_chunk, cpu_tuning)
         return (out, weights) if return_weights else out
@@ -142,13 +153,14 @@ def dot_product_attention(
         return chunked_attention(query, key, value, mask, bias, scale, causal, dropout_rate,
                                  rng, deterministic, precision, q_chunk or default_chunk(pattern),
                                  kv_chunk or default_chunk(pattern),
-                                 pattern=pattern)
+                                 pattern=pattern, segment_ids=segments)
     if dropout:
         raise UserError(f"attention_impl={attention_impl!r} has no attention dropout; "
                         "use attention_impl='auto', 'xla' or 'chunked', or dropout_rate=0")
     return kernel_attention(query, key, value, mask, bias, attention_impl=attention_impl,
                             scale=scale, causal=causal, precision=precision, q_chunk=q_chunk,
-                            kv_chunk=kv_chunk, cpu_tuning=cpu_tuning, pattern=pattern)
+                            kv_chunk=kv_chunk, cpu_tuning=cpu_tuning, pattern=pattern,
+                            segment_ids=segments)
 
 
 def _linear(q, k, v, mask, bias, causal, dropout, return_weights, pattern, precision, chunk):

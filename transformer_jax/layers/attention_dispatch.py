@@ -21,7 +21,7 @@ from ..errors import UserError
 from .attention_reference import xla_attention
 from .chunked_attention import chunked_attention, default_chunk
 from .flash_attention import BlockSizes, flash_attention
-from .masks import AttentionPattern, combine_masks
+from .masks import AttentionPattern, combine_masks, segment_mask
 
 Array = jax.Array
 
@@ -240,7 +240,7 @@ class _Call:
     pattern: AttentionPattern | None = None
 
 
-def _kernel(call: _Call, q, k, v, mask, bias):
+def _kernel(call: _Call, q, k, v, mask, bias, segment_ids):
     """The Pallas kernel or ``jax.nn.dot_product_attention`` (cuDNN or XLA's path)."""
     if call.attention_impl == "pallas":
         blocks = None
@@ -249,7 +249,9 @@ def _kernel(call: _Call, q, k, v, mask, bias):
         platform = call.platform if call.platform in ("gpu", "tpu") else "interpret"
         return flash_attention(q, k, v, bias=bias, mask=mask, causal=call.causal,
                                scale=call.scale, block_sizes=blocks, platform=platform,
-                               pattern=call.pattern)
+                               pattern=call.pattern, segment_ids=segment_ids)
+    if segment_ids is not None:
+        mask = combine_masks(mask, segment_mask(*segment_ids))
     return _jax_attention(q, k, v, mask, bias, call.scale, call.causal,
                           call.attention_impl == "cudnn", call.pattern)
 
@@ -258,11 +260,13 @@ def _kernel(call: _Call, q, k, v, mask, bias):
 # the same shapes and settings, share one trace of each branch: "auto" and "pallas" trace a
 # branch per platform (lowering keeps one), and linearizing one costs up to a second.
 @functools.partial(jax.jit, static_argnames=("call",))
-def _attend(q, k, v, mask, bias, *, call: _Call):
+def _attend(q, k, v, mask, bias, segment_ids, *, call: _Call):
     """One implementation on one platform; the kernels run per device under a mesh."""
     if call.attention_impl == "xla":
         if call.pattern is not None:
             mask = combine_masks(mask, call.pattern.mask(q.shape[1], k.shape[1], causal=False))
+        if segment_ids is not None:
+            mask = combine_masks(mask, segment_mask(*segment_ids))
         return xla_attention(q, k, v, mask, bias, call.scale, call.causal,
                              precision=call.precision, query_block=call.q_chunk,
                              cpu_tuning=call.cpu_tuning)[0]
@@ -270,19 +274,23 @@ def _attend(q, k, v, mask, bias, *, call: _Call):
         return chunked_attention(q, k, v, mask, bias, call.scale, call.causal, 0.0, None, True,
                                  call.precision, call.q_chunk or default_chunk(call.pattern),
                                  call.kv_chunk or default_chunk(call.pattern),
-                                 pattern=call.pattern)
+                                 pattern=call.pattern, segment_ids=segment_ids)
     if call.mesh_specs is None:
-        return _kernel(call, q, k, v, mask, bias)
+        return _kernel(call, q, k, v, mask, bias, segment_ids)
     *in_specs, out_spec = call.mesh_specs
+    rows = jax.sharding.PartitionSpec(in_specs[0][0], None)     # (B, T) over the batch axes
+    segment_specs = None if segment_ids is None else (rows, rows)
     # check_vma=False: pallas_call and cuDNN outputs carry no varying-axes annotation
-    return jax.shard_map(functools.partial(_kernel, call), in_specs=tuple(in_specs),
-                         out_specs=out_spec, check_vma=False)(q, k, v, mask, bias)
+    return jax.shard_map(functools.partial(_kernel, call),
+                         in_specs=(*in_specs, segment_specs), out_specs=out_spec,
+                         check_vma=False)(q, k, v, mask, bias, segment_ids)
 
 
 def kernel_attention(q: Array, k: Array, v: Array, mask: Array | None, bias: Array | None, *,
                      attention_impl: str, scale: float, causal: bool, precision: Any,
                      q_chunk: int | None, kv_chunk: int | None, cpu_tuning: bool,
-                     pattern: AttentionPattern | None) -> Array:
+                     pattern: AttentionPattern | None,
+                     segment_ids: tuple[Array, Array] | None = None) -> Array:
     """Softmax attention by ``attention_impl`` "auto", "pallas", "jax" or "cudnn" (checked
     arguments, no dropout, no returned weights): (B, T, N, Hv).
 
@@ -305,7 +313,7 @@ def kernel_attention(q: Array, k: Array, v: Array, mask: Array | None, bias: Arr
         call = _Call(attention_impl="cudnn" if not problems else "jax", platform="gpu",
                      mesh_specs=_mesh_specs(q, k, mask, bias), q_chunk=None, kv_chunk=None,
                      **settings)
-        return _attend(q, k, v, mask, bias, call=call)
+        return _attend(q, k, v, mask, bias, segment_ids, call=call)
     specs = _mesh_specs(q, k, mask, bias)
     generation = tpu_generation()
     describe = dict(dtype=q.dtype, head_dim=q.shape[-1], q_len=q.shape[1], kv_len=k.shape[1],
@@ -321,5 +329,6 @@ def kernel_attention(q: Array, k: Array, v: Array, mask: Array | None, bias: Arr
                      q_chunk=chunks[0], kv_chunk=chunks[1], **settings)
         return functools.partial(_attend, call=call)
 
-    return jax.lax.platform_dependent(q, k, v, mask, bias, cpu=branch("cpu"), cuda=branch("gpu"),
-                                      rocm=branch("gpu"), tpu=branch("tpu"), default=branch("cpu"))
+    return jax.lax.platform_dependent(q, k, v, mask, bias, segment_ids, cpu=branch("cpu"),
+                                      cuda=branch("gpu"), rocm=branch("gpu"), tpu=branch("tpu"),
+                                      default=branch("cpu"))

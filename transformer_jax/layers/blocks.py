@@ -133,19 +133,19 @@ class EncoderBlock(_BlockBase):
     @nn.compact
     def __call__(self, x: Array, mask: Array | None = None, *, bias: Array | None = None,
                  positions: Array | None = None, causal: bool = False,
-                 deterministic: bool = True) -> Array:
+                 deterministic: bool = True, segment_ids: Array | None = None) -> Array:
         """x (B, T, D); mask broadcastable to (B, N, T, T), 1 = may attend; bias added to
-        the logits -> (B, T, D)."""
+        the logits; segment_ids (B, T) of packed documents -> (B, T, D)."""
         return self.forward(x, mask, bias=bias, positions=positions, causal=causal,
-                            deterministic=deterministic)
+                            deterministic=deterministic, segment_ids=segment_ids)
 
     def forward(self, x, mask=None, *, bias=None, positions=None, causal=False,
-                deterministic=True):
+                deterministic=True, segment_ids=None):
         """The body of ``__call__`` (``layers.stack`` calls it with the operands by keyword)."""
         attn = self._attention("self_attn", rope=True)
         x = self._residual(
             x, lambda h: attn(h, mask=mask, bias=bias, causal=causal, positions=positions,
-                              deterministic=deterministic),
+                              deterministic=deterministic, segment_ids=segment_ids),
             "norm1", "+sa", deterministic)
         return self._feed_forward(x, "norm2", deterministic)
 
@@ -161,33 +161,45 @@ class DecoderBlock(_BlockBase):
     def __call__(self, x: Array, memory: Array | None = None, *, self_mask: Array | None = None,
                  cross_mask: Array | None = None, self_bias: Array | None = None,
                  cross_bias: Array | None = None, positions: Array | None = None,
-                 causal: bool = True, deterministic: bool = True, decode: bool = False) -> Array:
+                 causal: bool = True, deterministic: bool = True, decode: bool = False,
+                 segment_ids: Array | None = None,
+                 memory_segment_ids: Array | None = None) -> Array:
         """x (B, T, D), memory (B, S, D) -> (B, T, D).
 
         ``self_mask`` is combined with the causal mask when ``causal``; in ``decode`` mode it
-        must cover the whole cache (B|1, 1, 1|T, S_max).
+        must cover the whole cache (B|1, 1, 1|T, S_max). Packed documents: ``segment_ids``
+        (B, T) of the decoder tokens, ``memory_segment_ids`` (B, S) of the encoder's (a
+        decoder token attends to the memory of its own document).
         """
         return self.forward(x, memory, self_mask=self_mask, cross_mask=cross_mask,
                             self_bias=self_bias, cross_bias=cross_bias, positions=positions,
-                            causal=causal, deterministic=deterministic, decode=decode)
+                            causal=causal, deterministic=deterministic, decode=decode,
+                            segment_ids=segment_ids, memory_segment_ids=memory_segment_ids)
 
     def forward(self, x, memory=None, *, self_mask=None, cross_mask=None, self_bias=None,
-                cross_bias=None, positions=None, causal=True, deterministic=True, decode=False):
+                cross_bias=None, positions=None, causal=True, deterministic=True, decode=False,
+                segment_ids=None, memory_segment_ids=None):
         """The body of ``__call__`` (``layers.stack`` calls it with the operands by keyword)."""
         attn = self._attention("self_attn", rope=True)
         x = self._residual(
             x, lambda h: attn(h, mask=self_mask, bias=self_bias, causal=causal,
-                              positions=positions, deterministic=deterministic, decode=decode),
+                              positions=positions, deterministic=deterministic, decode=decode,
+                              segment_ids=segment_ids),
             "norm1", "+sa", deterministic)
         mlp_norm = "norm2"
         if self.cross_attention:
             if memory is None:
                 raise UserError(f"{self.name}: this decoder block has cross-attention; pass the "
                                 "encoder output as `memory`")
+            if (segment_ids is None) != (memory_segment_ids is None):
+                raise UserError(f"{self.name}: packed documents need segment_ids for both the "
+                                "decoder tokens and the memory (memory_segment_ids), or neither")
             cross = self._attention("cross_attn", rope=False)
             x = self._residual(
                 x, lambda h: cross(h, memory, mask=cross_mask, bias=cross_bias,
-                                   deterministic=deterministic, decode=decode),
+                                   deterministic=deterministic, decode=decode,
+                                   segment_ids=None if segment_ids is None else (
+                                       segment_ids, memory_segment_ids)),
                 "norm2", "+ca", deterministic)
             mlp_norm = "norm3"
         return self._feed_forward(x, mlp_norm, deterministic)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from .attention_base import (NEG, block, check_qkv, fill_empty_rows, group_heads,
                              key_block_range, pad_axis, query_block_range, visit)
-from .masks import AttentionPattern
+from .masks import AttentionPattern, combine_masks, segment_mask
 
 Array = jax.Array
 
@@ -307,16 +307,20 @@ def default_chunk(pattern: AttentionPattern | None) -> int:
 
 def chunked_attention(q, k, v, mask, bias, scale, causal, dropout_rate, dropout_rng,
                       deterministic, precision, q_chunk, kv_chunk, skip_masked_blocks=True,
-                      pattern: AttentionPattern | None = None):
+                      pattern: AttentionPattern | None = None,
+                      segment_ids: tuple[Array, Array] | None = None):
     """Exact attention in (q_chunk, kv_chunk) blocks with an online softmax (module doc).
 
     ``pattern`` (a window or a strided/fixed sparse pattern, ``masks.AttentionPattern``)
     restricts the pairs; the key blocks outside its span are never visited, and inside it
-    the tiles without an allowed pair are skipped. ``skip_masked_blocks=False`` visits
+    the tiles without an allowed pair are skipped. ``segment_ids`` (q (B, T), kv (B, S)
+    int32, ``masks.segment_ids_pair``) restrict them to equal ids. ``skip_masked_blocks=False`` visits
     every key block (the blocks past the diagonal or the pattern then contribute exact
     zeros): a reference for the skipping path.
     """
     b, t, s, n, kh, h = check_qkv(q, k, v)
+    if segment_ids is not None:
+        mask = combine_masks(mask, segment_mask(*segment_ids))
     g = n // kh
     qc, kc = min(q_chunk, t), min(kv_chunk, s)
     tp, sp = -(-t // qc) * qc, -(-s // kc) * kc

@@ -53,7 +53,7 @@ from jax.experimental import pallas as pl
 from ..errors import UserError
 from .attention_base import (NEG, check_broadcast, check_qkv, fill_empty_rows, key_block_range,
                              pad_axis, query_block_range, visit)
-from .masks import AttentionPattern
+from .masks import AttentionPattern, combine_masks, segment_mask
 
 Array = jax.Array
 
@@ -497,7 +497,8 @@ def flash_attention(query: Array, key: Array, value: Array, *, bias: Array | Non
                     mask: Array | None = None, causal: bool = False, scale: float | None = None,
                     block_sizes: BlockSizes | None = None, interpret: bool | None = None,
                     platform: str | None = None, num_warps: int | None = None,
-                    num_stages: int = 2, pattern: AttentionPattern | None = None) -> Array:
+                    num_stages: int = 2, pattern: AttentionPattern | None = None,
+                    segment_ids: tuple[Array, Array] | None = None) -> Array:
     """Exact attention with Pallas kernels, same conventions as ``dot_product_attention``.
 
     Args:
@@ -516,10 +517,14 @@ def flash_attention(query: Array, key: Array, value: Array, *, bias: Array | Non
       pattern: a window or strided/fixed sparse ``masks.AttentionPattern`` (self-attention,
         aligned positions): key blocks outside its span are not visited, and tiles inside
         it without an allowed pair are skipped, so a window costs O(T W).
+      segment_ids: packed documents, (q (B, T), kv (B, S)) int32
+        (``masks.segment_ids_pair``): query i sees key j only when their ids are equal.
 
     Returns: (B, T, N, Hv) in value's dtype.
     """
     b, t, s, n, kh, h = check_qkv(query, key, value)
+    if segment_ids is not None:
+        mask = combine_masks(mask, segment_mask(*segment_ids))
     shape = (b, n, t, s)
     mask = check_broadcast(mask, "mask", shape)
     bias = check_broadcast(bias, "bias", shape)

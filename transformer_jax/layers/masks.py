@@ -216,6 +216,34 @@ def query_key_mask(q_valid: Array, k_valid: Array) -> Array:
     return (q_valid[:, None, :, None] & k_valid[:, None, None, :])
 
 
+def segment_ids_pair(segment_ids, t: int, s: int) -> tuple[Array, Array] | None:
+    """Checked ``(q_segment_ids (B, T), kv_segment_ids (B, S))`` int32 from ``segment_ids``:
+    one (B, T) array for self-attention (T = S), or a pair; None stays None."""
+    if segment_ids is None:
+        return None
+    pair = tuple(segment_ids) if isinstance(segment_ids, (tuple, list)) else (segment_ids,) * 2
+    if len(pair) != 2:
+        raise UserError(f"segment_ids must be one (B, T) array or a pair (q (B, T), kv (B, S)); "
+                        f"got {len(pair)} arrays")
+    q_ids, kv_ids = (jnp.asarray(x) for x in pair)
+    if q_ids.ndim != 2 or kv_ids.ndim != 2 or q_ids.shape[0] != kv_ids.shape[0] or (
+            q_ids.shape[1], kv_ids.shape[1]) != (t, s):
+        raise UserError(f"segment_ids must be (B, T) for the queries and (B, S) for the keys "
+                        f"(T={t}, S={s}); got {q_ids.shape} and {kv_ids.shape}. A single array "
+                        "serves self-attention only (T = S)")
+    if not (jnp.issubdtype(q_ids.dtype, jnp.integer) and jnp.issubdtype(kv_ids.dtype, jnp.integer)):
+        raise UserError(f"segment_ids must be integers (one id per document); got "
+                        f"{q_ids.dtype} and {kv_ids.dtype}")
+    return q_ids.astype(jnp.int32), kv_ids.astype(jnp.int32)
+
+
+def segment_mask(q_segment_ids: Array, kv_segment_ids: Array) -> Array:
+    """Packed documents: query i may attend key j iff both carry the same segment id;
+    (B, T), (B, S) ints -> (B, 1, T, S) bool."""
+    return (jnp.asarray(q_segment_ids)[:, None, :, None]
+            == jnp.asarray(kv_segment_ids)[:, None, None, :])
+
+
 def combine_masks(*masks: Array | None) -> Array | None:
     """Logical AND of masks that broadcast together; ``None`` entries are ignored.
 

@@ -300,10 +300,18 @@ class MultiHeadAttention(nn.Module):
                  inputs_v: Array | None = None,
                  mask: Array | None = None, bias: Array | None = None, causal: bool = False,
                  positions: Array | None = None, deterministic: bool = True,
-                 decode: bool = False, return_weights: bool = False):
+                 decode: bool = False, return_weights: bool = False,
+                 segment_ids: Array | tuple[Array, Array] | None = None):
         """inputs_q (B, T, D), inputs_kv (B, S, Dkv) [, inputs_v (B, S, Dv)] -> (B, T, D)
-        [, weights (B, N, T, S)]."""
+        [, weights (B, N, T, S)]. ``segment_ids``: packed documents (``dot_product_attention``);
+        not with ``decode`` (a cache holds one sequence per row) or prefix tuning."""
         self_attention = inputs_kv is None
+        if segment_ids is not None and (decode or self.prefix_tokens):
+            raise UserError(f"{self.name}: segment_ids (packed documents) are for training and "
+                            "scoring; " + ("a KV-cache decode holds one sequence per row: "
+                                           "decode each document in its own row" if decode else
+                                           "prefix tuning prepends one prefix per row: drop "
+                                           "prefix_tokens or the packing"))
         if self_attention and inputs_v is not None:
             raise UserError(f"{self.name}: inputs_v needs inputs_kv (separate values are a "
                             "cross-attention feature)")
@@ -353,7 +361,8 @@ class MultiHeadAttention(nn.Module):
             dropout_rate=self.dropout_rate, dropout_rng=dropout_rng, deterministic=deterministic,
             return_weights=return_weights, attention=self.attention,
             attention_impl=self.attention_impl,
-            precision=self.precision, cpu_tuning=self.cpu_tuning, pattern=pattern)
+            precision=self.precision, cpu_tuning=self.cpu_tuning, pattern=pattern,
+            segment_ids=segment_ids)
         out, weights = result if return_weights else (result, None)
         y = self._output(out, d)
         return (y, weights) if return_weights else y
