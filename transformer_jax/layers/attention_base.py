@@ -70,14 +70,17 @@ def block(x: Array | None, axis: int, start, size: int) -> Array | None:
     return jax.lax.dynamic_slice_in_dim(x, start, size, axis)
 
 
-def pad_axis(x: Array, axis: int, size: int, value=0, *, keep_broadcast: bool = True) -> Array:
-    """Pad ``axis`` at the end to ``size`` with ``value``; a size-1 (broadcast) axis is
-    left alone unless ``keep_broadcast=False``."""
+def pad_axis(x: Array, axis: int, size: int, value=0, *, keep_broadcast: bool = True,
+             mode: str = "constant") -> Array:
+    """Pad ``axis`` at the end to ``size`` with ``value`` (``mode="edge"``: repeating the
+    last entry); a size-1 (broadcast) axis is left alone unless ``keep_broadcast=False``."""
     extra = size - x.shape[axis]
     if extra <= 0 or (keep_broadcast and x.shape[axis] == 1):
         return x
     pad = [(0, 0)] * x.ndim
     pad[axis] = (0, extra)
+    if mode == "edge":
+        return jnp.pad(x, pad, mode="edge")
     return jnp.pad(x, pad, constant_values=value)
 
 
@@ -136,8 +139,14 @@ def fill_empty_rows(out: Array, value: Array, mask: Array, t: int, s: int, causa
     (or outside a pattern's span), so in such (degenerate) rows they would average over
     the visited keys only.
     """
-    n, kh = out.shape[2], value.shape[2]
     empty = empty_rows(mask, t, s, causal, pattern).transpose(0, 2, 1)[..., None]  # (Bm,T,Nm,1)
+    return fill_rows(out, value, empty)
+
+
+def fill_rows(out: Array, value: Array, empty: Array) -> Array:
+    """``out`` (B, T, N, Hv) with the mean of V in the rows ``empty`` (broadcasting to
+    (B, T, N, 1)) marks: what the reference gives a row whose keys are all blocked."""
+    n, kh = out.shape[2], value.shape[2]
     mean_v = jnp.mean(value.astype(jnp.float32), axis=1)                     # (B, K, Hv)
     mean_v = jnp.repeat(mean_v, n // kh, axis=1)[:, None]                    # (B, 1, N, Hv)
     return jnp.where(empty, mean_v.astype(out.dtype), out)

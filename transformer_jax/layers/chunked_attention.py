@@ -6,6 +6,10 @@ output and the softmax statistics and recomputes the probabilities block by bloc
 backward pass (FlashAttention-2), so memory grows linearly with T and S. Supports
 dropout (an independent stream per block pair), not returned weights. It computes what
 the reference in ``attention.py`` computes, to fp32 rounding.
+
+Segment ids (packed documents) are compared tile by tile, a (qc, kc) comparison of the
+block's ids, so no (T, S) mask is ever built; a tile whose query and key id ranges are
+disjoint holds no equal pair whatever the order of the ids, and is skipped.
 """
 from __future__ import annotations
 
@@ -16,9 +20,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .attention_base import (NEG, block, check_qkv, fill_empty_rows, group_heads,
+from .attention_base import (NEG, block, check_qkv, fill_empty_rows, fill_rows, group_heads,
                              key_block_range, pad_axis, query_block_range, visit)
-from .masks import AttentionPattern, combine_masks, segment_mask
+from .masks import AttentionPattern
 
 Array = jax.Array
 
@@ -55,15 +59,54 @@ def _query_blocks(c: _Chunking, ki):
     return query_block_range(c.pattern, c.causal, ki * c.kc, c.kc, c.qc, c.nq)
 
 
-def _visit(c: _Chunking, qi, ki, body, carry):
-    """``body(carry)`` unless the pattern leaves the (qi, ki) tile without a pair."""
+def _visit(c: _Chunking, qi, ki, body, carry, seg=None):
+    """``body(carry)`` unless the pattern, or the segment ids (``_Segments``), leave the
+    (qi, ki) tile without a pair."""
     if not c.skip:
         return body(carry)
+    if seg is not None:
+        inner = body
+        body = lambda carry: jax.lax.cond(seg.overlap(c, qi, ki), inner,  # noqa: E731
+                                          lambda x: x, carry)
     tile = (qi * c.qc, qi * c.qc + c.qc, ki * c.kc, ki * c.kc + c.kc)
     return visit(c.pattern, c.causal, tile, body, carry)
 
 
-def _chunk_scores(c: _Chunking, q_blk, k_blk, qi, ki, bias, mask):
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _Segments:
+    """Padded segment ids q (B, Tp), kv (B, Sp) int32 and each block's id range
+    (nq|nk, B) min and max: a tile whose ranges are disjoint (for every row) has no equal
+    pair, whether or not the ids are sorted."""
+    q: Array
+    kv: Array
+    q_lo: Array
+    q_hi: Array
+    kv_lo: Array
+    kv_hi: Array
+
+    @classmethod
+    def build(cls, q_ids: Array, kv_ids: Array, c: _Chunking) -> _Segments:
+        # padding repeats the last id, so that it widens no block's range
+        q = pad_axis(q_ids.astype(jnp.int32), 1, c.nq * c.qc, mode="edge",
+                     keep_broadcast=False)
+        kv = pad_axis(kv_ids.astype(jnp.int32), 1, c.nk * c.kc, mode="edge",
+                      keep_broadcast=False)
+        qb = q.reshape(q.shape[0], c.nq, c.qc)
+        kb = kv.reshape(kv.shape[0], c.nk, c.kc)
+        return cls(q, kv, qb.min(-1).T, qb.max(-1).T, kb.min(-1).T, kb.max(-1).T)
+
+    def overlap(self, c: _Chunking, qi, ki):
+        return jnp.any((self.q_lo[qi] <= self.kv_hi[ki]) & (self.kv_lo[ki] <= self.q_hi[qi]))
+
+    def same(self, c: _Chunking, qi, ki):
+        """(B, qc, kc) bool: equal ids in tile (qi, ki)."""
+        q = jax.lax.dynamic_slice_in_dim(self.q, qi * c.qc, c.qc, 1)
+        kv = jax.lax.dynamic_slice_in_dim(self.kv, ki * c.kc, c.kc, 1)
+        return q[:, :, None] == kv[:, None, :]
+
+
+def _chunk_scores(c: _Chunking, q_blk, k_blk, qi, ki, bias, mask, seg=None):
     """fp32 logits (B, K, G, qc, kc) of one block pair, disallowed entries at NEG.
 
     Returns (logits, allowed, key_ok); ``key_ok`` (kc,) marks real (unpadded) keys, which
@@ -87,6 +130,8 @@ def _chunk_scores(c: _Chunking, q_blk, k_blk, qi, ki, bias, mask):
     if mask is not None:
         blk = block(block(mask, 2, qi * c.qc, c.qc), 3, ki * c.kc, c.kc)
         allowed = allowed & group_heads(blk, kh, g)
+    if seg is not None:
+        allowed = allowed & seg.same(c, qi, ki)[:, None, None]
     return jnp.where(allowed, logits, NEG), allowed, key_ok
 
 
@@ -96,7 +141,7 @@ def _chunk_keep(c: _Chunking, rng, qi, ki, shape):
     return jax.random.bernoulli(key, 1.0 - c.dropout_rate, shape)
 
 
-def _chunk_forward(c: _Chunking, q, k, v, bias, mask, rng):
+def _chunk_forward(c: _Chunking, q, k, v, bias, mask, rng, seg: _Segments | None = None):
     """q (B, Tp, K, G, H), k (B, Sp, K, H), v (B, Sp, K, Hv) -> out (B, Tp, K, G, Hv) and
     the softmax statistics m, l (nq, B, K, G, qc) per query block."""
     b, _, kh, g, _ = q.shape
@@ -106,12 +151,12 @@ def _chunk_forward(c: _Chunking, q, k, v, bias, mask, rng):
         q_blk = jax.lax.dynamic_slice_in_dim(q, qi * c.qc, c.qc, 1)
 
         def key_step(ki, carry):
-            return _visit(c, qi, ki, functools.partial(key_tile, ki), carry)
+            return _visit(c, qi, ki, functools.partial(key_tile, ki), carry, seg)
 
         def key_tile(ki, carry):
             acc, m, l = carry                         # (B,K,G,qc,Hv), (B,K,G,qc), (B,K,G,qc)
             k_blk = jax.lax.dynamic_slice_in_dim(k, ki * c.kc, c.kc, 1)
-            logits, _, key_ok = _chunk_scores(c, q_blk, k_blk, qi, ki, bias, mask)
+            logits, _, key_ok = _chunk_scores(c, q_blk, k_blk, qi, ki, bias, mask, seg)
             m_new = jnp.maximum(m, logits.max(axis=-1))
             p = jnp.where(key_ok, jnp.exp(logits - m_new[..., None]), 0.0)
             correction = jnp.exp(m - m_new)
@@ -150,6 +195,7 @@ class _Backward:
     l: Array
     delta: Array        # rowsum(dO * O) (nq, B, K, G, qc)
     d_out: Array        # (B, Tp, K, G, Hv)
+    seg: _Segments | None = None
 
     def q_slices(self, qi):
         c = self.c
@@ -164,7 +210,8 @@ class _Backward:
     def pair(self, qi, ki, q_blk, k_blk, v_blk, do_blk):
         """(probabilities after dropout, dLogits) of block pair (qi, ki)."""
         c = self.c
-        logits, allowed, key_ok = _chunk_scores(c, q_blk, k_blk, qi, ki, self.bias, self.mask)
+        logits, allowed, key_ok = _chunk_scores(c, q_blk, k_blk, qi, ki, self.bias, self.mask,
+                                                self.seg)
         p = jnp.exp(logits - self.m[qi][..., None]) / self.l[qi][..., None]
         p = jnp.where(key_ok, p, 0.0)
         dp = jnp.einsum("BQKGH,BCKH->BKGQC", do_blk, v_blk, precision=c.precision,
@@ -192,7 +239,7 @@ def _grad_q(bw: _Backward) -> Array:
                                    precision=c.precision, preferred_element_type=jnp.float32)
 
         def step(ki, dq):
-            return _visit(c, qi, ki, functools.partial(tile, ki), dq)
+            return _visit(c, qi, ki, functools.partial(tile, ki), dq, bw.seg)
 
         dq = jax.lax.fori_loop(*_key_blocks(c, qi), step, jnp.zeros(q_blk.shape, jnp.float32))
         return (dq * c.scale).astype(q.dtype)
@@ -209,7 +256,7 @@ def _grad_kv(bw: _Backward) -> tuple[Array, Array]:
         k_blk, v_blk = bw.kv_slices(ki)
 
         def step(qi, carry):
-            return _visit(c, qi, ki, functools.partial(tile, qi), carry)
+            return _visit(c, qi, ki, functools.partial(tile, qi), carry, bw.seg)
 
         def tile(qi, carry):
             dk, dv = carry
@@ -241,7 +288,7 @@ def _grad_bias(bw: _Backward) -> Array:
         q_blk, do_blk = bw.q_slices(qi)
 
         def step(ki, acc):
-            return _visit(c, qi, ki, functools.partial(tile, ki), acc)
+            return _visit(c, qi, ki, functools.partial(tile, ki), acc, bw.seg)
 
         def tile(ki, acc):
             k_blk, v_blk = bw.kv_slices(ki)
@@ -263,32 +310,36 @@ def _grad_bias(bw: _Backward) -> Array:
     return d_bias.astype(bias.dtype)
 
 
-def _chunk_backward(c: _Chunking, q, k, v, bias, mask, rng, out, m, l, d_out):
+def _chunk_backward(c: _Chunking, q, k, v, bias, mask, rng, seg, out, m, l, d_out):
     """FlashAttention-2 style backward: probabilities recomputed from (m, l), one pass over
     query blocks for dQ, one over key blocks for dK/dV, one more for dBias (only when a
     bias is given; XLA removes it when that gradient is unused)."""
     b, _, kh, g, _ = q.shape
     delta = jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32), axis=-1)  # (B,Tp,K,G)
     delta = delta.reshape(b, c.nq, c.qc, kh, g).transpose(1, 0, 3, 4, 2)           # (nq,B,K,G,qc)
-    bw = _Backward(c, q, k, v, bias, mask, rng, m, l, delta, d_out)
+    bw = _Backward(c, q, k, v, bias, mask, rng, m, l, delta, d_out, seg)
     dk, dv = _grad_kv(bw)
     return _grad_q(bw), dk, dv, None if bias is None else _grad_bias(bw)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _chunked_core(q, k, v, bias, mask, rng, c: _Chunking):
-    return _chunk_forward(c, q, k, v, bias, mask, rng)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _chunked_core(q, k, v, bias, mask, rng, seg, c: _Chunking):
+    """(out (B, Tp, K, G, Hv), m (nq, B, K, G, qc)); m stays NEG in rows without an
+    allowed key (no gradient flows through it)."""
+    out, m, _ = _chunk_forward(c, q, k, v, bias, mask, rng, seg)
+    return out, m
 
 
-def _chunked_core_fwd(q, k, v, bias, mask, rng, c):
-    out, m, l = _chunk_forward(c, q, k, v, bias, mask, rng)
-    return out, (q, k, v, bias, mask, rng, out, m, l)
+def _chunked_core_fwd(q, k, v, bias, mask, rng, seg, c):
+    out, m, l = _chunk_forward(c, q, k, v, bias, mask, rng, seg)
+    return (out, m), (q, k, v, bias, mask, rng, seg, out, m, l)
 
 
-def _chunked_core_bwd(c, residuals, d_out):
-    q, k, v, bias, mask, rng, out, m, l = residuals
-    dq, dk, dv, d_bias = _chunk_backward(c, q, k, v, bias, mask, rng, out, m, l, d_out)
-    return dq, dk, dv, d_bias, None, None
+def _chunked_core_bwd(c, residuals, cotangents):
+    q, k, v, bias, mask, rng, seg, out, m, l = residuals
+    dq, dk, dv, d_bias = _chunk_backward(c, q, k, v, bias, mask, rng, seg, out, m, l,
+                                         cotangents[0])
+    return dq, dk, dv, d_bias, None, None, None
 
 
 _chunked_core.defvjp(_chunked_core_fwd, _chunked_core_bwd)
@@ -319,8 +370,6 @@ def chunked_attention(q, k, v, mask, bias, scale, causal, dropout_rate, dropout_
     zeros): a reference for the skipping path.
     """
     b, t, s, n, kh, h = check_qkv(q, k, v)
-    if segment_ids is not None:
-        mask = combine_masks(mask, segment_mask(*segment_ids))
     g = n // kh
     qc, kc = min(q_chunk, t), min(kv_chunk, s)
     tp, sp = -(-t // qc) * qc, -(-s // kc) * kc
@@ -334,9 +383,14 @@ def chunked_attention(q, k, v, mask, bias, scale, causal, dropout_rate, dropout_
         pad_axis(mask.astype(bool), 3, sp, False), 2, tp, True)
     if bias is not None:
         bias = pad_axis(pad_axis(bias, 3, sp, 0), 2, tp, 0)
-    out = _chunked_core(qg, kp, vp, bias, mask_p, dropout_rng if use_dropout else None, c)
+    seg = None if segment_ids is None else _Segments.build(*segment_ids, c)
+    out, m = _chunked_core(qg, kp, vp, bias, mask_p, dropout_rng if use_dropout else None, seg,
+                           c)
     out = out.reshape(b, tp, n, v.shape[-1])[:, :t]
-    if (causal or pattern is not None) and mask is not None:
+    if seg is not None:       # rows without an allowed key: m never left NEG
+        m = m.transpose(1, 0, 4, 2, 3).reshape(b, tp, n)[:, :t]
+        out = fill_rows(out, v, m[..., None] == NEG)
+    elif (causal or pattern is not None) and mask is not None:
         out = fill_empty_rows(out, v, mask, t, s, causal, pattern)
     return out
 
