@@ -51,44 +51,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ..errors import UserError
-from .attention_base import (NEG, check_broadcast, check_qkv, fill_empty_rows, key_block_range,
-                             pad_axis, query_block_range, visit)
-from .masks import AttentionPattern, combine_masks, segment_mask
+from .attention_base import (NEG, check_broadcast, check_qkv, fill_empty_rows, fill_rows,
+                             key_block_range, pad_axis, query_block_range, visit)
+from .flash_blocks import (DEFAULT_BLOCK_SIZES, BlockSizes, tpu_block_sizes, tpu_chip,  # noqa: F401
+                          tpu_vmem_limit)
+from .masks import AttentionPattern
 
 Array = jax.Array
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockSizes:
-    """Query/key block sizes of the forward and backward kernels (powers of two).
-
-    ``block_q_bwd``/``block_k_bwd`` default to the forward sizes. Sequences are padded to a
-    multiple of the largest query (key) block, so mixed sizes should divide each other.
-    """
-    block_q: int
-    block_k: int
-    block_q_bwd: int | None = None
-    block_k_bwd: int | None = None
-
-    def __post_init__(self):
-        for name in ("block_q", "block_k", "block_q_bwd", "block_k_bwd"):
-            size = getattr(self, name)
-            if size is not None and (size < 8 or size & (size - 1)):
-                raise UserError(f"BlockSizes.{name}={size}: block sizes must be powers of two "
-                                ">= 8 (e.g. 64 or 128)")
-
-    @property
-    def bwd(self) -> tuple[int, int]:
-        return self.block_q_bwd or self.block_q, self.block_k_bwd or self.block_k
-
-
-# Per-backend defaults. GPU: the forward keeps a (128, H) fp32 accumulator per program; the
-# backward holds two (bk, H) accumulators plus four (bq, bk) tiles, hence smaller blocks.
-DEFAULT_BLOCK_SIZES = {
-    "gpu": BlockSizes(block_q=128, block_k=64, block_q_bwd=64, block_k_bwd=64),
-    "tpu": BlockSizes(block_q=128, block_k=128),
-    "interpret": BlockSizes(block_q=128, block_k=128),
-}
 
 
 def default_interpret() -> bool:
@@ -122,6 +91,7 @@ class _Static:
     num_warps: int
     num_stages: int
     pattern: AttentionPattern | None = None   # window / sparse: blocks outside it skipped
+    segments: bool = False                    # segment ids given (kernel inputs)
 
     @property
     def interpret(self) -> bool:
@@ -143,7 +113,7 @@ def _dot(a: Array, b: Array, contract: tuple[int, int]) -> Array:
                            preferred_element_type=jnp.float32)
 
 
-def _scores(st: _Static, q, k, q_start, k_start, bias_blk, mask_blk):
+def _scores(st: _Static, q, k, q_start, k_start, bias_blk, mask_blk, same=None):
     """Logits of one (bq, bk) tile: fp32 ``q k^T * scale + bias``, disallowed -> NEG.
 
     Returns (logits, allowed, key_ok); ``key_ok`` (None when no key is padding) marks real
@@ -164,6 +134,8 @@ def _scores(st: _Static, q, k, q_start, k_start, bias_blk, mask_blk):
         allowed = rule if allowed is None else allowed & rule
     if mask_blk is not None:
         allowed = (mask_blk != 0) if allowed is None else allowed & (mask_blk != 0)
+    if same is not None:
+        allowed = same if allowed is None else allowed & same
     if allowed is not None:
         s = jnp.where(allowed, s, NEG)
     return s, allowed, key_ok
@@ -193,11 +165,13 @@ def _unpack(refs, names):
 
 def _fwd_kernel(*refs, st: _Static, has_bias: bool, has_mask: bool):
     r = _unpack(refs, [("q", True), ("k", True), ("v", True), ("bias", has_bias),
-                       ("mask", has_mask), ("o", True), ("m", True), ("l", True)])
+                       ("mask", has_mask), ("q_ids", st.segments), ("kv_ids", st.segments),
+                       ("o", True), ("m", True), ("l", True)])
     bq, bk = st.bq, st.bk
     i = pl.program_id(2)
     q_start = i * bq
     q = r["q"][...]                                                  # (bq, H)
+    q_ids = _columns(r["q_ids"][...], (0, 1)) if st.segments else None
 
     def step(j, carry):
         return _visit(st, q_start, j * bk, bq, bk, functools.partial(body, j), carry)
@@ -209,7 +183,8 @@ def _fwd_kernel(*refs, st: _Static, has_bias: bool, has_mask: bool):
         s, _, key_ok = _scores(
             st, q, r["k"][cols, :], q_start, k_start,
             None if r["bias"] is None else r["bias"][:, cols],
-            None if r["mask"] is None else r["mask"][:, cols])
+            None if r["mask"] is None else r["mask"][:, cols],
+            None if q_ids is None else _same(q_ids, r["kv_ids"][:, cols]))
         m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
         p = jnp.exp(s - m_new)
         if key_ok is not None:
@@ -230,24 +205,38 @@ def _fwd_kernel(*refs, st: _Static, has_bias: bool, has_mask: bool):
     r["l"][...] = l
 
 
-def _row_stats(block: Array) -> tuple[Array, Array, Array]:
-    """The (rows, 1) columns m, l, delta of a (rows, 4) block of row statistics.
+def _columns(block: Array, which, axis: int = 1) -> tuple[Array, ...]:
+    """The (rows, 1) columns ``which`` of a (rows, C) block (``axis=0``: the (1, cols)
+    rows of a (R, cols) block), e.g. m, l, delta of the row statistics.
 
-    Picked out by a masked sum over the 4 columns, not by slicing the value: the Triton
-    lowering has no value ``slice``, and every backend lowers iota, where and sum."""
-    col = lax.broadcasted_iota(jnp.int32, block.shape, 1)
-    return tuple(jnp.sum(jnp.where(col == c, block, 0.0), axis=1, keepdims=True)
-                 for c in range(3))
+    Picked out by a masked sum, not by slicing the value: the Triton lowering has no value
+    ``slice``, and every backend lowers iota, where and sum."""
+    index = lax.broadcasted_iota(jnp.int32, block.shape, axis)
+    return tuple(jnp.sum(jnp.where(index == c, block, 0.0), axis=axis, keepdims=True)
+                 for c in which)
+
+
+def _row_stats(block: Array) -> tuple[Array, Array, Array]:
+    """m, l, delta of a (rows, 4|8) block of row statistics."""
+    return _columns(block, range(3))
+
+
+def _same(q_ids: tuple[Array, Array], kv_block: Array) -> Array:
+    """(bq, bk) bool: equal segment ids. ``q_ids``: the (bq, 1) columns (high, low) of the
+    query ids; ``kv_block``: the (2, bk) rows (high, low) of the key ids (``_encode_ids``)."""
+    k_hi, k_lo = _columns(kv_block, (0, 1), axis=0)
+    return (q_ids[0] == k_hi) & (q_ids[1] == k_lo)
 
 
 def _dkdv_kernel(*refs, st: _Static, has_bias: bool, has_mask: bool):
     r = _unpack(refs, [("q", True), ("k", True), ("v", True), ("bias", has_bias),
-                       ("mask", has_mask), ("do", True), ("stats", True), ("dk", True),
-                       ("dv", True)])
+                       ("mask", has_mask), ("kv_ids", st.segments), ("do", True),
+                       ("stats", True), ("dk", True), ("dv", True)])
     bq, bk = st.bq_bwd, st.bk_bwd
     j = pl.program_id(2)
     k_start = j * bk
     k, v = r["k"][...], r["v"][...]                                  # (bk, H), (bk, Hv)
+    kv_ids = r["kv_ids"][...] if st.segments else None              # (2, bk)
 
     def rows(ref, qs):  # a bias/mask block with a query axis, or one broadcast row
         if ref is None:
@@ -262,9 +251,11 @@ def _dkdv_kernel(*refs, st: _Static, has_bias: bool, has_mask: bool):
         q_start = pl.multiple_of(i * bq, bq)
         qs = pl.ds(q_start, bq)
         q, do = r["q"][qs, :], r["do"][qs, :]
-        s, allowed, key_ok = _scores(st, q, k, q_start, k_start, rows(r["bias"], qs),
-                                     rows(r["mask"], qs))
-        m, l, delta = _row_stats(r["stats"][qs, :])
+        stats = r["stats"][qs, :]
+        s, allowed, key_ok = _scores(
+            st, q, k, q_start, k_start, rows(r["bias"], qs), rows(r["mask"], qs),
+            None if kv_ids is None else _same(_columns(stats, (4, 5)), kv_ids))
+        m, l, delta = _row_stats(stats)
         p = jnp.exp(s - m) * (1.0 / l)
         if key_ok is not None:
             p = jnp.where(key_ok, p, 0.0)
@@ -284,13 +275,15 @@ def _dkdv_kernel(*refs, st: _Static, has_bias: bool, has_mask: bool):
 def _dq_kernel(*refs, st: _Static, has_bias: bool, has_mask: bool, emit_dq: bool,
                emit_ds: bool):
     r = _unpack(refs, [("q", True), ("k", True), ("v", True), ("bias", has_bias),
-                       ("mask", has_mask), ("do", True), ("stats", True), ("dq", emit_dq),
-                       ("ds", emit_ds)])
+                       ("mask", has_mask), ("kv_ids", st.segments), ("do", True),
+                       ("stats", True), ("dq", emit_dq), ("ds", emit_ds)])
     bq, bk = st.bq_bwd, st.bk_bwd
     i = pl.program_id(2)
     q_start = i * bq
     q, do = r["q"][...], r["do"][...]
-    m, l, delta = _row_stats(r["stats"][...])
+    stats = r["stats"][...]
+    m, l, delta = _row_stats(stats)
+    q_ids = _columns(stats, (4, 5)) if st.segments else None
     inv_l = 1.0 / l
 
     def step(j, dq):
@@ -303,7 +296,8 @@ def _dq_kernel(*refs, st: _Static, has_bias: bool, has_mask: bool, emit_dq: bool
         s, allowed, key_ok = _scores(
             st, q, k, q_start, k_start,
             None if r["bias"] is None else r["bias"][:, cols],
-            None if r["mask"] is None else r["mask"][:, cols])
+            None if r["mask"] is None else r["mask"][:, cols],
+            None if q_ids is None else _same(q_ids, r["kv_ids"][:, cols]))
         p = jnp.exp(s - m) * inv_l
         if key_ok is not None:
             p = jnp.where(key_ok, p, 0.0)
@@ -337,22 +331,8 @@ def _compiler_params(st: _Static):
     if st.platform == "tpu":
         from jax.experimental.pallas import tpu as pltpu
         return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel"),
-                                    vmem_limit_bytes=_tpu_vmem_limit())
+                                    vmem_limit_bytes=tpu_vmem_limit())
     return None
-
-
-def _tpu_vmem_limit() -> int | None:
-    """Scoped VMEM for the kernels on the TPU being compiled for: 3/4 of the chip's VMEM
-    where it has 64 MiB or more (v5e, v6e: 128 MiB; v5p: 64 MiB), the compiler's default
-    elsewhere (v4: 16 MiB). The dK/dV kernel holds a head's whole-length row statistics
-    (m, l, delta side by side: (T, 4) fp32, a 128-lane tile per row) and Q, dO. None where
-    JAX cannot tell the TPU (lowering on a host without one) or the chip has little VMEM."""
-    try:
-        from jax._src.pallas.mosaic import tpu_info
-        capacity = tpu_info.get_tpu_info().vmem_capacity_bytes
-    except Exception:  # noqa: BLE001 - no TPU known here, or JAX moved it: the default
-        return None
-    return capacity * 3 // 4 if capacity >= 64 << 20 else None
 
 
 def _call(kernel, st: _Static, grid, in_specs, out_specs, out_shape, name: str):
@@ -389,7 +369,16 @@ def _aux_spec(x: Array, rows: int, cols: int, rows_along_grid: bool):
     return pl.BlockSpec((None, None, block_rows, x.shape[3] if rows_along_grid else cols), index)
 
 
-def _forward(q, k, v, bias, mask, st: _Static):
+def _ids_spec(rows: int, cols: int, q_side: bool, along_grid: bool):
+    """Encoded segment ids: queries (B, Tp, 2) in (rows, 2) blocks, keys (B, 2, Sp) in
+    (2, cols) blocks; block i of the grid's last axis when ``along_grid``, else block 0."""
+    def index(b, n, x):
+        x = x if along_grid else 0
+        return (b, x, 0) if q_side else (b, 0, x)
+    return pl.BlockSpec((None, rows, 2) if q_side else (None, 2, cols), index)
+
+
+def _forward(q, k, v, bias, mask, q_ids, kv_ids, st: _Static):
     """q (B, N, Tp, H), k (B, K, Sp, H), v (B, K, Sp, Hv) -> out (B, N, Tp, Hv), m, l."""
     b, n, tp, h = q.shape
     hv = v.shape[-1]
@@ -398,6 +387,9 @@ def _forward(q, k, v, bias, mask, st: _Static):
                 _head_spec(st.sp, h, True, st.groups, False),
                 _head_spec(st.sp, hv, True, st.groups, False)]
     in_specs += [_aux_spec(x, st.bq, st.sp, True) for x in aux]
+    if st.segments:
+        aux += [q_ids, kv_ids]
+        in_specs += [_ids_spec(st.bq, 0, True, True), _ids_spec(0, st.sp, False, False)]
     stat = jax.ShapeDtypeStruct((b, n, tp, 1), jnp.float32)
     kernel = functools.partial(_fwd_kernel, st=st, has_bias=bias is not None,
                                has_mask=mask is not None)
@@ -408,15 +400,21 @@ def _forward(q, k, v, bias, mask, st: _Static):
                  "flash_attention_fwd")(q, k, v, *aux)
 
 
-def _backward(q, k, v, bias, mask, out, m, l, do, st: _Static):
+def _backward(q, k, v, bias, mask, q_ids, kv_ids, out, m, l, do, st: _Static):
     b, n, tp, h = q.shape
     kh, sp, hv = k.shape[1], k.shape[2], v.shape[-1]
     bq, bk = st.bq_bwd, st.bk_bwd
     delta = jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), axis=-1, keepdims=True)
     # m, l, delta side by side: one (rows, 4) block instead of three (rows, 1) ones, each of
     # which a TPU pads to 128 lanes in VMEM (the dK/dV kernel holds whole rows of them); the
-    # fourth column is zeros (Triton takes power-of-two shapes only)
-    stats = jnp.concatenate([m, l, delta, jnp.zeros_like(m)], axis=-1)   # (B, N, Tp, 4)
+    # fourth column is zeros (Triton takes power-of-two shapes only); with segment ids the
+    # query ids (high, low) follow in columns 4 and 5 of 8 (the same 128 lanes on a TPU)
+    columns = [m, l, delta, jnp.zeros_like(m)]
+    if st.segments:
+        ids = jnp.broadcast_to(q_ids[:, None], (b, n, tp, 2))
+        columns += [ids, jnp.zeros_like(ids)]
+    stats = jnp.concatenate(columns, axis=-1)                            # (B, N, Tp, 4|8)
+    width = stats.shape[-1]
     aux = [x for x in (bias, mask) if x is not None]
     flags = dict(st=st, has_bias=bias is not None, has_mask=mask is not None)
     # dK, dV per query head: grid over key blocks; Q, dO and the row statistics are whole
@@ -427,13 +425,15 @@ def _backward(q, k, v, bias, mask, out, m, l, do, st: _Static):
                 _head_spec(bk, h, True, st.groups, True),
                 _head_spec(bk, hv, True, st.groups, True)]
     in_specs += [_aux_spec(x, bq, bk, False) for x in aux]
-    in_specs += [_head_spec(tp, hv, False, 1, False, once), _head_spec(tp, 4, False, 1, False,
-                                                                      once)]
+    ids = [kv_ids] if st.segments else []
+    in_specs += [_ids_spec(0, bk, False, True)] * len(ids)
+    in_specs += [_head_spec(tp, hv, False, 1, False, once),
+                 _head_spec(tp, width, False, 1, False, once)]
     dk, dv = _call(functools.partial(_dkdv_kernel, **flags), st, (b, n, sp // bk), in_specs,
                    [_head_spec(bk, h, False, 1, True), _head_spec(bk, hv, False, 1, True)],
                    [jax.ShapeDtypeStruct((b, n, sp, h), jnp.float32),
                     jax.ShapeDtypeStruct((b, n, sp, hv), jnp.float32)],
-                   "flash_attention_dkdv")(q, k, v, *aux, do, stats)
+                   "flash_attention_dkdv")(q, k, v, *aux, *ids, do, stats)
     dk = dk.reshape(b, kh, st.groups, sp, h).sum(axis=2).astype(k.dtype)
     dv = dv.reshape(b, kh, st.groups, sp, hv).sum(axis=2).astype(v.dtype)
 
@@ -442,8 +442,9 @@ def _backward(q, k, v, bias, mask, out, m, l, do, st: _Static):
                 _head_spec(sp, h, True, st.groups, False),
                 _head_spec(sp, hv, True, st.groups, False)]
     in_specs += [_aux_spec(x, bq, sp, True) for x in aux]
-    in_specs += [_head_spec(bq, hv, False, 1, True), _head_spec(bq, 4, False, 1, True)]
-    args = (q, k, v, *aux, do, stats)
+    in_specs += [_ids_spec(0, sp, False, False)] * len(ids)
+    in_specs += [_head_spec(bq, hv, False, 1, True), _head_spec(bq, width, False, 1, True)]
+    args = (q, k, v, *aux, *ids, do, stats)
     dq = _call(functools.partial(_dq_kernel, emit_dq=True, emit_ds=False, **flags), st,
                (b, n, tp // bq), in_specs, _head_spec(bq, h, False, 1, True),
                jax.ShapeDtypeStruct((b, n, tp, h), q.dtype), "flash_attention_dq")(*args)
@@ -458,20 +459,28 @@ def _backward(q, k, v, bias, mask, out, m, l, do, st: _Static):
     return dq, dk, dv, dbias
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _flash(q, k, v, bias, mask, st: _Static):
-    return _forward(q, k, v, bias, mask, st)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _flash(q, k, v, bias, mask, q_ids, kv_ids, st: _Static):
+    """(out, empty): ``empty`` (B, N, Tp) marks the rows without an allowed key, where m
+    stayed NEG (no gradient)."""
+    out, m, _ = _forward(q, k, v, bias, mask, q_ids, kv_ids, st)
+    return out, _no_key(m)
 
 
-def _flash_fwd(q, k, v, bias, mask, st):
-    out, m, l = _forward(q, k, v, bias, mask, st)
-    return out, (q, k, v, bias, mask, out, m, l)
+def _no_key(m: Array) -> Array:
+    return m[..., 0] == NEG
 
 
-def _flash_bwd(st, residuals, do):
-    q, k, v, bias, mask, out, m, l = residuals
-    dq, dk, dv, dbias = _backward(q, k, v, bias, mask, out, m, l, do, st)
-    return dq, dk, dv, dbias, None
+def _flash_fwd(q, k, v, bias, mask, q_ids, kv_ids, st):
+    out, m, l = _forward(q, k, v, bias, mask, q_ids, kv_ids, st)
+    return (out, _no_key(m)), (q, k, v, bias, mask, q_ids, kv_ids, out, m, l)
+
+
+def _flash_bwd(st, residuals, cotangents):
+    q, k, v, bias, mask, q_ids, kv_ids, out, m, l = residuals
+    dq, dk, dv, dbias = _backward(q, k, v, bias, mask, q_ids, kv_ids, out, m, l,
+                                  cotangents[0], st)
+    return dq, dk, dv, dbias, None, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -481,6 +490,13 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 def _pad_to(x: Array, axis: int, size: int, value=0) -> Array:
     return pad_axis(x, axis, size, value, keep_broadcast=False)
+
+
+def _encode_ids(ids: Array, size: int) -> Array:
+    """(B, L) int segment ids -> (B, size, 2) fp32 (id >> 12, id & 4095), each exact in
+    fp32 for any int32, the pair equal iff the ids are; padding repeats the last id."""
+    ids = pad_axis(ids.astype(jnp.int32), 1, size, mode="edge", keep_broadcast=False)
+    return jnp.stack([ids >> 12, ids & 4095], axis=-1).astype(jnp.float32)
 
 
 def _prepare_aux(x: Array | None, t: int, s: int, tp: int, sp: int, dtype) -> Array | None:
@@ -506,8 +522,9 @@ def flash_attention(query: Array, key: Array, value: Array, *, bias: Array | Non
       bias: float, broadcastable to (B, N, T, S); differentiable (e.g. T5's relative bias).
       mask: bool/int, broadcastable to (B, N, T, S); 1 = may attend.
       causal: query i sees keys j <= i (top-left aligned); fully masked key blocks skipped.
-      block_sizes: ``BlockSizes``; default ``DEFAULT_BLOCK_SIZES`` of the platform, shrunk
-        to the (power-of-two rounded) sequence lengths.
+      block_sizes: ``BlockSizes``; default ``DEFAULT_BLOCK_SIZES`` of the platform (on a
+        TPU ``flash_blocks.tpu_block_sizes`` of the generation compiled for), shrunk to the
+        (power-of-two rounded) sequence lengths.
       interpret: run the kernels as XLA loops; default: on any backend but GPU/TPU.
       platform: "tpu" (Mosaic), "gpu" (Triton) or "interpret"; default: from ``interpret``
         and the default backend. A function lowered for another platform than the one it
@@ -523,8 +540,6 @@ def flash_attention(query: Array, key: Array, value: Array, *, bias: Array | Non
     Returns: (B, T, N, Hv) in value's dtype.
     """
     b, t, s, n, kh, h = check_qkv(query, key, value)
-    if segment_ids is not None:
-        mask = combine_masks(mask, segment_mask(*segment_ids))
     shape = (b, n, t, s)
     mask = check_broadcast(mask, "mask", shape)
     bias = check_broadcast(bias, "bias", shape)
@@ -536,6 +551,8 @@ def flash_attention(query: Array, key: Array, value: Array, *, bias: Array | Non
                         f"(Mosaic) only; backend {platform!r} needs interpret=True (the "
                         "default there) or attention_impl='chunked'")
     blocks = block_sizes or DEFAULT_BLOCK_SIZES[platform]
+    if block_sizes is None and platform == "tpu":       # per generation, flash_blocks.py
+        blocks = tpu_block_sizes(tpu_chip(), h, t, s, bias is not None)
     floor = 16 if platform == "gpu" else 8        # Triton's tl.dot needs tiles >= 16
 
     def fit(block, length):
@@ -543,9 +560,9 @@ def flash_attention(query: Array, key: Array, value: Array, *, bias: Array | Non
 
     bq, bk = fit(blocks.block_q, t), fit(blocks.block_k, s)
     bq_bwd, bk_bwd = fit(blocks.bwd[0], t), fit(blocks.bwd[1], s)
-    if platform == "tpu" and (bias is not None or mask is not None):
-        # bias/mask blocks are sliced along their key (lane) axis, which Mosaic takes at
-        # multiples of 128 only: short keys are padded to one 128-wide block
+    if platform == "tpu" and (bias is not None or mask is not None or segment_ids is not None):
+        # bias/mask/key-id blocks are sliced along their key (lane) axis, which Mosaic takes
+        # at multiples of 128 only: short keys are padded to one 128-wide block
         bk, bk_bwd = max(bk, 128), max(bk_bwd, 128)
     tp, sp = _round_up(t, max(bq, bq_bwd)), _round_up(s, max(bk, bk_bwd))
     hv = value.shape[-1]
@@ -553,7 +570,7 @@ def flash_attention(query: Array, key: Array, value: Array, *, bias: Array | Non
                  t=t, s=s, tp=tp, sp=sp, groups=n // kh, bq=bq, bk=bk, bq_bwd=bq_bwd,
                  bk_bwd=bk_bwd, platform=platform,
                  num_warps=num_warps or (4 if max(h, hv) <= 64 else 8), num_stages=num_stages,
-                 pattern=pattern)
+                 pattern=pattern, segments=segment_ids is not None)
 
     # (B, T, N, H) -> (B, N, Tp, H'): heads outermost, so that a block is a 2-D (rows, H)
     # tile; Triton also needs power-of-two head dims (zero padding changes no logit).
@@ -561,9 +578,16 @@ def flash_attention(query: Array, key: Array, value: Array, *, bias: Array | Non
     q = _pad_to(_pad_to(query.transpose(0, 2, 1, 3), 2, tp), 3, hp)
     k = _pad_to(_pad_to(key.transpose(0, 2, 1, 3), 2, sp), 3, hp)
     v = _pad_to(_pad_to(value.transpose(0, 2, 1, 3), 2, sp), 3, hvp)
-    out = _flash(q, k, v, _prepare_aux(bias, t, s, tp, sp, jnp.float32),
-                 _prepare_aux(mask, t, s, tp, sp, jnp.int32), st)
+    q_ids = kv_ids = None
+    if segment_ids is not None:    # (B, Tp, 2) and (B, 2, Sp): see _encode_ids
+        q_ids, kv_ids = _encode_ids(segment_ids[0], tp), _encode_ids(segment_ids[1], sp)
+        kv_ids = kv_ids.transpose(0, 2, 1)
+    out, empty = _flash(q, k, v, _prepare_aux(bias, t, s, tp, sp, jnp.float32),
+                        _prepare_aux(mask, t, s, tp, sp, jnp.int32), q_ids, kv_ids, st)
     out = out[:, :, :t, :hv].transpose(0, 2, 1, 3).astype(value.dtype)
-    if (causal or pattern is not None) and mask is not None:
+    if segment_ids is not None and (causal or pattern is not None):
+        # rows without an allowed key get the mean of V (all keys, not the visited ones)
+        out = fill_rows(out, value, empty[:, :, :t].transpose(0, 2, 1)[..., None])
+    elif (causal or pattern is not None) and mask is not None:
         out = fill_empty_rows(out, value, mask, t, s, causal, pattern)
     return out
