@@ -283,19 +283,27 @@ def test_pallas_kernel_lowers_for_tpu_and_gpu_from_128_to_8192_tokens(head_dim, 
             assert custom_calls(text).count(target) == 3, (t, platform)
 
 
-@pytest.mark.parametrize("pattern", [AttentionPattern("window", 256),
-                                     AttentionPattern("fixed", 128, 8)], ids=lambda p: p.kind)
-def test_pattern_kernels_lower_for_tpu_and_gpu(pattern, tpu_generation):
+@pytest.mark.parametrize("pattern,segments", [(AttentionPattern("window", 256), False),
+                                              (AttentionPattern("fixed", 128, 8), False),
+                                              (None, True)],
+                         ids=["window", "fixed", "segment_ids"])
+def test_pattern_kernels_lower_for_tpu_and_gpu(pattern, segments, tpu_generation):
     """The block-skipping kernels (key-block ranges from the program id, a conditional per
-    tile for sparse patterns) lower to Mosaic and Triton: one call forward, two backward."""
+    tile for sparse patterns) and the kernels comparing segment ids (their own inputs,
+    with a (1, N, T, S) bias) lower to Mosaic and Triton: one call forward, two backward,
+    one more for the bias gradient."""
     q = jax.ShapeDtypeStruct((1, 1024, 2, 64), jnp.bfloat16)
+    ids = jax.ShapeDtypeStruct((1, 1024), jnp.int32)
+    bias = jax.ShapeDtypeStruct((1, 2, 1024, 1024), jnp.float32) if segments else None
     for platform, target, kernel_platform in (("tpu", MOSAIC, "tpu"), ("cuda", TRITON, "gpu")):
-        def loss(q, k, v):
+        def loss(q, k, v, ids, bias):
             out = flash_attention(q, k, v, causal=True, platform=kernel_platform,
-                                  pattern=pattern)
+                                  pattern=pattern, bias=bias,
+                                  segment_ids=(ids, ids) if segments else None)
             return jnp.sum(out.astype(jnp.float32))
-        text = lowered_text(jax.grad(loss, (0, 1, 2)), (q, q, q), platform)
-        assert custom_calls(text).count(target) == 3, platform
+        text = lowered_text(jax.grad(loss, (0, 1, 2, 4) if segments else (0, 1, 2)),
+                            (q, q, q, ids, bias), platform)
+        assert custom_calls(text).count(target) == 3 + segments, platform
 
 
 def test_kernel_operands_are_each_devices_share_under_a_mesh(tpu_generation):
