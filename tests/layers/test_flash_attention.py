@@ -168,7 +168,7 @@ def test_chunked_custom_vjp_matches_autodiff_with_dropout():
 
     def loss(fn):
         return lambda q, k, v, bias: jnp.sum(fn(q, k, v, bias) * ct)
-    custom = jax.jit(jax.grad(loss(lambda *a: _chunked_core(*a, mask, rng, c)),
+    custom = jax.jit(jax.grad(loss(lambda *a: _chunked_core(*a, mask, rng, None, c)[0]),
                               argnums=(0, 1, 2, 3)))
     autodiff = jax.jit(jax.grad(loss(lambda *a: _chunk_forward(c, *a, mask, rng)[0]),
                                 argnums=(0, 1, 2, 3)))

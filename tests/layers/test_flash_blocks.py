@@ -14,7 +14,7 @@ from transformer_jax.layers.flash_blocks import (DEFAULT_BLOCK_SIZES, BlockSizes
 
 
 def test_tpu_block_sizes_table():
-    """Square blocks: up to 512 (v4) or 1,024 without a bias; with a (1, N, T, S) fp32 bias
+    """Square blocks: up to 512 without a bias; with a (1, N, T, S) fp32 bias
     the (block, S) rows double-buffered within 4 MiB (v4), 16 MiB (v5p), 32 MiB (v5e,
     v6e); never under 128; 128 where the generation is unknown."""
     def block(generation, length, bias):
@@ -24,11 +24,11 @@ def test_tpu_block_sizes_table():
 
     lengths = (512, 1024, 2048, 4096, 8192)
     assert [block("v4", t, True) for t in lengths] == [512, 512, 256, 128, 128]
-    assert [block("v5p", t, True) for t in lengths] == [1024, 1024, 1024, 512, 256]
+    assert [block("v5p", t, True) for t in lengths] == [512, 512, 512, 512, 256]
+    for generation in ("v4", "v5e", "v5p", "v6e"):
+        assert block(generation, 8192, False) == 512
     for generation in ("v5e", "v6e"):
-        assert [block(generation, t, True) for t in lengths] == [1024, 1024, 1024, 1024, 512]
-        assert block(generation, 8192, False) == 1024
-    assert block("v4", 8192, False) == 512
+        assert [block(generation, t, True) for t in lengths] == [512] * 5
     assert tpu_block_sizes(None, 64, 8192, 8192, True) == DEFAULT_BLOCK_SIZES["tpu"]
     assert tpu_block_sizes("v3", 64, 512, 512, False) == BlockSizes(128, 128)
 

@@ -365,8 +365,9 @@ def chunked_attention(q, k, v, mask, bias, scale, causal, dropout_rate, dropout_
     ``pattern`` (a window or a strided/fixed sparse pattern, ``masks.AttentionPattern``)
     restricts the pairs; the key blocks outside its span are never visited, and inside it
     the tiles without an allowed pair are skipped. ``segment_ids`` (q (B, T), kv (B, S)
-    int32, ``masks.segment_ids_pair``) restrict them to equal ids. ``skip_masked_blocks=False`` visits
-    every key block (the blocks past the diagonal or the pattern then contribute exact
+    int32, ``masks.segment_ids_pair``) restrict them to equal ids, compared tile by tile
+    (tiles with disjoint id ranges skipped). ``skip_masked_blocks=False`` visits every key
+    block (the blocks past the diagonal or the pattern then contribute exact
     zeros): a reference for the skipping path.
     """
     b, t, s, n, kh, h = check_qkv(q, k, v)

@@ -16,6 +16,10 @@ block by block with an online softmax so that no (T, S) matrix is ever stored:
             dS blocks), a separate call so that XLA drops it when the bias needs no gradient;
             it materialises a (B, N, T, S) fp32 array, like the bias gradient of ``"xla"``.
 
+Segment ids (packed documents) are kernel inputs, not a mask: the query ids in (bq, 2)
+blocks (forward; in the backward two more columns of the row statistics), the key ids in
+(2, bk) blocks, each id as two fp32 halves (``_encode_ids``), compared per tile.
+
 Memory: out, m, l and the gradients are linear in the sequence length. A bias, and a
 mask with a query axis ((..., T, S)), are inputs of quadratic size by nature; they are read
 block by block (a mask is passed as int32). A key-padding mask (B, 1, 1, S) stays linear.
@@ -27,7 +31,8 @@ slices (``pl.ds``), ``lax.fori_loop`` and 2-D ``dot_general``, so one source tar
   * TPU: Mosaic (2-D blocks whose last dims are full or multiples of (8, 128); K and V of
     one head are held in VMEM, S * H * itemsize * 4 bytes with double buffering; key
     blocks of at least 128 when a bias or mask is sliced along its keys; a raised scoped
-    VMEM limit on chips with 64 MiB or more, for long sequences' row statistics);
+    VMEM limit on chips with 64 MiB or more, for long sequences' row statistics; block
+    sizes per generation, ``flash_blocks.tpu_block_sizes``);
   * CPU (and any other backend): ``interpret=True`` (chosen automatically), which runs the
     kernels as plain XLA loops; exact but slow, for tests.
 The tests run the kernels in interpret mode and lower them for TPU (Mosaic) and GPU
@@ -53,8 +58,8 @@ from jax.experimental import pallas as pl
 from ..errors import UserError
 from .attention_base import (NEG, check_broadcast, check_qkv, fill_empty_rows, fill_rows,
                              key_block_range, pad_axis, query_block_range, visit)
-from .flash_blocks import (DEFAULT_BLOCK_SIZES, BlockSizes, tpu_block_sizes, tpu_chip,  # noqa: F401
-                          tpu_vmem_limit)
+from .flash_blocks import (DEFAULT_BLOCK_SIZES, BlockSizes,  # noqa: F401 - re-exported
+                           tpu_block_sizes, tpu_chip, tpu_vmem_limit)
 from .masks import AttentionPattern
 
 Array = jax.Array

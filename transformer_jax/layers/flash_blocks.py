@@ -51,9 +51,10 @@ DEFAULT_BLOCK_SIZES = {
 # Bytes of VMEM that a (bq, S) block of fp32 bias rows may take, double-buffered
 # (bq * S * 4 * 2), per generation: the largest that compiled at T = S = 1,024 .. 8,192.
 TPU_BIAS_ROWS_BUDGET = {"v4": 4 << 20, "v5e": 32 << 20, "v5p": 16 << 20, "v6e": 32 << 20}
-# The largest block tried without a bias: the K/V rows are whole per head whatever the
-# block, and the (bq, bk) fp32 tiles of the backward (four of them) stay a few MiB.
-TPU_MAX_BLOCK = {"v4": 512, "v5e": 1024, "v5p": 1024, "v6e": 1024}
+# The largest block: 1,024 compiles too (v5e at T = 2,048, with a bias as well) but takes
+# Mosaic 5-10x longer (86-166 s against ~15 s on a 2-core host) for tiles of (1024, 1024)
+# fp32 = 4 MiB each; the K/V rows are whole per head whatever the block.
+TPU_MAX_BLOCK = {"v4": 512, "v5e": 512, "v5p": 512, "v6e": 512}
 TPU_MIN_BLOCK = 128        # key blocks sliced along lanes: multiples of 128
 
 
@@ -65,9 +66,10 @@ def tpu_block_sizes(generation: str | None, head_dim: int, q_len: int, kv_len: i
                     has_bias: bool) -> BlockSizes:
     """Square blocks for the Pallas kernel on a TPU ``generation`` ("v4", "v5e", "v5p",
     "v6e"; another or None: 128 x 128, the compiler-independent default): the largest
-    power of two up to ``TPU_MAX_BLOCK`` (``flash_attention`` caps it at the lengths), with a bias
-    one whose (block, kv_len) fp32 rows fit ``TPU_BIAS_ROWS_BUDGET`` twice; at least 128.
-    ``head_dim`` is accepted for a future table (64 and 128 gave the same limits)."""
+    power of two up to ``TPU_MAX_BLOCK`` (``flash_attention`` caps it at the lengths);
+    with a bias one whose (block, kv_len) fp32 rows fit ``TPU_BIAS_ROWS_BUDGET`` twice;
+    at least 128. The budgets were measured at head dim 64; ``head_dim`` and ``q_len`` are
+    in the signature for a finer table and unused today."""
     del head_dim, q_len
     if generation not in TPU_MAX_BLOCK:
         return DEFAULT_BLOCK_SIZES["tpu"]
