@@ -51,9 +51,9 @@ DEFAULT_BLOCK_SIZES = {
 # Bytes of VMEM that a (bq, S) block of fp32 bias rows may take, double-buffered
 # (bq * S * 4 * 2), per generation: the largest that compiled at T = S = 1,024 .. 8,192.
 TPU_BIAS_ROWS_BUDGET = {"v4": 4 << 20, "v5e": 32 << 20, "v5p": 16 << 20, "v6e": 32 << 20}
-# The largest block: 1,024 compiles too (v5e at T = 2,048, with a bias as well) but takes
-# Mosaic 5-10x longer (86-166 s against ~15 s on a 2-core host) for tiles of (1024, 1024)
-# fp32 = 4 MiB each; the K/V rows are whole per head whatever the block.
+# The largest block: 1,024 compiles too where VMEM allows (v5e at T = 2,048) but takes
+# Mosaic ~10x longer (86 s against 7 s on a 2-core host) for (1024, 1024) fp32 tiles of
+# 4 MiB each; the K/V rows are whole per head whatever the block.
 TPU_MAX_BLOCK = {"v4": 512, "v5e": 512, "v5p": 512, "v6e": 512}
 TPU_MIN_BLOCK = 128        # key blocks sliced along lanes: multiples of 128
 
