@@ -2,6 +2,13 @@
 described in :mod:`transformer_jax.data.pipeline`): every non-empty document followed by
 ``eos``, concatenated into one stream; window ``k`` is ``s[k*T : k*T+T+1]``; a batch splits
 windows (B, T+1) into ``inputs``/``targets``/``weights`` (B, T).
+
+``packing="document"`` (:func:`document_fields`) adds ``segment_ids`` and ``positions`` so
+that attention and positions stay within each document: a document is its ids plus its
+eos; an input token's segment is its document's index within the window (from 1; padding
+0), its position counts from 0 at the first token of its document's piece in the window,
+and its weight is 1 only when its target belongs to the same document (an input eos, whose
+target starts the next document, weighs 0).
 """
 
 from __future__ import annotations
@@ -15,11 +22,25 @@ from transformer_jax.data.sources import READ_CHUNK
 from transformer_jax.data.tokenizers import Tokenizer
 from transformer_jax.errors import UserError
 
-__all__ = ["Batch", "batch_from_windows", "gather_windows", "num_windows", "pack_documents",
-           "token_stream"]
+__all__ = ["Batch", "PACKINGS", "batch_from_windows", "check_packing", "document_fields", "gather_windows",
+           "num_windows", "pack_documents", "token_stream"]
 
-#: A batch: ``inputs``/``targets`` int32 (B, T), ``weights`` float32 (B, T).
+#: A batch: ``inputs``/``targets`` int32 (B, T), ``weights`` float32 (B, T); with
+#: ``packing="document"`` also ``segment_ids``/``positions`` int32 (B, T).
 Batch = dict[str, np.ndarray]
+
+#: ``"concatenate"``: documents joined by eos, attention crosses them (the default);
+#: ``"document"``: each window carries segment ids and positions per document.
+PACKINGS = ("concatenate", "document")
+
+
+def check_packing(packing: str) -> str:
+    """``packing`` if it is one of :data:`PACKINGS`, else a UserError."""
+    if packing not in PACKINGS:
+        raise UserError(f"packing={packing!r} is unknown; choose 'concatenate' (documents "
+                        "joined by eos, attention across them) or 'document' (segment ids and "
+                        "positions per document)")
+    return packing
 
 
 def token_stream(texts: Iterable[str], tokenizer: Tokenizer) -> np.ndarray:
@@ -94,12 +115,43 @@ def pack_documents(
     return gather_windows(stream, np.arange(count), seq_len, pad_id)
 
 
-def batch_from_windows(windows: np.ndarray, pad_id: int) -> Batch:
-    """Splits windows (B, T+1) into inputs/targets/weights, each (B, T)."""
+def document_fields(windows: np.ndarray, eos_id: int, lengths: np.ndarray) -> Batch:
+    """``segment_ids``, ``positions`` (int32) and ``weights`` (float32), each (B, T), of
+    windows (B, T+1) whose first ``lengths[b]`` tokens are real (the rest padding); see the
+    module docstring. Vectorised, O(B T)."""
+    b, t = windows.shape[0], windows.shape[1] - 1
+    index = np.arange(t + 1)
+    valid = index[None, :] < np.asarray(lengths)[:, None]             # (B, T+1)
+    ends = (windows[:, :-1] == eos_id) & valid[:, :-1]                # input t ends a document
+    # the document of token t: 1 + the eos strictly before t
+    segments = 1 + np.cumsum(ends, axis=1, dtype=np.int32) - ends
+    starts = np.zeros((b, t), bool)
+    starts[:, 0] = True
+    starts[:, 1:] = ends[:, :-1]
+    first = np.maximum.accumulate(np.where(starts, index[None, :t], 0), axis=1)
+    positions = index[None, :t] - first
+    real = valid[:, :-1]
+    return {
+        "segment_ids": np.where(real, segments, 0).astype(np.int32),
+        "positions": np.where(real, positions, 0).astype(np.int32),
+        "weights": (valid[:, 1:] & ~ends).astype(np.float32),
+    }
+
+
+def batch_from_windows(windows: np.ndarray, pad_id: int, *, eos_id: int | None = None,
+                       lengths: np.ndarray | None = None) -> Batch:
+    """Splits windows (B, T+1) into inputs/targets/weights, each (B, T).
+
+    With ``eos_id`` (``packing="document"``) the batch also holds ``segment_ids`` and
+    ``positions``, and the weights follow the documents (:func:`document_fields`);
+    ``lengths`` (B,) counts the real tokens of each window (default: those != pad_id).
+    """
     inputs = np.ascontiguousarray(windows[:, :-1], dtype=np.int32)
     targets = np.ascontiguousarray(windows[:, 1:], dtype=np.int32)
-    return {
-        "inputs": inputs,
-        "targets": targets,
-        "weights": (targets != pad_id).astype(np.float32),
-    }
+    batch = {"inputs": inputs, "targets": targets,
+             "weights": (targets != pad_id).astype(np.float32)}
+    if eos_id is not None:
+        if lengths is None:
+            lengths = np.sum(windows != pad_id, axis=1)
+        batch.update(document_fields(windows, eos_id, lengths))
+    return batch
