@@ -377,6 +377,24 @@ def running_position(module: Any, t: int, decode: bool):
     return start
 
 
+def check_segment_ids(name: str, segment_ids, shape: tuple[int, int], decode: bool = False):
+    """Packed documents: ``segment_ids`` (B, T) int32 of the tokens of ``shape`` (B, T), or
+    None; a UserError with ``decode`` (a KV cache holds one sequence per row) or a bad shape."""
+    if segment_ids is None:
+        return None
+    if decode:
+        raise UserError(f"{name} (packed documents) are for training and scoring, not for "
+                        "decode=True: a KV cache holds one sequence per row; decode each "
+                        "document in its own row")
+    segment_ids = jnp.asarray(segment_ids)
+    if tuple(segment_ids.shape) != tuple(shape) or not jnp.issubdtype(segment_ids.dtype,
+                                                                      jnp.integer):
+        raise UserError(f"{name} must be integers of the tokens' shape {tuple(shape)} (one "
+                        f"document id per token); got {segment_ids.dtype} "
+                        f"{tuple(segment_ids.shape)}")
+    return segment_ids.astype(jnp.int32)
+
+
 def encode_then_decode(model: Any, input_ids, decoder_input_ids, attention_mask,
                        decoder_attention_mask, deterministic: bool):
     """An encoder-decoder's ``__call__``: checked ids, ``model.encode``, ``model.decode``."""
