@@ -249,6 +249,25 @@ def test_document_packing_when_pad_is_eos():
     np.testing.assert_array_equal(batch["weights"], [[1, 0, 1, 0]])
 
 
+def test_pack_examples_golden():
+    # prompt + completion + eos (1): 10 11|20 21 22 1 (5 input slots), 12|23 1 (2),
+    # 13 14 15|24 1 (4); rows of 6: first fit puts the third example after the second
+    examples = [([10, 11], [20, 21, 22]), ([12], [23]), ([13, 14, 15], [24])]
+    b = data.packing.pack_examples(examples, 6, eos_id=1)
+    np.testing.assert_array_equal(b["inputs"], [[10, 11, 20, 21, 22, 0], [12, 23, 13, 14, 15, 24]])
+    np.testing.assert_array_equal(b["targets"], [[11, 20, 21, 22, 1, 0], [23, 1, 14, 15, 24, 1]])
+    np.testing.assert_array_equal(b["segment_ids"], [[1, 1, 1, 1, 1, 0], [1, 1, 2, 2, 2, 2]])
+    np.testing.assert_array_equal(b["positions"], [[0, 1, 2, 3, 4, 0], [0, 1, 0, 1, 2, 3]])
+    # loss only where the target is a completion token or the eos
+    np.testing.assert_array_equal(b["weights"], [[0, 1, 1, 1, 1, 0], [1, 1, 0, 0, 1, 1]])
+    alone = data.packing.pack_examples(examples, 6, eos_id=1, pack=False)
+    np.testing.assert_array_equal(alone["inputs"], [[10, 11, 20, 21, 22, 0], [12, 23, 0, 0, 0, 0],
+                                                    [13, 14, 15, 24, 0, 0]])
+    np.testing.assert_array_equal(alone["weights"].sum(1), [4, 2, 2])
+    with pytest.raises(UserError, match="example 0 has 6 tokens .* never split"):
+        data.packing.pack_examples(examples, 4, eos_id=1)
+
+
 @pytest.mark.parametrize("mode", ["memory", "stream"])
 def test_targets_are_inputs_shifted(mode):
     it = data.make_lm_iterator(CORPUS, "train", seq_len=16, batch_size=4, mode=mode)

@@ -23,7 +23,7 @@ from transformer_jax.data.tokenizers import Tokenizer
 from transformer_jax.errors import UserError
 
 __all__ = ["Batch", "PACKINGS", "batch_from_windows", "check_packing", "document_fields", "gather_windows",
-           "num_windows", "pack_documents", "token_stream"]
+           "num_windows", "pack_documents", "pack_examples", "token_stream"]
 
 #: A batch: ``inputs``/``targets`` int32 (B, T), ``weights`` float32 (B, T); with
 #: ``packing="document"`` also ``segment_ids``/``positions`` int32 (B, T).
@@ -155,3 +155,57 @@ def batch_from_windows(windows: np.ndarray, pad_id: int, *, eos_id: int | None =
             lengths = np.sum(windows != pad_id, axis=1)
         batch.update(document_fields(windows, eos_id, lengths))
     return batch
+
+
+def pack_examples(examples: Sequence[tuple[Sequence[int], Sequence[int]]], seq_len: int, *,
+                  eos_id: int, pad_id: int = 0, pack: bool = True) -> Batch:
+    """Prompt/completion examples as rows of ``seq_len`` tokens, loss on the completions.
+
+    Example ``k`` is the tokens ``s = prompt + completion + [eos]``: inputs ``s[:-1]``,
+    targets ``s[1:]``, weight 1 where the target is a completion token or the eos (never on
+    a prompt token's prediction of another prompt token). With ``pack`` the examples go
+    whole, in order, into the first row with room for them (greedy first fit; never split),
+    each with its own segment id (1, 2, ... within its row) and positions from 0; without,
+    one example per row. Padding: ``pad_id``, segment 0, weight 0.
+
+    Returns ``inputs``, ``targets``, ``segment_ids``, ``positions`` int32 and ``weights``
+    float32, each (R, T); R is the number of rows used.
+    """
+    if seq_len < 1:
+        raise UserError(f"seq_len must be >= 1, got {seq_len}")
+    rows: list[list[np.ndarray]] = []     # per row: the examples' token arrays (len L + 1)
+    room: list[int] = []                  # input slots left in each row
+    prompts: list[list[int]] = []
+    for k, (prompt, completion) in enumerate(examples):
+        prompt = np.asarray(prompt, np.int32).reshape(-1)
+        tokens = np.concatenate([prompt, np.asarray(completion, np.int32).reshape(-1),
+                                 np.array([eos_id], np.int32)])
+        need = len(tokens) - 1
+        if need > seq_len:
+            raise UserError(f"example {k} has {need + 1} tokens (prompt, completion and eos), "
+                            f"more than fit a row of seq_len + 1 = {seq_len + 1}; raise seq_len "
+                            "or shorten/drop the example (examples are never split)")
+        if need == 0:
+            continue
+        row = next((i for i, r in enumerate(room) if r >= need), None) if pack else None
+        if row is None:
+            rows.append([]), room.append(seq_len), prompts.append([])
+            row = len(rows) - 1
+        rows[row].append(tokens)
+        prompts[row].append(len(prompt))
+        room[row] -= need
+    shape = (len(rows), seq_len)
+    out = {"inputs": np.full(shape, pad_id, np.int32), "targets": np.full(shape, pad_id, np.int32),
+           "segment_ids": np.zeros(shape, np.int32), "positions": np.zeros(shape, np.int32),
+           "weights": np.zeros(shape, np.float32)}
+    for r, (row, lengths) in enumerate(zip(rows, prompts)):
+        start = 0
+        for segment, (tokens, prompt_len) in enumerate(zip(row, lengths), 1):
+            n = len(tokens) - 1
+            span = slice(start, start + n)
+            out["inputs"][r, span], out["targets"][r, span] = tokens[:-1], tokens[1:]
+            out["segment_ids"][r, span], out["positions"][r, span] = segment, np.arange(n)
+            # target j is token j + 1: a completion token (or the eos) from j = prompt_len - 1
+            out["weights"][r, span] = np.arange(n) >= max(prompt_len - 1, 0)
+            start += n
+    return out
