@@ -120,22 +120,29 @@ def document_fields(windows: np.ndarray, eos_id: int, lengths: np.ndarray) -> Ba
     windows (B, T+1) whose first ``lengths[b]`` tokens are real (the rest padding); see the
     module docstring. Vectorised, O(B T)."""
     b, t = windows.shape[0], windows.shape[1] - 1
-    index = np.arange(t + 1)
-    valid = index[None, :] < np.asarray(lengths)[:, None]             # (B, T+1)
-    ends = (windows[:, :-1] == eos_id) & valid[:, :-1]                # input t ends a document
-    # the document of token t: 1 + the eos strictly before t
-    segments = 1 + np.cumsum(ends, axis=1, dtype=np.int32) - ends
+    index = np.arange(t + 1, dtype=np.int32)
+    lengths = np.asarray(lengths)
+    full = bool(np.all(lengths >= t + 1))        # training: no padding, no masks to apply
+    valid = None if full else index[None, :] < lengths[:, None]      # (B, T+1)
+    ends = windows[:, :-1] == eos_id                                  # input t ends a document
+    if not full:
+        ends &= valid[:, :-1]
+    # a piece of a document starts at each row's first token and after each eos; g counts
+    # the starts up to each token over the flattened batch (one cumsum for both outputs)
     starts = np.zeros((b, t), bool)
     starts[:, 0] = True
     starts[:, 1:] = ends[:, :-1]
-    first = np.maximum.accumulate(np.where(starts, index[None, :t], 0), axis=1)
-    positions = index[None, :t] - first
-    real = valid[:, :-1]
-    return {
-        "segment_ids": np.where(real, segments, 0).astype(np.int32),
-        "positions": np.where(real, positions, 0).astype(np.int32),
-        "weights": (valid[:, 1:] & ~ends).astype(np.float32),
-    }
+    g = np.cumsum(starts.reshape(-1), dtype=np.int32)
+    first = np.flatnonzero(starts).astype(np.int32)[g - 1].reshape(b, t)   # its start (flat)
+    positions = np.arange(b * t, dtype=np.int32).reshape(b, t) - first
+    g = g.reshape(b, t)
+    segments = g - g[:, :1] + 1
+    weights = ~ends if full else valid[:, 1:] & ~ends
+    if not full:
+        segments[~valid[:, :-1]] = 0
+        positions[~valid[:, :-1]] = 0
+    return {"segment_ids": segments, "positions": positions,
+            "weights": weights.astype(np.float32)}
 
 
 def batch_from_windows(windows: np.ndarray, pad_id: int, *, eos_id: int | None = None,
