@@ -157,13 +157,15 @@ def line_examples(docs: list[str], seq_len: int) -> list[tuple[list[int], list[i
     return out
 
 
-def packing_comparison(train_docs, test_docs, *, epochs: int = 2, batch: int = 16,
-                       seq_len: int = 128, lr: float = 3e-3, seed: int = 0) -> dict:
+def packing_comparison(train_docs, test_docs, *, epochs: dict[str, int] | None = None,
+                       batch: int = 16, seq_len: int = 128, lr: float = 3e-3,
+                       seed: int = 0) -> dict:
     """Supervised fine-tuning on next-line examples (loss on the completion only) of a fresh
-    byte-level GPT (2 layers, width 64), one example per padded row vs examples packed into
-    rows (``data.packing.pack_examples``: segment ids, positions per example), for the same
-    ``epochs`` over the same examples; the held-out loss is per completion byte of the test
-    text's examples, each in its own row."""
+    byte-level GPT (2 layers, width 64), one example per padded row ("padded") vs examples
+    packed into rows ("packed": ``data.packing.pack_examples``, segment ids and positions
+    per example), ``epochs[name]`` passes over the same examples (default 2 each); the
+    held-out loss (after every epoch) is per completion byte of the test text's examples,
+    each in its own row."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -190,13 +192,21 @@ def packing_comparison(train_docs, test_docs, *, epochs: int = 2, batch: int = 1
         total, sums = lm_loss(model.apply, params, b, None, True, 0.0)
         return total, sums["weight"]
 
+    def held_out_loss(params) -> float:
+        sums = [eval_sums(params, {k: v[i:i + 256] for k, v in held_out.items()})
+                for i in range(0, len(held_out["inputs"]), 256)]
+        return float(sum(s[0] for s in sums) / sum(s[1] for s in sums))
+
+    epochs = epochs or {"padded": 2, "packed": 2}
     results = {}
     for name, pack in (("padded", False), ("packed", True)):
+        if name not in epochs:
+            continue
         rows = pack_examples(train, seq_len, eos_id=eos, pack=pack)
         if not pack:
             rows.pop("segment_ids"), rows.pop("positions")
         n = len(rows["inputs"]) // batch
-        steps = epochs * n
+        steps = epochs[name] * n
         opt = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, lr, steps // 10, steps))
         params = init_params(model, jax.random.PRNGKey(seed))
         state = opt.init(params)
@@ -207,23 +217,21 @@ def packing_comparison(train_docs, test_docs, *, epochs: int = 2, batch: int = 1
             updates, state = opt.update(grads, state, params)
             return optax.apply_updates(params, updates), state, loss
 
-        t0 = time.perf_counter()
-        for epoch in range(epochs):
+        t0, per_epoch = time.perf_counter(), []
+        for epoch in range(epochs[name]):
             order = np.random.default_rng(seed + epoch).permutation(len(rows["inputs"]))
             for i in range(n):
                 idx = order[i * batch:(i + 1) * batch]
                 params, state, loss = step(params, state, {k: v[idx] for k, v in rows.items()})
-        jax.block_until_ready(params)
+            per_epoch.append({"steps": (epoch + 1) * n, "held_out_loss": held_out_loss(params)})
         seconds = time.perf_counter() - t0
-        sums = [eval_sums(params, {k: v[i:i + 256] for k, v in held_out.items()})
-                for i in range(0, len(held_out["inputs"]), 256)]
         results[name] = {
-            "rows": len(rows["inputs"]), "steps": steps, "tokens": steps * batch * seq_len,
+            "rows": len(rows["inputs"]), "epochs": epochs[name], "steps": steps,
+            "tokens": steps * batch * seq_len,
             "completion_tokens_per_epoch": int(rows["weights"].sum()), "seconds": seconds,
-            "held_out_loss": float(sum(s[0] for s in sums) / sum(s[1] for s in sums))}
+            "held_out_loss": per_epoch[-1]["held_out_loss"], "per_epoch": per_epoch}
         print(f"   {name}: {results[name]}", flush=True)
-    return {"examples": len(train), "test_examples": len(test), "epochs": epochs,
-            "batch": batch, "seq_len": seq_len, "lr": lr, **results}
+    return {"examples": len(train), "test_examples": len(test), "batch": batch, "seq_len": seq_len, "lr": lr, **results}
 
 
 # ----------------------------------------------------------------------------- the runs
@@ -385,10 +393,13 @@ def main(argv=None) -> dict:
                    "runs/finetune_stdlib; quick: runs/finetune_stdlib_quick)")
     p.add_argument("--packing", action="store_true", help="only the packing comparison: "
                    "next-line examples, one per padded row vs packed (no pretrained model)")
+    p.add_argument("--packing-epochs", default="padded=2,packed=3", help="--packing: epochs "
+                   "of each run (NAME=N, comma-separated; a run left out is skipped)")
     args = p.parse_args(argv)
     if args.packing:
         _, train_docs, test_docs = slices()
-        result = packing_comparison(train_docs, test_docs)
+        epochs = {k: int(v) for k, v in (x.split("=") for x in args.packing_epochs.split(","))}
+        result = packing_comparison(train_docs, test_docs, epochs=epochs)
         result["machine"] = machine()
         print(json.dumps(result, indent=2))
         return {"runs": []}
