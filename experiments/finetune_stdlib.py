@@ -5,6 +5,8 @@ Commands::
 
     python experiments/finetune_stdlib.py           # pretrain (or reuse) + all four runs
     python experiments/finetune_stdlib.py --quick   # short runs (a smoke test of the pipeline)
+    python experiments/finetune_stdlib.py --packing # prompt/completion examples: padded rows
+                                                    # vs packed (docs/finetuning.md has the table)
     # one run, LoRA (this file's get_config()), from a finished stdlib_gpt run:
     transformer-jax train --experiment finetune_stdlib --init-from runs/stdlib_gpt \\
         --workdir runs/finetune_stdlib/lora
