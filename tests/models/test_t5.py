@@ -287,3 +287,18 @@ def test_packed_documents_equal_documents_alone(impl):
     with pytest.raises(UserError, match="not for decode=True"):
         model.apply({"params": params}, ids[:, :1], encoded, segment_ids=seg[:, :1],
                     memory_segment_ids=seg, decode=True, method=model.decode, mutable=["cache"])
+
+
+def test_relative_position_bias_from_per_row_positions():
+    # positions restarting at each packed document: each document's block of the (B, N, T, S)
+    # bias is the bias of the document alone; a second row with other positions differs
+    table = jax.random.normal(jax.random.PRNGKey(0), (8, 2))
+    pos = jnp.array([[0, 1, 2, 0, 1], [0, 1, 2, 3, 4]])
+    bias = relative_position_bias(table, 5, 5, bidirectional=True, max_distance=20,
+                                  q_positions=pos, k_positions=pos)
+    alone = functools.partial(relative_position_bias, table, bidirectional=True, max_distance=20)
+    np.testing.assert_array_equal(bias[0, :, :3, :3], alone(3, 3)[0])
+    np.testing.assert_array_equal(bias[0, :, 3:, 3:], alone(2, 2)[0])
+    np.testing.assert_array_equal(bias[1], alone(5, 5)[0])
+    with pytest.raises(UserError, match="needs both q_positions and k_positions"):
+        relative_position_bias(table, 5, 5, bidirectional=True, q_positions=pos)
