@@ -207,5 +207,5 @@ def test_document_packing_feeds_segments_and_positions_to_the_model(tmp_path):
     assert float(sums["weight"]) == 4.0
     shapes = task.batch_shapes()
     assert (shapes["segment_ids"].shape, str(shapes["positions"].dtype)) == ((B, T), "int32")
-    with pytest.raises(UserError, match="packing='rows' is unknown"):
+    with pytest.raises(UserError, match="task.packing='rows' is unknown; choose 'concatenate'"):
         lm_task(tmp_path, task_options={"packing": "rows"})

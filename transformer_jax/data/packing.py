@@ -34,10 +34,10 @@ Batch = dict[str, np.ndarray]
 PACKINGS = ("concatenate", "document")
 
 
-def check_packing(packing: str) -> str:
-    """``packing`` if it is one of :data:`PACKINGS`, else a UserError."""
+def check_packing(packing: str, name: str = "packing") -> str:
+    """``packing`` if it is one of :data:`PACKINGS`, else a UserError naming it ``name``."""
     if packing not in PACKINGS:
-        raise UserError(f"packing={packing!r} is unknown; choose 'concatenate' (documents "
+        raise UserError(f"{name}={packing!r} is unknown; choose 'concatenate' (documents "
                         "joined by eos, attention across them) or 'document' (segment ids and "
                         "positions per document)")
     return packing

@@ -89,7 +89,7 @@ class LMTask(Task):
         if not isinstance(self.options["text_key"], str):
             raise UserError(f"task.text_key={self.options['text_key']!r} must be the name of "
                             "the documents' text field, e.g. text or content")
-        data_lib.check_packing(self.options["packing"])
+        data_lib.check_packing(self.options["packing"], "task.packing")
         if self.options["packing"] == "document":
             self.BATCH = {**self.BATCH, "segment_ids": ("int32", ("T",)),
                           "positions": ("int32", ("T",))}
