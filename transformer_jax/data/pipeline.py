@@ -206,7 +206,8 @@ def make_lm_iterator(
 
     Returns:
       An :class:`LMIterator` yielding ``{"inputs", "targets": int32 (B, T),
-      "weights": float32 (B, T)}`` with ``B = batch_size // process_count``.
+      "weights": float32 (B, T)}`` (``packing="document"``: also ``"segment_ids",
+      "positions": int32 (B, T)``) with ``B = batch_size // process_count``.
 
     Raises:
       UserError: bad arguments, or an empty split / one too small for a batch.
