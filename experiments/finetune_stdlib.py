@@ -169,7 +169,6 @@ def packing_comparison(train_docs, test_docs, *, epochs: dict[str, int] | None =
     held-out loss (after every epoch) is per completion byte of the test text's examples,
     each in its own row."""
     import jax
-    import jax.numpy as jnp
     import numpy as np
     import optax
 
