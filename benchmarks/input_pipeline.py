@@ -185,10 +185,10 @@ def measure_tokens(spec: str, texts: list[str], workers: int, rounds: int = 2) -
 
 
 def measure_stream(spec: str, texts: list[str], *, seq_len: int = 1024,
-                   batch_size: int = 8) -> tuple[float, float]:
+                   batch_size: int = 8, packing: str = "concatenate") -> tuple[float, float]:
     """(tokens per wall second, per CPU second) of the LM stream-mode iterator (read,
     tokenize, pack; in this process, as training runs it) over one pass of ``texts``,
-    building the iterator included."""
+    building the iterator included; ``packing="document"`` adds segment ids and positions."""
     from transformer_jax.data.pipeline import make_lm_iterator
     from transformer_jax.data.tokenizers import get_tokenizer
 
@@ -196,7 +196,7 @@ def measure_stream(spec: str, texts: list[str], *, seq_len: int = 1024,
     batches = max(1, total // (seq_len * batch_size))
     start, cpu = time.perf_counter(), time.process_time()
     it = make_lm_iterator(texts, "train", tokenizer=spec, seq_len=seq_len,
-                          batch_size=batch_size, seed=0, mode="stream")
+                          batch_size=batch_size, seed=0, mode="stream", packing=packing)
     for _ in range(batches):
         next(it)
     n = batches * batch_size * seq_len
@@ -325,6 +325,28 @@ def run(args) -> dict:
     return result
 
 
+def run_packing(args) -> dict:
+    """Only the LM stream iterator, byte and SentencePiece, ``packing`` "concatenate" (the
+    default) against "document" (segment ids and positions): tokens per CPU second, best
+    of ``args.rounds`` passes (``--packing``)."""
+    texts = stdlib_texts(args.text_chars)
+    out = {"machine": {"cpu": common.cpu_model(), "cpu_count": os.cpu_count(),
+                       "load_average_1_5_15min": common.load_average()},
+           "text_chars": args.text_chars, "seq_len": args.seq_len, "tokens_per_cpu_s": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        from transformer_jax.data.tokenizers import train_sentencepiece
+        spm = Path(tmp) / "spm.model"
+        train_sentencepiece(texts, args.vocab, spm)
+        for name, spec in (("byte", "byte"), ("sentencepiece", f"sentencepiece:{spm}")):
+            for packing in ("concatenate", "document"):
+                rate = max(measure_stream(spec, texts, seq_len=args.seq_len, packing=packing)[1]
+                           for _ in range(args.rounds))
+                out["tokens_per_cpu_s"][f"{name}/{packing}"] = rate
+                print(f"stream mode, {name}, packing={packing}: {rate:,.0f} tokens per CPU s",
+                      flush=True)
+    return out
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workers", default="0,1,2")
@@ -338,6 +360,9 @@ def parse_args(argv=None):
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--out", type=Path, default=common.RESULTS_DIR / "input_pipeline")
+    p.add_argument("--packing", action="store_true", help="only the LM stream iterator, "
+                   "packing=concatenate vs packing=document")
+    p.add_argument("--rounds", type=int, default=3, help="--packing: passes per rate (best)")
     args = p.parse_args(argv)
     args.rows, args.flops = ROWS, None
     return args
@@ -349,6 +374,10 @@ def main(argv=None, **overrides) -> dict:
     args = parse_args(argv)
     for key, value in overrides.items():
         setattr(args, key, value)
+    if args.packing:
+        result = run_packing(args)
+        print(result)
+        return result
     result = run(args)
     machine = result["machine"]
     header = (f"# Input pipeline\n\nCPU: {machine['cpu']} ({machine['cpu_isa']}), load "

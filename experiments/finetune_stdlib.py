@@ -5,6 +5,8 @@ Commands::
 
     python experiments/finetune_stdlib.py           # pretrain (or reuse) + all four runs
     python experiments/finetune_stdlib.py --quick   # short runs (a smoke test of the pipeline)
+    python experiments/finetune_stdlib.py --packing # prompt/completion examples: padded rows
+                                                    # vs packed (docs/finetuning.md has the table)
     # one run, LoRA (this file's get_config()), from a finished stdlib_gpt run:
     transformer-jax train --experiment finetune_stdlib --init-from runs/stdlib_gpt \\
         --workdir runs/finetune_stdlib/lora
@@ -137,6 +139,100 @@ def method_config(method: str, *, steps: int = 200, init_from: str | None = PRET
 def get_config() -> ExperimentConfig:
     """LoRA fine-tuning of ``runs/stdlib_gpt`` (``--init-from`` names another start)."""
     return method_config("lora")
+
+
+# ----------------------------------------------------------------------------- packing
+
+def line_examples(docs: list[str], seq_len: int) -> list[tuple[list[int], list[int]]]:
+    """Prompt/completion examples of the docs: each non-blank line (the prompt) and the
+    line after it (the completion), in bytes, when the pair and its eos fit ``seq_len + 1``."""
+    from transformer_jax.data import ByteTokenizer
+
+    tok, out = ByteTokenizer(), []
+    for doc in docs:
+        lines = doc.splitlines(keepends=True)
+        for a, b in zip(lines, lines[1:]):
+            if a.strip() and b.strip():
+                prompt, completion = list(tok.encode(a)), list(tok.encode(b))
+                if len(prompt) + len(completion) <= seq_len:
+                    out.append((prompt, completion))
+    return out
+
+
+def packing_comparison(train_docs, test_docs, *, epochs: dict[str, int] | None = None,
+                       batch: int = 16, seq_len: int = 128, lr: float = 3e-3,
+                       seed: int = 0) -> dict:
+    """Supervised fine-tuning on next-line examples (loss on the completion only) of a fresh
+    byte-level GPT (2 layers, width 64), one example per padded row ("padded") vs examples
+    packed into rows ("packed": ``data.packing.pack_examples``, segment ids and positions
+    per example), ``epochs[name]`` passes over the same examples (default 2 each); the
+    held-out loss (after every epoch) is per completion byte of the test text's examples,
+    each in its own row."""
+    import jax
+    import numpy as np
+    import optax
+
+    from transformer_jax.data import ByteTokenizer
+    from transformer_jax.data.packing import pack_examples
+    from transformer_jax.losses import lm_loss, mean_loss
+    from transformer_jax.models.gpt import GPT, GPTConfig, init_params
+
+    eos = ByteTokenizer().eos_id
+    train, test = line_examples(train_docs, seq_len), line_examples(test_docs, seq_len)
+    held_out = pack_examples(test, seq_len, eos_id=eos, pack=False)
+    held_out.pop("segment_ids"), held_out.pop("positions")
+    model = GPT(GPTConfig.preset("tiny", vocab_size=ByteTokenizer().vocab_size, max_len=seq_len,
+                                 dropout_rate=0.0, attention_dropout_rate=0.0))
+
+    def loss_fn(params, b):
+        total, sums = lm_loss(model.apply, params, b, None, True, 0.0)
+        return mean_loss(total, sums["weight"])
+
+    @jax.jit
+    def eval_sums(params, b):
+        total, sums = lm_loss(model.apply, params, b, None, True, 0.0)
+        return total, sums["weight"]
+
+    def held_out_loss(params) -> float:
+        sums = [eval_sums(params, {k: v[i:i + 256] for k, v in held_out.items()})
+                for i in range(0, len(held_out["inputs"]), 256)]
+        return float(sum(s[0] for s in sums) / sum(s[1] for s in sums))
+
+    epochs = epochs or {"padded": 2, "packed": 2}
+    results = {}
+    for name, pack in (("padded", False), ("packed", True)):
+        if name not in epochs:
+            continue
+        rows = pack_examples(train, seq_len, eos_id=eos, pack=pack)
+        if not pack:
+            rows.pop("segment_ids"), rows.pop("positions")
+        n = len(rows["inputs"]) // batch
+        steps = epochs[name] * n
+        opt = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, lr, steps // 10, steps))
+        params = init_params(model, jax.random.PRNGKey(seed))
+        state = opt.init(params)
+
+        @jax.jit
+        def step(params, state, b):
+            loss, grads = jax.value_and_grad(loss_fn)(params, b)
+            updates, state = opt.update(grads, state, params)
+            return optax.apply_updates(params, updates), state, loss
+
+        t0, per_epoch = time.perf_counter(), []
+        for epoch in range(epochs[name]):
+            order = np.random.default_rng(seed + epoch).permutation(len(rows["inputs"]))
+            for i in range(n):
+                idx = order[i * batch:(i + 1) * batch]
+                params, state, loss = step(params, state, {k: v[idx] for k, v in rows.items()})
+            per_epoch.append({"steps": (epoch + 1) * n, "held_out_loss": held_out_loss(params)})
+        seconds = time.perf_counter() - t0
+        results[name] = {
+            "rows": len(rows["inputs"]), "epochs": epochs[name], "steps": steps,
+            "tokens": steps * batch * seq_len,
+            "completion_tokens_per_epoch": int(rows["weights"].sum()), "seconds": seconds,
+            "held_out_loss": per_epoch[-1]["held_out_loss"], "per_epoch": per_epoch}
+        print(f"   {name}: {results[name]}", flush=True)
+    return {"examples": len(train), "test_examples": len(test), "batch": batch, "seq_len": seq_len, "lr": lr, **results}
 
 
 # ----------------------------------------------------------------------------- the runs
@@ -296,7 +392,18 @@ def main(argv=None) -> dict:
                    "reused when finished, else trained there)")
     p.add_argument("--out", default=None, help="directory of the runs and the results (default "
                    "runs/finetune_stdlib; quick: runs/finetune_stdlib_quick)")
+    p.add_argument("--packing", action="store_true", help="only the packing comparison: "
+                   "next-line examples, one per padded row vs packed (no pretrained model)")
+    p.add_argument("--packing-epochs", default="padded=2,packed=3", help="--packing: epochs "
+                   "of each run (NAME=N, comma-separated; a run left out is skipped)")
     args = p.parse_args(argv)
+    if args.packing:
+        _, train_docs, test_docs = slices()
+        epochs = {k: int(v) for k, v in (x.split("=") for x in args.packing_epochs.split(","))}
+        result = packing_comparison(train_docs, test_docs, epochs=epochs)
+        result["machine"] = machine()
+        print(json.dumps(result, indent=2))
+        return {"runs": []}
     methods = args.methods.split(",")
     unknown = [m for m in methods if m not in METHODS]
     if unknown:

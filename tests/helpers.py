@@ -151,3 +151,47 @@ def custom_calls(text: str) -> list[str]:
         return out
 
     return expand("main")
+
+
+def assert_packed_like_alone(fn, params, streams: dict, vocab: int, *, pad: int = 2, seed=0):
+    """Packed documents give each document exactly the logits and the loss gradients it gets
+    alone. ``streams``: name -> document lengths (the k-th documents of all streams belong
+    together, e.g. an encoder's and a decoder's); each stream is packed into one row with
+    ``pad`` padding tokens after its documents. ``fn(params, {name: (ids, segment_ids,
+    positions)})`` -> logits (1, T, V) of the last stream (segment_ids and positions None:
+    the documents alone, (1, n) each)."""
+    import jax.numpy as jnp
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    packed, parts = {}, {}
+    for name, lengths in streams.items():
+        total = sum(lengths) + pad
+        ids = rng.integers(3, vocab, (1, total)).astype(np.int32)
+        seg = np.zeros((1, total), np.int32)
+        pos = np.zeros((1, total), np.int32)
+        parts[name], start = [], 0
+        for k, n in enumerate(lengths):
+            seg[0, start:start + n], pos[0, start:start + n] = k + 1, np.arange(n)
+            parts[name].append(slice(start, start + n))
+            start += n
+        packed[name] = (jnp.asarray(ids), jnp.asarray(seg), jnp.asarray(pos))
+    out = list(streams)[-1]
+    targets = jnp.asarray(rng.integers(0, vocab, packed[out][0].shape))
+
+    def loss(params, inputs, targets, weights):
+        logp = jax.nn.log_softmax(fn(params, inputs), axis=-1)
+        return -jnp.sum(jnp.take_along_axis(logp, targets[..., None], -1)[..., 0] * weights)
+
+    weights = (packed[out][1] > 0).astype(jnp.float32)
+    fn, grad = jax.jit(fn), jax.jit(jax.grad(loss))
+    logits = fn(params, packed)
+    grads = grad(params, packed, targets, weights)
+    total_grads = None
+    for k in range(len(parts[out])):
+        alone = {name: (packed[name][0][:, parts[name][k]], None, None) for name in streams}
+        part = parts[out][k]
+        np.testing.assert_allclose(logits[:, part], fn(params, alone), rtol=2e-5, atol=2e-5)
+        g = grad(params, alone, targets[:, part], weights[:, part])
+        total_grads = g if total_grads is None else jax.tree_util.tree_map(jnp.add, total_grads, g)
+    for a, b in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(total_grads)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)

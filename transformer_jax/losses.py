@@ -25,7 +25,7 @@ Array = jax.Array
 LossFn = Callable[..., tuple[Array, dict[str, Array]]]
 
 __all__ = ["LossFn", "target_logits", "label_smoothed_cross_entropy", "mean_loss",
-           "token_loss", "metric_names", "per_weight_means", "lm_loss"]
+           "token_loss", "metric_names", "per_weight_means", "packed_kwargs", "lm_loss"]
 
 
 def target_logits(logits: Array, targets: Array) -> tuple[Array, Array]:
@@ -144,8 +144,18 @@ def per_weight_means(loss_sum: Array, sums: dict[str, Array]) -> dict[str, Array
     return out
 
 
+def packed_kwargs(batch: dict[str, Array], positions: str = "position_ids") -> dict[str, Array]:
+    """The model keywords of packed documents, when the batch holds them: ``segment_ids``
+    and its ``positions`` under the name ``positions``; else none."""
+    if "segment_ids" not in batch:
+        return {}
+    return {"segment_ids": batch["segment_ids"], positions: batch["positions"]}
+
+
 def lm_loss(apply_fn: Callable, params: Any, batch: dict[str, Array], rngs, deterministic: bool,
             smoothing: float):
-    """Next-token loss: ``batch = {"inputs", "targets": (B, T) int, "weights": (B, T)}``."""
-    logits = apply_fn({"params": params}, batch["inputs"], deterministic=deterministic, rngs=rngs)
+    """Next-token loss: ``batch = {"inputs", "targets": (B, T) int, "weights": (B, T)}``, and
+    with packed documents ``segment_ids`` and ``positions`` (B, T) int."""
+    logits = apply_fn({"params": params}, batch["inputs"], deterministic=deterministic, rngs=rngs,
+                      **packed_kwargs(batch))
     return token_loss(logits, batch["targets"], batch.get("weights"), smoothing)

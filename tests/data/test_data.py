@@ -42,7 +42,9 @@ def _batches(it, n):
 def _assert_same_batches(xs, ys):
     assert len(xs) == len(ys)
     for x, y in zip(xs, ys, strict=True):
-        assert x.keys() == y.keys() == {"inputs", "targets", "weights"}
+        assert x.keys() == y.keys()
+        assert x.keys() in ({"inputs", "targets", "weights"},
+                            {"inputs", "targets", "weights", "segment_ids", "positions"})
         for key in x:
             np.testing.assert_array_equal(x[key], y[key])
 
@@ -207,6 +209,63 @@ def test_eval_batches_are_padded_not_dropped():
     assert sum(b["weights"].sum() for b in (b0, b1)) == 9 - 1
     with pytest.raises(StopIteration):
         next(it)
+
+
+@pytest.mark.parametrize("mode", ["memory", "stream"])
+def test_document_packing_golden(mode):
+    # Stream 100 101 1 | 102 103 104 1 | 105 1 ("ab", "cde", "f"; a document is its ids and
+    # its eos) with T=3: windows [100 101 1 102] [102 103 104 1] [1 105 1 <pad>].
+    it = data.make_lm_iterator(["ab", "cde", "f"], "validation", seq_len=3, batch_size=2,
+                               shuffle=False, repeat=False, mode=mode, packing="document")
+    b0, b1 = list(it)
+    np.testing.assert_array_equal(b0["inputs"], [[100, 101, 1], [102, 103, 104]])
+    np.testing.assert_array_equal(b0["segment_ids"], [[1, 1, 1], [1, 1, 1]])
+    np.testing.assert_array_equal(b0["positions"], [[0, 1, 2], [0, 1, 2]])
+    # the input eos of "ab" predicts "c", of another document: weight 0
+    np.testing.assert_array_equal(b0["weights"], [[1, 1, 0], [1, 1, 1]])
+    np.testing.assert_array_equal(b1["inputs"], [[1, 105, 1], [0, 0, 0]])
+    np.testing.assert_array_equal(b1["segment_ids"], [[1, 2, 2], [0, 0, 0]])
+    np.testing.assert_array_equal(b1["positions"], [[0, 0, 1], [0, 0, 0]])
+    np.testing.assert_array_equal(b1["weights"], [[0, 1, 0], [0, 0, 0]])
+    assert b1["segment_ids"].dtype == b1["positions"].dtype == np.int32
+    # T=4, training: [100 101 1 102 103] [103 104 1 105 1]
+    train = data.make_lm_iterator(["ab", "cde", "f"], "train", seq_len=4, batch_size=2,
+                                  shuffle=False, mode=mode, packing="document")
+    b = next(train)
+    np.testing.assert_array_equal(b["inputs"], [[100, 101, 1, 102], [103, 104, 1, 105]])
+    np.testing.assert_array_equal(b["segment_ids"], [[1, 1, 1, 2], [1, 1, 1, 2]])
+    np.testing.assert_array_equal(b["positions"], [[0, 1, 2, 0], [0, 1, 2, 0]])
+    np.testing.assert_array_equal(b["weights"], [[1, 1, 0, 1], [1, 1, 0, 1]])
+    with pytest.raises(UserError, match="packing='rows' is unknown; choose 'concatenate'"):
+        data.make_lm_iterator(["ab"], "train", seq_len=4, batch_size=2, packing="rows")
+
+
+def test_document_packing_when_pad_is_eos():
+    # pad = eos = 1: the padding is told from the eos by each window's length
+    windows = np.array([[100, 1, 102, 1, 1]], np.int32)
+    batch = data.packing.batch_from_windows(windows, 1, eos_id=1, lengths=np.array([4]))
+    np.testing.assert_array_equal(batch["segment_ids"], [[1, 1, 2, 2]])
+    np.testing.assert_array_equal(batch["positions"], [[0, 1, 0, 1]])
+    np.testing.assert_array_equal(batch["weights"], [[1, 0, 1, 0]])
+
+
+def test_pack_examples_golden():
+    # prompt + completion + eos (1): 10 11|20 21 22 1 (5 input slots), 12|23 1 (2),
+    # 13 14 15|24 1 (4); rows of 6: first fit puts the third example after the second
+    examples = [([10, 11], [20, 21, 22]), ([12], [23]), ([13, 14, 15], [24])]
+    b = data.packing.pack_examples(examples, 6, eos_id=1)
+    np.testing.assert_array_equal(b["inputs"], [[10, 11, 20, 21, 22, 0], [12, 23, 13, 14, 15, 24]])
+    np.testing.assert_array_equal(b["targets"], [[11, 20, 21, 22, 1, 0], [23, 1, 14, 15, 24, 1]])
+    np.testing.assert_array_equal(b["segment_ids"], [[1, 1, 1, 1, 1, 0], [1, 1, 2, 2, 2, 2]])
+    np.testing.assert_array_equal(b["positions"], [[0, 1, 2, 3, 4, 0], [0, 1, 0, 1, 2, 3]])
+    # loss only where the target is a completion token or the eos
+    np.testing.assert_array_equal(b["weights"], [[0, 1, 1, 1, 1, 0], [1, 1, 0, 0, 1, 1]])
+    alone = data.packing.pack_examples(examples, 6, eos_id=1, pack=False)
+    np.testing.assert_array_equal(alone["inputs"], [[10, 11, 20, 21, 22, 0], [12, 23, 0, 0, 0, 0],
+                                                    [13, 14, 15, 24, 0, 0]])
+    np.testing.assert_array_equal(alone["weights"].sum(1), [4, 2, 2])
+    with pytest.raises(UserError, match="example 0 has 6 tokens .* never split"):
+        data.packing.pack_examples(examples, 4, eos_id=1)
 
 
 @pytest.mark.parametrize("mode", ["memory", "stream"])
@@ -387,10 +446,11 @@ def test_state_restore_memory_mode(tfds_dir):
     _assert_resumes(make, per_epoch + 2)
 
 
-def test_state_restore_stream_mode():
+@pytest.mark.parametrize("packing", ["concatenate", "document"])
+def test_state_restore_stream_mode(packing):
     def make():
         return data.make_lm_iterator(
-            CORPUS, "train", seq_len=16, batch_size=4, seed=2, mode="stream",
+            CORPUS, "train", seq_len=16, batch_size=4, seed=2, mode="stream", packing=packing,
         )
 
     assert make().get_state()["mode"] == "stream"
@@ -414,10 +474,11 @@ def test_state_restore_stream_mode():
     assert list(fresh) == [] and n > 0
 
 
-def test_state_restore_eval_memory_mode():
+@pytest.mark.parametrize("packing", ["concatenate", "document"])
+def test_state_restore_eval_memory_mode(packing):
     def make():
         return data.make_lm_iterator(CORPUS, "v", seq_len=16, batch_size=4,
-                                     shuffle=False, repeat=False)
+                                     shuffle=False, repeat=False, packing=packing)
 
     n = make().batches_per_epoch
     _assert_resumes(make, n - 2, steps_after=2)

@@ -13,6 +13,7 @@ import pytest
 import tensorflow_datasets as tfds
 
 from transformer_jax.data import ByteTokenizer, make_lm_iterator
+from transformer_jax.errors import UserError
 from transformer_jax.models import FAMILIES
 from transformer_jax.layers.stack import stack_layers
 from transformer_jax.models.bert import (HEADS, Bert, BertConfig, BertForMaskedLM, BertForPreTraining,
@@ -24,6 +25,8 @@ from transformer_jax.train.config import ExperimentConfig, apply_overrides
 from transformer_jax.workdir import load_run
 from transformer_jax.run import train
 from transformer_jax.train.monitor import read_metrics
+
+from ..helpers import assert_packed_like_alone
 
 CFG = BertConfig.preset("tiny", vocab_size=50, max_len=16, num_layers=2, d_model=32,
                         num_heads=4, dropout_rate=0.0, attention_dropout_rate=0.0)
@@ -466,3 +469,19 @@ def test_experiment_files_build(tmp_path):
         assert (model_cfg.head, model_cfg.num_params(), model_cfg.vocab_size) == (head, count, 262)
         doc = (Path(__file__).resolve().parents[2] / "experiments" / f"{name}.py").read_text()
         assert f"{count:,} parameters" in doc
+
+
+@pytest.mark.parametrize("impl", ["xla", "chunked", "pallas"])
+def test_packed_documents_equal_documents_alone(impl):
+    # bidirectional attention within each document; learned positions restart at each one
+    cfg = CFG.replace(head="mlm", attention_impl=impl, num_layers=1)
+    model = Bert(cfg)
+
+    def fn(params, inputs):
+        ids, seg, pos = inputs["tokens"]
+        return model.apply({"params": params}, ids, position_ids=pos, segment_ids=seg)
+
+    assert_packed_like_alone(fn, init(cfg), {"tokens": (5, 7)}, cfg.vocab_size)
+    with pytest.raises(UserError, match=r"segment_ids must be integers of the tokens' shape \(1, 4\)"):
+        model.apply({"params": init(cfg)}, jnp.ones((1, 4), jnp.int32),
+                    segment_ids=jnp.ones((1, 5), jnp.int32))

@@ -12,6 +12,8 @@ from transformer_jax.errors import UserError
 from transformer_jax.models import FAMILIES, build_model, model_from_config
 from transformer_jax.models.gemma import Gemma, GemmaConfig, init_params
 
+from ..helpers import assert_packed_like_alone
+
 FP32_TOL = dict(rtol=1e-5, atol=1e-5)
 TINY = GemmaConfig.preset("gemma3-tiny", max_len=64)     # local, local, global; W = 8
 
@@ -119,3 +121,19 @@ def test_param_count_and_flops():
     assert TINY.replace(tie_embeddings=False).num_params() == 144_288 + 512 * 64
     # 6 N + 12 N H (8 + 8 + 32 keys): N = 144288 non-embedding + 512 x 64 read-out
     assert TINY.flops_per_token(32) == 6 * 144_288 + 12 * 64 * 48
+
+
+@pytest.mark.parametrize("impl", ["xla", "chunked", "pallas"])
+def test_packed_documents_equal_documents_alone(impl):
+    # local (window 8) and global layers; RoPE restarts at each document
+    model = Gemma(TINY.replace(attention_impl=impl, max_len=32))
+    params = init_params(model, jax.random.PRNGKey(1))
+
+    def fn(params, inputs):
+        ids, seg, pos = inputs["tokens"]
+        return model.apply({"params": params}, ids, position_ids=pos, segment_ids=seg)
+
+    assert_packed_like_alone(fn, params, {"tokens": (10, 4)}, TINY.vocab_size)
+    with pytest.raises(UserError, match="not for decode=True"):
+        model.apply({"params": params}, jnp.ones((1, 4), jnp.int32),
+                    segment_ids=jnp.ones((1, 4), jnp.int32), decode=True, mutable=["cache"])

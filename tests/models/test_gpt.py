@@ -8,7 +8,10 @@ import pytest
 from transformer_jax import decode
 from transformer_jax.decode import generate, sample_logits
 from transformer_jax.layers.stack import stack_layers, unstack_layers
+from transformer_jax.errors import UserError
 from transformer_jax.models.gpt import GPT, GPTConfig, init_params
+
+from ..helpers import assert_packed_like_alone
 
 pytestmark = pytest.mark.colab   # also run against Colab's versions: make test-colab
 
@@ -189,3 +192,22 @@ def test_sample_logits_distributions():
     p2 = np.array([0.5, 0.3, 0.15, 0.05]) ** 2
     np.testing.assert_allclose(freq(sample_logits(logits, rng, temperature=0.5)), p2 / p2.sum(), atol=0.015)
     np.testing.assert_array_equal(sample_logits(logits[:2], None), [0, 0])
+
+
+@pytest.mark.parametrize("impl", ["xla", "chunked", "pallas"])
+@pytest.mark.parametrize("preset", ["tiny", "llama-tiny"])
+def test_packed_documents_equal_documents_alone(preset, impl):
+    # learned positions (GPT-2) and RoPE (Llama) restart at each document
+    cfg = GPTConfig.preset(preset, dropout_rate=0.0, attention_dropout_rate=0.0,
+                           attention_impl=impl, num_layers=1, max_len=32)
+    model = GPT(cfg)
+    params = init_params(model, jax.random.PRNGKey(1))
+
+    def fn(params, inputs):
+        ids, seg, pos = inputs["tokens"]
+        return model.apply({"params": params}, ids, position_ids=pos, segment_ids=seg)
+
+    assert_packed_like_alone(fn, params, {"tokens": (5, 9, 3)}, cfg.vocab_size)
+    with pytest.raises(UserError, match="not for decode=True: a KV cache holds one sequence"):
+        model.apply({"params": params}, jnp.ones((1, 4), jnp.int32),
+                    segment_ids=jnp.ones((1, 4), jnp.int32), decode=True, mutable=["cache"])

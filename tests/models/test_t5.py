@@ -19,6 +19,9 @@ from transformer_jax.layers.multi_head import MultiHeadAttention
 from transformer_jax.models.t5 import T5, T5Config, block_fields, init_params, shift_right
 from transformer_jax.tasks.seq2seq import seq2seq_loss
 from transformer_jax.train.step import create_train_state, make_train_step
+from transformer_jax.errors import UserError
+
+from ..helpers import assert_packed_like_alone
 
 TINY = dict(vocab_size=40, d_model=32, num_heads=4, head_dim=8, mlp_dim=48, num_layers=1,
             num_decoder_layers=2, relative_attention_num_buckets=8,
@@ -262,3 +265,40 @@ def test_decode_mode_rejects_a_decoder_mask(tiny):
     with pytest.raises(ValueError, match="decoder_attention_mask is not supported with decode"):
         model.apply({"params": params}, dec, encoded, mask, np.ones_like(dec), decode=True,
                     method="decode", mutable=["cache"])
+
+
+@pytest.mark.parametrize("impl", ["xla", "chunked", "pallas"])
+def test_packed_documents_equal_documents_alone(impl):
+    # two source/target pairs packed into one row each: encoder self-attention, causal decoder
+    # self-attention and cross-attention stay within each pair; positions restart per document
+    model = T5(T5Config(**TINY, attention_impl=impl))
+    params = jax.jit(lambda rng: init_params(model, rng))(jax.random.PRNGKey(2))
+
+    def fn(params, inputs):
+        (src, src_seg, src_pos), (tgt, tgt_seg, tgt_pos) = inputs["source"], inputs["target"]
+        return model.apply({"params": params}, src, tgt, segment_ids=src_seg, positions=src_pos,
+                           decoder_segment_ids=tgt_seg, decoder_positions=tgt_pos)
+
+    assert_packed_like_alone(fn, params, {"source": (4, 7), "target": (6, 3)}, 40)
+    ids, seg = jnp.ones((1, 4), jnp.int32), jnp.ones((1, 4), jnp.int32)
+    with pytest.raises(UserError, match="segment ids for both the source"):
+        model.apply({"params": params}, ids, ids, segment_ids=seg)
+    encoded = model.apply({"params": params}, ids, method=model.encode)
+    with pytest.raises(UserError, match="not for decode=True"):
+        model.apply({"params": params}, ids[:, :1], encoded, segment_ids=seg[:, :1],
+                    memory_segment_ids=seg, decode=True, method=model.decode, mutable=["cache"])
+
+
+def test_relative_position_bias_from_per_row_positions():
+    # positions restarting at each packed document: each document's block of the (B, N, T, S)
+    # bias is the bias of the document alone; a second row with other positions differs
+    table = jax.random.normal(jax.random.PRNGKey(0), (8, 2))
+    pos = jnp.array([[0, 1, 2, 0, 1], [0, 1, 2, 3, 4]])
+    bias = relative_position_bias(table, 5, 5, bidirectional=True, max_distance=20,
+                                  q_positions=pos, k_positions=pos)
+    alone = functools.partial(relative_position_bias, table, bidirectional=True, max_distance=20)
+    np.testing.assert_array_equal(bias[0, :, :3, :3], alone(3, 3)[0])
+    np.testing.assert_array_equal(bias[0, :, 3:, 3:], alone(2, 2)[0])
+    np.testing.assert_array_equal(bias[1], alone(5, 5)[0])
+    with pytest.raises(UserError, match="needs both q_positions and k_positions"):
+        relative_position_bias(table, 5, 5, bidirectional=True, q_positions=pos)

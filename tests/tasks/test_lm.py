@@ -185,3 +185,27 @@ def test_generate_text_rejects_a_prompt_longer_than_the_model(tmp_path):
 
     with pytest.raises(ValueError, match="the prompt is 4 tokens; the model's max_len is 4"):
         lm_task(tmp_path).generate_text(Model(), {}, "abcd")
+
+
+def test_document_packing_feeds_segments_and_positions_to_the_model(tmp_path):
+    task = lm_task(tmp_path, task_options={"packing": "document"})
+    batches = list(task.eval_batches(0, 1))
+    # windows [100 101 1 102] [102 103 104 1] | [1 105 1 106] [106 107 108 109] | [109 1 pad pad]
+    np.testing.assert_array_equal(batches[1]["segment_ids"], [[1, 2, 2], [1, 1, 1]])
+    np.testing.assert_array_equal(batches[1]["positions"], [[0, 0, 1], [0, 1, 2]])
+    np.testing.assert_array_equal(batches[1]["weights"], [[0, 1, 0], [1, 1, 1]])
+    # the eos inputs (3 of them in the eval pass) no longer predict the next document
+    assert sum(b["weights"].sum() for b in batches) == len(STREAM) - 1 - 3
+    seen = {}
+
+    def spy_apply(variables, inputs, deterministic=True, rngs=None, **packed):
+        seen.update(packed)
+        return bigram_apply(variables, inputs)
+    loss_sum, sums = task.loss_fn(spy_apply, {"table": TABLE}, batches[1], None, True, 0.0)
+    assert sorted(seen) == ["position_ids", "segment_ids"]
+    np.testing.assert_array_equal(seen["position_ids"], batches[1]["positions"])
+    assert float(sums["weight"]) == 4.0
+    shapes = task.batch_shapes()
+    assert (shapes["segment_ids"].shape, str(shapes["positions"].dtype)) == ((B, T), "int32")
+    with pytest.raises(UserError, match="task.packing='rows' is unknown; choose 'concatenate'"):
+        lm_task(tmp_path, task_options={"packing": "rows"})

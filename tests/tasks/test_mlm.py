@@ -240,3 +240,21 @@ def test_sample_shows_original_masked_and_filled_rows(tmp_path):
     assert text.splitlines() == ["original: '[CLS]abc[SEP]'", f"masked:   {masked!r}",
                                  f"filled:   '[CLS]{''.join(filled)}[SEP]'"]
     assert mlm_task(tmp_path, sample_tokens=0).sample(AlwaysX(), {}, step=0) is None
+
+
+def test_mlm_loss_passes_packed_documents_to_the_model():
+    seen = {}
+
+    def spy_apply(variables, input_ids, token_type_ids, attention_mask, deterministic=True,
+                  rngs=None, **packed):
+        seen.update(packed)
+        return jnp.zeros(input_ids.shape + (4,), jnp.float32)       # uniform over 4 ids
+
+    ids = np.array([[1, 1, 1, 2, 2]], np.int32)
+    batch = {"input_ids": ids, "attention_mask": np.ones((1, 5), np.int32), "targets": ids,
+             "weights": np.array([[1, 0, 0, 1, 0]], np.float32), "segment_ids": ids,
+             "positions": np.array([[0, 1, 2, 0, 1]], np.int32)}
+    loss, sums = mlm_loss(spy_apply, {}, batch, None, True, 0.0)
+    assert sorted(seen) == ["position_ids", "segment_ids"]
+    np.testing.assert_array_equal(seen["position_ids"], [[0, 1, 2, 0, 1]])
+    assert float(loss) == pytest.approx(2 * math.log(4), rel=1e-6)

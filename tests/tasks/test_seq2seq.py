@@ -245,3 +245,23 @@ def test_cut_at_eos():
     assert cut_at_eos([5, 6, 1, 7, 1], 1) == [5, 6, 1]
     assert cut_at_eos(np.array([1, 4]), 1) == [1]
     assert cut_at_eos([5, 6], 1) == [5, 6]
+
+
+def test_seq2seq_loss_passes_packed_pairs_to_the_model():
+    seen = {}
+
+    def spy_apply(variables, inputs, targets, input_mask, deterministic=True, rngs=None,
+                  **packed):
+        seen.update(packed)
+        return np.zeros(targets.shape + (5,), np.float32)          # uniform over 5 ids
+
+    ids = np.array([[1, 1, 2, 2]], np.int32)
+    batch = {"inputs": ids, "targets": ids[:, :3], "input_mask": np.ones((1, 4), np.int32),
+             "labels": ids[:, :3], "weights": np.ones((1, 3), np.float32),
+             "segment_ids": ids, "positions": np.array([[0, 1, 0, 1]], np.int32),
+             "decoder_segment_ids": ids[:, :3], "decoder_positions": np.array([[0, 1, 0]])}
+    loss, sums = seq2seq_loss(spy_apply, {}, batch, None, True, 0.0)
+    assert sorted(seen) == ["decoder_positions", "decoder_segment_ids", "positions",
+                            "segment_ids"]
+    np.testing.assert_array_equal(seen["decoder_positions"], [[0, 1, 0]])
+    assert float(loss) == pytest.approx(3 * math.log(5), rel=1e-6)

@@ -16,7 +16,7 @@ Typical use::
 """
 
 from transformer_jax.data.lm_iterators import LMIterator, MemoryLMIterator, StreamingLMIterator
-from transformer_jax.data.packing import Batch, pack_documents
+from transformer_jax.data.packing import Batch, check_packing, pack_documents
 from transformer_jax.data.pipeline import make_lm_iterator
 from transformer_jax.data.shuffle import permutation
 from transformer_jax.data.sources import default_data_dir, load_texts, open_source
@@ -57,6 +57,7 @@ __all__ = [
     "load_texts",
     "make_lm_iterator",
     "open_source",
+    "check_packing",
     "pack_documents",
     "permutation",
     "train_sentencepiece",

@@ -65,8 +65,9 @@ class LMIterator(Iterator[Batch], abc.ABC):
 
     def __init__(self, *, name: str, split: str, tokenizer: Tokenizer, seq_len: int,
                  batch_size: int, seed: int, shuffle: bool, repeat: bool, process_index: int,
-                 process_count: int, num_documents: int):
+                 process_count: int, num_documents: int, packing: str = "concatenate"):
         self.name, self.split = name, split
+        self.packing = packing
         self.tokenizer = tokenizer
         self.seq_len = seq_len
         self.global_batch_size = batch_size
@@ -81,6 +82,13 @@ class LMIterator(Iterator[Batch], abc.ABC):
                 f"dataset {name!r} split {split!r} is empty (0 documents); "
                 "prepare the dataset again or choose another dataset/split."
             )
+
+    def _batch(self, windows: np.ndarray, lengths: np.ndarray) -> Batch:
+        """The batch of windows (B, T+1) with ``lengths`` (B,) real tokens each."""
+        if self.packing == "document":
+            return batch_from_windows(windows, self.tokenizer.pad_id,
+                                      eos_id=self.tokenizer.eos_id, lengths=lengths)
+        return batch_from_windows(windows, self.tokenizer.pad_id)
 
     def _describe(self) -> str:
         return f"dataset {self.name!r} split {self.split!r}"
@@ -163,10 +171,13 @@ class MemoryLMIterator(LMIterator):
         windows[: len(window_ids)] = gather_windows(
             self._stream, window_ids, self.seq_len, self.tokenizer.pad_id
         )
+        lengths = np.zeros((b,), np.int64)
+        lengths[: len(window_ids)] = np.clip(
+            len(self._stream) - np.asarray(window_ids, np.int64) * self.seq_len, 0, self.seq_len + 1)
         self._index += 1
         if self.repeat and self._index == self.batches_per_epoch:
             self._epoch, self._index = self._epoch + 1, 0
-        return batch_from_windows(windows, self.tokenizer.pad_id)
+        return self._batch(windows, lengths)
 
     def get_state(self) -> dict[str, Any]:
         return {"mode": "memory", "epoch": self._epoch, "index": self._index}
@@ -297,10 +308,12 @@ class StreamingLMIterator(LMIterator):
         self._fill(needed)
         if self._buffered >= needed:
             tokens = self._take(needed, b * t)
+            real = needed
         elif not self.repeat and self._buffered >= 2:
             tokens = np.full((needed,), self.tokenizer.pad_id, np.int32)
             rest = self._take(self._buffered, self._buffered)
             tokens[: len(rest)] = rest
+            real = len(rest)
         else:
             if self._head == (0, 0, 0) and self._buffered == 0:
                 raise UserError(
@@ -309,7 +322,7 @@ class StreamingLMIterator(LMIterator):
                 )
             raise StopIteration
         windows = np.lib.stride_tricks.sliding_window_view(tokens, t + 1)[::t]
-        return batch_from_windows(windows, self.tokenizer.pad_id)
+        return self._batch(windows, np.clip(real - t * np.arange(b), 0, t + 1))
 
     def get_state(self) -> dict[str, Any]:
         epoch, doc_pos, offset = self._head

@@ -19,6 +19,13 @@ nothing: the last partial window is padded with ``pad_id`` and the last partial
 batch is filled with all-padding rows; padding has weight 0.  Attention is not
 masked between packed documents; ``eos`` marks where one ends.
 
+``packing="document"`` keeps the documents apart: each batch also holds ``segment_ids``
+and ``positions`` int32 (B, T) (the document of each input token within its window, from
+1, padding 0; its position from 0 at the start of its document's piece in the window), and
+an input eos, whose target starts the next document, weighs 0
+(:func:`transformer_jax.data.packing.document_fields`). The windows, the order and the
+iterator states are those of the default ``packing="concatenate"``.
+
 Two modes, one iterator class each (:mod:`transformer_jax.data.lm_iterators`), share one
 iterator API (:class:`~transformer_jax.data.lm_iterators.LMIterator`):
 
@@ -70,7 +77,7 @@ import numpy as np
 
 from transformer_jax import storage
 from transformer_jax.data.lm_iterators import LMIterator, MemoryLMIterator, StreamingLMIterator
-from transformer_jax.data.packing import token_stream
+from transformer_jax.data.packing import check_packing, token_stream
 from transformer_jax.data.sources import default_data_dir, iter_text_chunks, iter_texts, open_source
 from transformer_jax.data.tokenizers import Tokenizer, get_tokenizer
 from transformer_jax.errors import UserError
@@ -168,6 +175,7 @@ def make_lm_iterator(
     mode: str = "auto",
     cache: bool = True,
     max_tokens: int | None = None,
+    packing: str = "concatenate",
 ) -> LMIterator:
     """Returns an iterator of packed language-model batches.
 
@@ -193,10 +201,13 @@ def make_lm_iterator(
       max_tokens: use only the first ``max_tokens`` tokens of the split's token
         stream (its documents in the source's order, each followed by eos), in
         memory mode: nested subsets of one corpus, for data-scaling studies.
+      packing: ``"concatenate"`` (attention crosses documents) or ``"document"`` (the
+        batches also hold ``segment_ids`` and ``positions``; see the module docstring).
 
     Returns:
       An :class:`LMIterator` yielding ``{"inputs", "targets": int32 (B, T),
-      "weights": float32 (B, T)}`` with ``B = batch_size // process_count``.
+      "weights": float32 (B, T)}`` (``packing="document"``: also ``"segment_ids",
+      "positions": int32 (B, T)``) with ``B = batch_size // process_count``.
 
     Raises:
       UserError: bad arguments, or an empty split / one too small for a batch.
@@ -213,6 +224,7 @@ def make_lm_iterator(
         )
     if mode not in ("auto", "memory", "stream"):
         raise UserError(f"mode must be 'auto', 'memory' or 'stream', got {mode!r}")
+    check_packing(packing)
     tokenizer = get_tokenizer(tokenizer)
     data_dir = data_dir or default_data_dir()
     source, name = open_source(dataset, split, data_dir=data_dir)
@@ -228,7 +240,8 @@ def make_lm_iterator(
         stream = _load_or_build_stream(source, name, split, tokenizer, text_key, data_dir, cache)
     settings = dict(name=name, split=split, tokenizer=tokenizer, seq_len=seq_len,
                     batch_size=batch_size, seed=seed, shuffle=shuffle, repeat=repeat,
-                    process_index=process_index, process_count=process_count)
+                    process_index=process_index, process_count=process_count,
+                    packing=packing)
     if mode == "memory":
         return MemoryLMIterator(stream, num_documents=len(source), **settings)
     return StreamingLMIterator(source, text_key=text_key, **settings)

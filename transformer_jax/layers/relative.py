@@ -63,18 +63,31 @@ def relative_position_bucket(relative_position: Array, *, bidirectional: bool = 
 
 
 def relative_position_bias(table: Array, q_len: int, k_len: int, *, bidirectional: bool,
-                           max_distance: int = 128, q_offset: int | Array = 0) -> Array:
+                           max_distance: int = 128, q_offset: int | Array = 0,
+                           q_positions: Array | None = None,
+                           k_positions: Array | None = None) -> Array:
     """Additive attention bias (1, N, T, S) fp32 from a bucket table (R, N).
 
     Query ``i`` sits at absolute position ``q_offset + i`` (a decode step passes the number
     of cached positions) and key ``j`` at position ``j``; the bias of the pair is
-    ``table[bucket(j - (q_offset + i))]``.
+    ``table[bucket(j - (q_offset + i))]``. Given per-row positions ``q_positions`` (B, T)
+    and ``k_positions`` (B, S) (packed documents: they restart at each document), the pair's
+    bias is ``table[bucket(k_positions[b, j] - q_positions[b, i])]``, (B, N, T, S).
     """
     if table.ndim != 2:
         raise UserError(f"relative position bias table must be (num_buckets, heads); got {table.shape}")
-    q_pos = jnp.arange(q_len, dtype=jnp.int32)[:, None] + jnp.asarray(q_offset, jnp.int32)
-    k_pos = jnp.arange(k_len, dtype=jnp.int32)[None, :]
+    if (q_positions is None) != (k_positions is None):
+        raise UserError("relative_position_bias needs both q_positions and k_positions, or "
+                        "neither")
+    if q_positions is not None:
+        q_pos = jnp.asarray(q_positions, jnp.int32)[:, :, None]            # (B, T, 1)
+        k_pos = jnp.asarray(k_positions, jnp.int32)[:, None, :]            # (B, 1, S)
+    else:
+        q_pos = jnp.arange(q_len, dtype=jnp.int32)[:, None] + jnp.asarray(q_offset, jnp.int32)
+        k_pos = jnp.arange(k_len, dtype=jnp.int32)[None, :]
     buckets = relative_position_bucket(k_pos - q_pos, bidirectional=bidirectional,
                                        num_buckets=table.shape[0], max_distance=max_distance)
-    values = jnp.take(table.astype(jnp.float32), buckets, axis=0)          # (T, S, N)
+    values = jnp.take(table.astype(jnp.float32), buckets, axis=0)          # ([B,] T, S, N)
+    if q_positions is not None:
+        return jnp.transpose(values, (0, 3, 1, 2))                         # (B, N, T, S)
     return jnp.transpose(values, (2, 0, 1))[None]                          # (1, N, T, S)

@@ -377,17 +377,60 @@ def running_position(module: Any, t: int, decode: bool):
     return start
 
 
+def check_segment_ids(name: str, segment_ids, shape: tuple[int, int], decode: bool = False):
+    """Packed documents: ``segment_ids`` (B, T) int32 of the tokens of ``shape`` (B, T), or
+    None; a UserError with ``decode`` (a KV cache holds one sequence per row) or a bad shape."""
+    if segment_ids is None:
+        return None
+    if decode:
+        raise UserError(f"{name} (packed documents) are for training and scoring, not for "
+                        "decode=True: a KV cache holds one sequence per row; decode each "
+                        "document in its own row")
+    segment_ids = jnp.asarray(segment_ids)
+    if tuple(segment_ids.shape) != tuple(shape) or not jnp.issubdtype(segment_ids.dtype,
+                                                                      jnp.integer):
+        raise UserError(f"{name} must be integers of the tokens' shape {tuple(shape)} (one "
+                        f"document id per token); got {segment_ids.dtype} "
+                        f"{tuple(segment_ids.shape)}")
+    return segment_ids.astype(jnp.int32)
+
+
+def check_positions(name: str, positions, shape: tuple[int, int]):
+    """Per-token ``positions`` (B, T) int32 of the tokens of ``shape`` (B, T), or None."""
+    if positions is None:
+        return None
+    positions = jnp.asarray(positions)
+    if tuple(positions.shape) != tuple(shape) or not jnp.issubdtype(positions.dtype, jnp.integer):
+        raise UserError(f"{name} must be integers of the tokens' shape {tuple(shape)}; got "
+                        f"{positions.dtype} {tuple(positions.shape)}")
+    return positions.astype(jnp.int32)
+
+
+def check_packed_decoder(segment_ids, memory_segment_ids, shape, memory_shape, decode: bool):
+    """An encoder-decoder's packed documents: the targets' ``segment_ids`` (B, T) and the
+    source's ``memory_segment_ids`` (B, S), both or neither, checked (not with decode)."""
+    if (segment_ids is None) != (memory_segment_ids is None):
+        raise UserError("packed documents need segment ids for both the source (segment_ids "
+                        "of the encoder) and the targets (decoder_segment_ids), or neither")
+    return (check_segment_ids("decoder_segment_ids", segment_ids, shape, decode),
+            check_segment_ids("segment_ids", memory_segment_ids, memory_shape, decode))
+
+
 def encode_then_decode(model: Any, input_ids, decoder_input_ids, attention_mask,
-                       decoder_attention_mask, deterministic: bool):
-    """An encoder-decoder's ``__call__``: checked ids, ``model.encode``, ``model.decode``."""
+                       decoder_attention_mask, deterministic: bool, *, segment_ids=None,
+                       positions=None, decoder_segment_ids=None, decoder_positions=None):
+    """An encoder-decoder's ``__call__``: checked ids, ``model.encode``, ``model.decode``
+    (packed documents: the source's and the targets' segment ids and positions)."""
     input_ids = check_ids("input_ids", input_ids)
     decoder_input_ids = check_ids("decoder_input_ids", decoder_input_ids)
     if input_ids.shape[0] != decoder_input_ids.shape[0]:
         raise UserError(f"input_ids {tuple(input_ids.shape)} and decoder_input_ids "
                         f"{tuple(decoder_input_ids.shape)} have different batch sizes")
-    encoded = model.encode(input_ids, attention_mask, deterministic=deterministic)
+    encoded = model.encode(input_ids, attention_mask, deterministic=deterministic,
+                           segment_ids=segment_ids, positions=positions)
     return model.decode(decoder_input_ids, encoded, attention_mask, decoder_attention_mask,
-                        deterministic=deterministic)
+                        deterministic=deterministic, segment_ids=decoder_segment_ids,
+                        positions=decoder_positions, memory_segment_ids=segment_ids)
 
 
 def to_config_layout(params: dict, config: Any) -> dict:

@@ -59,7 +59,7 @@ from ..layers.masks import key_padding_mask
 from ..layers.mlp import ACTIVATIONS
 from ..layers.norms import LayerNorm
 from ..layers.stack import layer_stack
-from .base import EfficientAttentionConfig, PresetConfig, check_id_values
+from .base import EfficientAttentionConfig, PresetConfig, check_id_values, check_segment_ids
 
 Array = jax.Array
 
@@ -206,7 +206,7 @@ class BertEncoder(nn.Module):
     @nn.compact
     def __call__(self, input_ids: Array, token_type_ids: Array | None = None,
                  attention_mask: Array | None = None, position_ids: Array | None = None, *,
-                 deterministic: bool = True):
+                 deterministic: bool = True, segment_ids: Array | None = None):
         cfg = self.config
         dtype, param_dtype = canonical_dtype(cfg.dtype), canonical_dtype(cfg.param_dtype)
         input_ids = jnp.asarray(input_ids)
@@ -227,6 +227,7 @@ class BertEncoder(nn.Module):
                                  ("token_type_ids", token_type_ids, "type_vocab_size"),
                                  ("position_ids", position_ids, "max_len")):
             check_id_values(name, ids, cfg, field)
+        segment_ids = check_segment_ids("segment_ids", segment_ids, (b, t))
         init = nn.initializers.normal(cfg.initializer_range)
         token_type_ids = (jnp.zeros((b, t), jnp.int32) if token_type_ids is None
                           else jnp.asarray(token_type_ids))
@@ -256,7 +257,8 @@ class BertEncoder(nn.Module):
             attention_pattern=cfg.attention_pattern, dtype=dtype, param_dtype=param_dtype,
             kernel_init=init, cpu_tuning=cfg.cpu_tuning)
         x = layer_stack(EncoderBlock, fields, cfg.num_layers, x, name="layer",
-                        operands={"mask": mask}, static={"deterministic": deterministic},
+                        operands={"mask": mask, "segment_ids": segment_ids},
+                        static={"deterministic": deterministic},
                         scan=cfg.scan_layers, remat=cfg.remat, remat_policy=cfg.remat_policy)
 
         pooled = None
@@ -274,7 +276,9 @@ class Bert(nn.Module):
 
     ``apply(variables, input_ids, token_type_ids=None, attention_mask=None, position_ids=None,
     deterministic=True)``; ``attention_mask`` (B, T) has 1 for real tokens (HF convention),
-    ``token_type_ids`` default to 0, ``position_ids`` to ``arange(T)``.
+    ``token_type_ids`` default to 0, ``position_ids`` to ``arange(T)``. Packed documents:
+    ``segment_ids`` (B, T) int (a token attends only to its own document) with
+    ``position_ids`` restarting at each document (the pooler reads the first token of a row).
     """
     config: BertConfig
 
@@ -282,13 +286,13 @@ class Bert(nn.Module):
     @nn.compact
     def __call__(self, input_ids: Array, token_type_ids: Array | None = None,
                  attention_mask: Array | None = None, position_ids: Array | None = None, *,
-                 deterministic: bool = True):
+                 deterministic: bool = True, segment_ids: Array | None = None):
         cfg = self.config
         dtype, param_dtype = canonical_dtype(cfg.dtype), canonical_dtype(cfg.param_dtype)
         init = nn.initializers.normal(cfg.initializer_range)
         bert = BertEncoder(cfg, add_pooling_layer=cfg.has_pooler, name="bert")
         sequence, pooled = bert(input_ids, token_type_ids, attention_mask, position_ids,
-                                deterministic=deterministic)
+                                deterministic=deterministic, segment_ids=segment_ids)
         if cfg.head == "base":
             return sequence, pooled
         if cfg.head == "classification":

@@ -56,7 +56,8 @@ from ..layers.mlp import ACTIVATIONS, FeedForward
 from ..layers.multi_head import MultiHeadAttention
 from ..layers.norms import make_norm
 from ..layers.stack import layer_stack
-from .base import PresetConfig, check_causal_lm_mask, check_ids, running_position
+from .base import (PresetConfig, check_causal_lm_mask, check_ids, check_segment_ids,
+                   running_position)
 
 Array = jax.Array
 
@@ -186,8 +187,10 @@ class GemmaBlock(nn.Module):
     local: bool = False
 
     def forward(self, x: Array, mask: Array | None = None, positions: Array | None = None, *,
-                deterministic: bool = True, decode: bool = False) -> Array:
-        """x (B, T, D) -> (B, T, D); mask (B, 1, 1, S) of real keys; positions (B, T)."""
+                deterministic: bool = True, decode: bool = False,
+                segment_ids: Array | None = None) -> Array:
+        """x (B, T, D) -> (B, T, D); mask (B, 1, 1, S) of real keys; positions (B, T);
+        segment_ids (B, T) of packed documents."""
         cfg = self.config
         dtype, param_dtype = canonical_dtype(cfg.dtype), canonical_dtype(cfg.param_dtype)
         init = nn.initializers.normal(cfg.initializer_range)
@@ -209,7 +212,7 @@ class GemmaBlock(nn.Module):
         drop = nn.Dropout(cfg.dropout_rate)
         x = residual(x, cfg.cpu_tuning)
         y = attn(norm("input_norm")(x), mask=mask, causal=True, positions=positions,
-                 deterministic=deterministic, decode=decode)
+                 deterministic=deterministic, decode=decode, segment_ids=segment_ids)
         x = x + drop(norm("post_attn_norm")(y), deterministic=deterministic)
         self.sow("intermediates", "+sa", x)
         x = residual(x, cfg.cpu_tuning)
@@ -220,8 +223,10 @@ class GemmaBlock(nn.Module):
         return x
 
     @nn.compact
-    def __call__(self, x, mask=None, positions=None, *, deterministic=True, decode=False):
-        return self.forward(x, mask, positions, deterministic=deterministic, decode=decode)
+    def __call__(self, x, mask=None, positions=None, *, deterministic=True, decode=False,
+                 segment_ids=None):
+        return self.forward(x, mask, positions, deterministic=deterministic, decode=decode,
+                            segment_ids=segment_ids)
 
 
 class Gemma(nn.Module):
@@ -232,8 +237,9 @@ class Gemma(nn.Module):
     @nn.compact
     def __call__(self, input_ids: Array, attention_mask: Array | None = None,
                  position_ids: Array | None = None, *, deterministic: bool = True,
-                 decode: bool = False) -> Array:
-        """input_ids (B, T) int; attention_mask (B, S) with 1 = real token (HF convention).
+                 decode: bool = False, segment_ids: Array | None = None) -> Array:
+        """input_ids (B, T) int; attention_mask (B, S) with 1 = real token (HF convention);
+        packed documents: ``segment_ids`` (B, T) with ``position_ids`` restarting per document.
 
         As ``GPT``: without ``decode`` S = T and the layers attend causally; with
         ``decode=True`` (a KV cache in the ``cache`` collection) ``attention_mask`` covers
@@ -243,6 +249,7 @@ class Gemma(nn.Module):
         dtype, param_dtype = canonical_dtype(cfg.dtype), canonical_dtype(cfg.param_dtype)
         b, t = self._check_inputs(input_ids, attention_mask, decode)
         input_ids = check_ids("input_ids", input_ids, cfg)
+        segment_ids = check_segment_ids("segment_ids", segment_ids, (b, t), decode)
         init = nn.initializers.normal(cfg.initializer_range)
         wte = Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=param_dtype,
                     embedding_init=init, cpu_tuning=cfg.cpu_tuning, name="wte")
@@ -256,7 +263,8 @@ class Gemma(nn.Module):
         x = nn.with_logical_constraint(x, ("act_batch", "act_length", "act_embed"))
         mask = None if attention_mask is None else key_padding_mask(attention_mask)
         x = layer_stack(GemmaBlock, {"config": cfg}, cfg.num_layers, x, name="h",
-                        operands={"mask": mask, "positions": position_ids},
+                        operands={"mask": mask, "positions": position_ids,
+                                  "segment_ids": segment_ids},
                         static={"deterministic": deterministic, "decode": decode},
                         remat=cfg.remat, remat_policy=cfg.remat_policy,
                         per_layer=[{"local": k == "local"} for k in cfg.layer_kinds])

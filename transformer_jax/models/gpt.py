@@ -41,7 +41,7 @@ from ..layers.mlp import ACTIVATIONS
 from ..layers.norms import make_norm
 from ..layers.stack import layer_stack
 from .base import (EfficientAttentionConfig, PresetConfig, check_causal_lm_mask, check_id_values,
-                   check_ids, running_position)
+                   check_ids, check_segment_ids, running_position)
 
 Array = jax.Array
 
@@ -232,7 +232,7 @@ class GPT(nn.Module):
     @nn.compact
     def __call__(self, input_ids: Array, attention_mask: Array | None = None,
                  position_ids: Array | None = None, *, deterministic: bool = True,
-                 decode: bool = False) -> Array:
+                 decode: bool = False, segment_ids: Array | None = None) -> Array:
         """input_ids (B, T) int; attention_mask (B, S) with 1 = real token (HF convention).
 
         Without ``decode``, S = T and the layers attend causally (``causal=True``: the
@@ -240,6 +240,10 @@ class GPT(nn.Module):
         (a KV cache in the ``cache`` collection), ``attention_mask`` covers the whole cache
         length S_max and the attention layers add the causal part themselves;
         ``position_ids`` default to the running cache position.
+
+        Packed documents: ``segment_ids`` (B, T) int (a token attends only to the earlier
+        tokens of its own segment; not with ``decode``) with ``position_ids`` restarting at
+        each document (``data.packing.document_fields``).
 
         Concrete ids outside [0, vocab_size) (learned positions: [0, max_len)) raise a
         UserError; under jit only inside ``models.checked`` (see ``models/__init__.py``).
@@ -255,6 +259,7 @@ class GPT(nn.Module):
         dtype, param_dtype = canonical_dtype(cfg.dtype), canonical_dtype(cfg.param_dtype)
         b, t = self._check_inputs(input_ids, attention_mask, decode)
         input_ids = check_ids("input_ids", input_ids, cfg)     # in [0, vocab_size) (base.py)
+        segment_ids = check_segment_ids("segment_ids", segment_ids, (b, t), decode)
         if cfg.position == "learned":
             check_id_values("position_ids", position_ids, cfg, "max_len")
         prefix = cfg.prefix_tokens               # prefix tuning: tokens numbered from P
@@ -280,7 +285,7 @@ class GPT(nn.Module):
         x = nn.with_logical_constraint(x, ("act_batch", "act_length", "act_embed"))
         mask = None if attention_mask is None else key_padding_mask(attention_mask)
         x = self._layers(x, mask, position_ids if cfg.position == "rope" else None,
-                         deterministic, decode)
+                         deterministic, decode, segment_ids)
         x = make_norm(cfg.norm, cfg.norm_eps, dtype, param_dtype, name="ln_f")(x)
         if cfg.tie_embeddings:
             return wte.attend(x)
@@ -303,7 +308,8 @@ class GPT(nn.Module):
         check_causal_lm_mask(attention_mask, b, t, decode)
         return b, t
 
-    def _layers(self, x, mask, rope_positions, deterministic: bool, decode: bool) -> Array:
+    def _layers(self, x, mask, rope_positions, deterministic: bool, decode: bool,
+                segment_ids=None) -> Array:
         """The pre-norm decoder blocks (no cross-attention), causal; the mask holds padding."""
         cfg = self.config
         # GPT-2: residual projections scaled by 1/sqrt(2L) at init.
@@ -322,7 +328,8 @@ class GPT(nn.Module):
             kernel_init=nn.initializers.normal(cfg.initializer_range), out_kernel_init=out_init,
             cpu_tuning=cfg.cpu_tuning, cross_attention=False, prefix_tokens=cfg.prefix_tokens)
         return layer_stack(DecoderBlock, fields, cfg.num_layers, x, name="h",
-                           operands={"self_mask": mask, "positions": rope_positions},
+                           operands={"self_mask": mask, "positions": rope_positions,
+                                     "segment_ids": segment_ids},
                            static={"causal": True, "deterministic": deterministic,
                                    "decode": decode},
                            scan=cfg.scan_layers, remat=cfg.remat, remat_policy=cfg.remat_policy)

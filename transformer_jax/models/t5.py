@@ -60,7 +60,7 @@ from ..layers.norms import RMSNorm
 from ..layers.relative import relative_position_bias
 from ..layers.stack import layer_stack
 from .base import (EncoderDecoderConfig, PresetConfig, check_decoder_inputs, check_ids,
-                   encode_then_decode)
+                   check_packed_decoder, check_positions, check_segment_ids, encode_then_decode)
 
 Array = jax.Array
 
@@ -195,8 +195,9 @@ class T5Stack(nn.Module):
         layer = cache["layers"] if self.config.scan_layers else cache["layers_0"]
         return layer["self_attn"]["cached_key"].shape[-2]               # (..., N, L, H)
 
-    def _position_bias(self, t: int, decode: bool) -> Array:
-        """The relative position bias (1, N, T, S), computed once and shared by every layer."""
+    def _position_bias(self, t: int, decode: bool, positions: Array | None = None) -> Array:
+        """The relative position bias (1, N, T, S), computed once and shared by every layer;
+        from per-row ``positions`` (B, T) (packed documents), (B, N, T, T)."""
         cfg = self.config
         table = self.param(
             "relative_attention_bias",
@@ -214,26 +215,33 @@ class T5Stack(nn.Module):
                 index.value = index.value + t
         return relative_position_bias(table, t, k_len, bidirectional=not self.is_decoder,
                                       max_distance=cfg.relative_attention_max_distance,
-                                      q_offset=q_offset)
+                                      q_offset=q_offset, q_positions=positions,
+                                      k_positions=positions)
 
     @nn.compact
     def __call__(self, x: Array, mask: Array | None = None, memory: Array | None = None,
                  memory_mask: Array | None = None, *, deterministic: bool = True,
-                 decode: bool = False) -> Array:
-        """x (B, T, D) embeddings; mask (B|1, 1, T|1, T) bool; memory (B, S, D) -> (B, T, D)."""
+                 decode: bool = False, positions: Array | None = None,
+                 segment_ids: Array | None = None,
+                 memory_segment_ids: Array | None = None) -> Array:
+        """x (B, T, D) embeddings; mask (B|1, 1, T|1, T) bool; memory (B, S, D) -> (B, T, D).
+        Packed documents: ``segment_ids`` (B, T), ``positions`` (B, T) restarting at each
+        document, and the decoder's ``memory_segment_ids`` (B, S)."""
         cfg = self.config
-        bias = self._position_bias(x.shape[1], decode)
+        bias = self._position_bias(x.shape[1], decode, positions)
         x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
         stack = dict(scan=cfg.scan_layers, remat=cfg.remat, remat_policy=cfg.remat_policy)
         if self.is_decoder:
             x = layer_stack(DecoderBlock, block_fields(cfg), cfg.decoder_layers, x, name="layers",
                             operands={"memory": memory, "self_mask": mask,
-                                      "cross_mask": memory_mask, "self_bias": bias},
+                                      "cross_mask": memory_mask, "self_bias": bias,
+                                      "segment_ids": segment_ids,
+                                      "memory_segment_ids": memory_segment_ids},
                             static={"causal": True, "deterministic": deterministic,
                                     "decode": decode}, **stack)
         else:
             x = layer_stack(EncoderBlock, block_fields(cfg), cfg.num_layers, x, name="layers",
-                            operands={"mask": mask, "bias": bias},
+                            operands={"mask": mask, "bias": bias, "segment_ids": segment_ids},
                             static={"deterministic": deterministic}, **stack)
         x = RMSNorm(eps=cfg.norm_eps, dtype=canonical_dtype(cfg.dtype),
                     param_dtype=canonical_dtype(cfg.param_dtype), name="final_norm")(x)
@@ -258,6 +266,9 @@ class T5(nn.Module):
     ``attention_mask`` (B, S): 1 = real source token, 0 = padding (HF convention); it masks
     the encoder's self-attention and the decoder's cross-attention. ``decoder_attention_mask``
     (B, T) optionally masks padded decoder keys (right padding needs none: attention is causal).
+    Packed documents: ``segment_ids``/``positions`` (B, S) of the source tokens and
+    ``decoder_segment_ids``/``decoder_positions`` (B, T) of the targets (the k-th source and
+    target documents share an id; positions restart at each document); not with decode.
     """
     config: T5Config
 
@@ -278,33 +289,49 @@ class T5(nn.Module):
     @with_lora
     def __call__(self, input_ids: Array, decoder_input_ids: Array,
                  attention_mask: Array | None = None, decoder_attention_mask: Array | None = None,
-                 *, deterministic: bool = True) -> Array:
+                 *, deterministic: bool = True, segment_ids: Array | None = None,
+                 positions: Array | None = None, decoder_segment_ids: Array | None = None,
+                 decoder_positions: Array | None = None) -> Array:
         return encode_then_decode(self, input_ids, decoder_input_ids, attention_mask,
-                                  decoder_attention_mask, deterministic)
+                                  decoder_attention_mask, deterministic,
+                                  segment_ids=segment_ids, positions=positions,
+                                  decoder_segment_ids=decoder_segment_ids,
+                                  decoder_positions=decoder_positions)
 
     @with_lora
     def encode(self, input_ids: Array, attention_mask: Array | None = None, *,
-               deterministic: bool = True) -> Array:
+               deterministic: bool = True, segment_ids: Array | None = None,
+               positions: Array | None = None) -> Array:
         """input_ids (B, S) -> encoder output (B, S, D)."""
         input_ids = check_ids("input_ids", input_ids, self.config)   # in [0, vocab_size)
+        segment_ids = check_segment_ids("segment_ids", segment_ids, input_ids.shape)
+        positions = check_positions("positions", positions, input_ids.shape)
         attention_mask = _check_mask("attention_mask", attention_mask, input_ids, "input_ids")
         mask = None if attention_mask is None else key_padding_mask(attention_mask)
         x = self.shared(input_ids)
         x = nn.with_logical_constraint(x, ("act_batch", "act_length", "act_embed"))
-        return self.encoder(x, mask, deterministic=deterministic)
+        return self.encoder(x, mask, deterministic=deterministic, positions=positions,
+                            segment_ids=segment_ids)
 
     @with_lora
     def decode(self, decoder_input_ids: Array, encoded: Array, attention_mask: Array | None = None,
                decoder_attention_mask: Array | None = None, *, deterministic: bool = True,
-               decode: bool = False) -> Array:
+               decode: bool = False, segment_ids: Array | None = None,
+               positions: Array | None = None,
+               memory_segment_ids: Array | None = None) -> Array:
         """decoder_input_ids (B, T), encoder output (B, S, D) -> logits (B, T, V) fp32.
 
         ``attention_mask`` (B, S) is the *source* padding mask. With ``decode=True`` the
         tokens are appended to the KV cache (``decoder_attention_mask`` must then be None).
+        Packed documents: the targets' ``segment_ids``/``positions`` (B, T) and the source's
+        ``memory_segment_ids`` (B, S).
         """
         cfg = self.config
         decoder_input_ids = check_decoder_inputs(decoder_input_ids, encoded,
                                                  decoder_attention_mask, decode, self.config)
+        segment_ids, memory_segment_ids = check_packed_decoder(
+            segment_ids, memory_segment_ids, decoder_input_ids.shape, encoded.shape[:2], decode)
+        positions = check_positions("positions", positions, decoder_input_ids.shape)
         if attention_mask is not None and tuple(jnp.shape(attention_mask)) != encoded.shape[:2]:
             raise UserError(f"attention_mask must be (B, S) = {encoded.shape[:2]}, the source "
                             f"padding mask; got {tuple(jnp.shape(attention_mask))}")
@@ -315,7 +342,8 @@ class T5(nn.Module):
         x = self.shared(decoder_input_ids)
         x = nn.with_logical_constraint(x, ("act_batch", "act_length", "act_embed"))
         x = self.decoder(x, self_mask, encoded, memory_mask, deterministic=deterministic,
-                         decode=decode)
+                         decode=decode, positions=positions, segment_ids=segment_ids,
+                         memory_segment_ids=memory_segment_ids)
         if cfg.scales_output:
             x = x * jnp.asarray(cfg.d_model ** -0.5, x.dtype)
         if cfg.tie_embeddings:

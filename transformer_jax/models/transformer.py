@@ -60,7 +60,7 @@ from ..layers.mlp import ACTIVATIONS
 from ..layers.norms import LayerNorm
 from ..layers.stack import layer_stack
 from .base import (EncoderDecoderConfig, PresetConfig, check_decoder_inputs, check_ids,
-                   encode_then_decode)
+                   check_packed_decoder, check_positions, check_segment_ids, encode_then_decode)
 
 Array = jax.Array
 
@@ -159,8 +159,12 @@ class TransformerStack(nn.Module):
     @nn.compact
     def __call__(self, x: Array, mask: Array | None = None, memory: Array | None = None,
                  memory_mask: Array | None = None, *, deterministic: bool = True,
-                 decode: bool = False) -> Array:
-        """x (B, T, D) scaled token embeddings; mask (B, 1, 1, T) key padding -> (B, T, D)."""
+                 decode: bool = False, positions: Array | None = None,
+                 segment_ids: Array | None = None,
+                 memory_segment_ids: Array | None = None) -> Array:
+        """x (B, T, D) scaled token embeddings; mask (B, 1, 1, T) key padding -> (B, T, D).
+        Packed documents: ``segment_ids`` (B, T), ``positions`` (B, T) restarting at each
+        document (rows of the sinusoid table), and the decoder's ``memory_segment_ids``."""
         cfg = self.config
         dtype, param_dtype = canonical_dtype(cfg.dtype), canonical_dtype(cfg.param_dtype)
         t, d = x.shape[1], x.shape[2]
@@ -177,7 +181,10 @@ class TransformerStack(nn.Module):
             raise UserError(f"sequence length {t} exceeds the model's max_len={cfg.max_len}; "
                             "shorten the input or use a config with a larger max_len")
         table = sinusoidal_table(cfg.max_len, d)                                  # (P, D) fp32
-        pe = jax.lax.dynamic_slice_in_dim(table, offset, t, axis=0)               # (T, D)
+        if positions is None:
+            pe = jax.lax.dynamic_slice_in_dim(table, offset, t, axis=0)           # (T, D)
+        else:
+            pe = jnp.take(table, jnp.clip(positions, 0, cfg.max_len - 1), axis=0)  # (B, T, D)
         x = (x.astype(jnp.float32) + pe).astype(dtype)
         x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
         x = nn.with_logical_constraint(x, ("act_batch", "act_length", "act_embed"))
@@ -192,13 +199,14 @@ class TransformerStack(nn.Module):
         if self.is_decoder:
             x = layer_stack(DecoderBlock, fields, cfg.decoder_layers, x, name="layers",
                             operands={"memory": memory, "self_mask": mask,
-                                      "cross_mask": memory_mask},
+                                      "cross_mask": memory_mask, "segment_ids": segment_ids,
+                                      "memory_segment_ids": memory_segment_ids},
                             static={"causal": True, "deterministic": deterministic,
                                     "decode": decode}, **stack)
         else:
             x = layer_stack(EncoderBlock, fields, cfg.num_layers, x, name="layers",
-                            operands={"mask": mask}, static={"deterministic": deterministic},
-                            **stack)
+                            operands={"mask": mask, "segment_ids": segment_ids},
+                            static={"deterministic": deterministic}, **stack)
         if cfg.has_final_norm:
             x = LayerNorm(eps=cfg.norm_eps, dtype=dtype, param_dtype=param_dtype, name="norm")(x)
         return x
@@ -223,6 +231,9 @@ class Transformer(nn.Module):
     Masks are (B, S) / (B, T) validity (1 = real token, 0 = padding); None = no padding.
     ``attention_mask`` masks the encoder's self-attention and the decoder's cross-attention;
     ``decoder_attention_mask`` masks padded decoder keys (the causal mask is always applied).
+    Packed documents: ``segment_ids``/``positions`` (B, S) of the source tokens and
+    ``decoder_segment_ids``/``decoder_positions`` (B, T) of the targets (the k-th source and
+    target documents share an id; positions restart at each document); not with decode.
     """
     config: TransformerConfig
 
@@ -247,34 +258,51 @@ class Transformer(nn.Module):
     @with_lora
     def __call__(self, input_ids: Array, decoder_input_ids: Array,
                  attention_mask: Array | None = None, decoder_attention_mask: Array | None = None,
-                 *, deterministic: bool = True) -> Array:
+                 *, deterministic: bool = True, segment_ids: Array | None = None,
+                 positions: Array | None = None, decoder_segment_ids: Array | None = None,
+                 decoder_positions: Array | None = None) -> Array:
         return encode_then_decode(self, input_ids, decoder_input_ids, attention_mask,
-                                  decoder_attention_mask, deterministic)
+                                  decoder_attention_mask, deterministic,
+                                  segment_ids=segment_ids, positions=positions,
+                                  decoder_segment_ids=decoder_segment_ids,
+                                  decoder_positions=decoder_positions)
 
     @with_lora
     def encode(self, input_ids: Array, attention_mask: Array | None = None, *,
-               deterministic: bool = True) -> Array:
+               deterministic: bool = True, segment_ids: Array | None = None,
+               positions: Array | None = None) -> Array:
         """input_ids (B, S) -> encoder output (B, S, D)."""
         input_ids = check_ids("input_ids", input_ids, self.config)   # in [0, vocab_size)
         mask = _padding("attention_mask", attention_mask, input_ids.shape)
-        return self.encoder(self._embed(input_ids), mask, deterministic=deterministic)
+        return self.encoder(self._embed(input_ids), mask, deterministic=deterministic,
+                            segment_ids=check_segment_ids("segment_ids", segment_ids,
+                                                          input_ids.shape),
+                            positions=check_positions("positions", positions, input_ids.shape))
 
     @with_lora
     def decode(self, decoder_input_ids: Array, encoded: Array, attention_mask: Array | None = None,
                decoder_attention_mask: Array | None = None, *, deterministic: bool = True,
-               decode: bool = False) -> Array:
+               decode: bool = False, segment_ids: Array | None = None,
+               positions: Array | None = None,
+               memory_segment_ids: Array | None = None) -> Array:
         """decoder_input_ids (B, T), encoder output (B, S, D) -> logits (B, T, V) fp32.
 
         ``attention_mask`` (B, S) is the *source* padding mask. With ``decode=True`` the
         tokens are appended to the KV cache (``decoder_attention_mask`` must then be None).
+        Packed documents: the targets' ``segment_ids``/``positions`` (B, T) and the source's
+        ``memory_segment_ids`` (B, S).
         """
         decoder_input_ids = check_decoder_inputs(decoder_input_ids, encoded,
                                                  decoder_attention_mask, decode, self.config)
+        segment_ids, memory_segment_ids = check_packed_decoder(
+            segment_ids, memory_segment_ids, decoder_input_ids.shape, encoded.shape[:2], decode)
+        positions = check_positions("positions", positions, decoder_input_ids.shape)
         self_mask = _padding("decoder_attention_mask", decoder_attention_mask,
                              decoder_input_ids.shape)
         memory_mask = _padding("attention_mask", attention_mask, encoded.shape[:2])
         x = self.decoder(self._embed(decoder_input_ids), self_mask, encoded, memory_mask,
-                         deterministic=deterministic, decode=decode)
+                         deterministic=deterministic, decode=decode, positions=positions,
+                         segment_ids=segment_ids, memory_segment_ids=memory_segment_ids)
         if self.config.tie_embeddings:
             return self.embed.attend(x)
         return self.lm_head(x).astype(jnp.float32)

@@ -65,11 +65,13 @@ class PadAsEos:
 class LMTask(Task):
     """Decoder-only LM. Option ``train_tokens``: train on the first N tokens of the train
     split only (nested subsets, for data-scaling studies; None: all of it); ``text_key``:
-    the documents' text field (default ``text``). The tokenizer, the dataset and the lengths
-    are config fields."""
+    the documents' text field (default ``text``); ``packing``: ``concatenate`` (documents
+    joined by eos, attention across them) or ``document`` (segment ids and positions per
+    document: each document is trained on as if alone in its row). The tokenizer, the
+    dataset and the lengths are config fields."""
     name = "lm"
     MODELS = ("gpt", "gemma")
-    OPTIONS = {"train_tokens": None, "text_key": "text"}
+    OPTIONS = {"train_tokens": None, "text_key": "text", "packing": "concatenate"}
     loss_fn = staticmethod(lm_loss)
     ID_FIELDS = {"inputs": "vocab_size", "targets": "vocab_size"}
     PERPLEXITY = {"loss": "ppl"}   # eval_ppl: per next token
@@ -87,6 +89,10 @@ class LMTask(Task):
         if not isinstance(self.options["text_key"], str):
             raise UserError(f"task.text_key={self.options['text_key']!r} must be the name of "
                             "the documents' text field, e.g. text or content")
+        data_lib.check_packing(self.options["packing"], "task.packing")
+        if self.options["packing"] == "document":
+            self.BATCH = {**self.BATCH, "segment_ids": ("int32", ("T",)),
+                          "positions": ("int32", ("T",))}
         self.tokenizer, self.tokenizer_spec = self._tokenizer(spec)
         self.eos_id, self.pad_id = lm_special_ids(self.tokenizer)
         limit = self.options["train_tokens"]
@@ -126,7 +132,8 @@ class LMTask(Task):
             batch_size=cfg.batch_size, seed=cfg.seed, shuffle=train, repeat=train,
             data_dir=cfg.data_dir, process_index=process_index, process_count=process_count,
             text_key=self.options["text_key"],
-            max_tokens=self.options["train_tokens"] if train else None)
+            max_tokens=self.options["train_tokens"] if train else None,
+            packing=self.options["packing"])
         return PadAsEos(it, self.pad_id) if same else it
 
     def init_args(self):

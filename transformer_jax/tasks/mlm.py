@@ -50,7 +50,7 @@ from .. import data as data_lib
 from .. import storage
 from ..data.shuffle import MASK64, fold_key, grid_hashes, hash_uniform
 from ..errors import UserError
-from ..losses import token_loss
+from ..losses import packed_kwargs, token_loss
 from .base import Task, register_task
 
 
@@ -292,9 +292,10 @@ class MLMIterator(Iterator[dict]):
 
 
 def mlm_loss(apply_fn, params, batch, rngs, deterministic: bool, smoothing: float):
-    """MLM cross-entropy over the selected positions (``weights``), summed."""
+    """MLM cross-entropy over the selected positions (``weights``), summed; packed documents
+    (a batch with ``segment_ids`` and ``positions``) pass them on."""
     out = apply_fn({"params": params}, batch["input_ids"], None, batch["attention_mask"],
-                   deterministic=deterministic, rngs=rngs)
+                   deterministic=deterministic, rngs=rngs, **packed_kwargs(batch))
     logits = out["mlm_logits"] if isinstance(out, Mapping) else out
     return token_loss(logits, batch["targets"], batch["weights"], smoothing)
 

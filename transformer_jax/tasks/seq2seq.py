@@ -239,9 +239,13 @@ class PairIterator(EpochIterator):
 
 
 def seq2seq_loss(apply_fn, params, batch, rngs, deterministic: bool, smoothing: float):
-    """Teacher-forced cross-entropy: ``model(inputs, targets, input_mask)`` vs ``labels``."""
+    """Teacher-forced cross-entropy: ``model(inputs, targets, input_mask)`` vs ``labels``;
+    packed pairs (a batch with ``segment_ids``/``positions`` (B, S) of the inputs and
+    ``decoder_segment_ids``/``decoder_positions`` (B, T) of the targets) pass them on."""
+    packed = {key: batch[key] for key in ("segment_ids", "positions", "decoder_segment_ids",
+                                          "decoder_positions") if key in batch}
     logits = apply_fn({"params": params}, batch["inputs"], batch["targets"], batch["input_mask"],
-                      deterministic=deterministic, rngs=rngs)
+                      deterministic=deterministic, rngs=rngs, **packed)
     return token_loss(logits, batch["labels"], batch["weights"], smoothing)
 
 
