@@ -49,6 +49,9 @@ import re
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as _splash
+from jax.experimental.pallas.ops.tpu.splash_attention import (
+    splash_attention_mask_info as _mask_info)
 
 from .attention_base import check_broadcast, check_qkv, fill_empty_rows, pad_axis
 from .masks import AttentionPattern, combine_masks, segment_mask
@@ -127,8 +130,12 @@ def _fit(block: int, length: int) -> tuple[int, int]:
 @functools.lru_cache(maxsize=64)
 def _kernel(heads: int, tp: int, sp: int, causal: bool, window: int | None, bq: int,
             bkv: int, bkv_compute: int, interpret: bool):
-    """The splash kernel (its mask processed into block tables) for one shape, cached:
-    the layers of a model, and later traces, share it."""
+    """The splash kernel for one shape, its mask processed into block tables, cached: the
+    layers of a model, and later traces, share it.
+
+    ``make_splash_mha`` would do the same but turns the tables into device arrays, which
+    fails inside a trace under a mesh of a TPU topology's devices (a compile on a host
+    without a TPU); here they stay numpy arrays, constants of the traced program."""
     shape = (tp, sp)
     if window is not None:
         base = splash.LocalMask(shape, (window - 1, 0 if causal else window - 1), offset=0)
@@ -136,13 +143,18 @@ def _kernel(heads: int, tp: int, sp: int, causal: bool, window: int | None, bq: 
         base = splash.CausalMask(shape)
     else:
         base = splash.FullMask(shape)
+    mask = splash.MultiHeadMask([base] * heads)
     blocks = splash.BlockSizes(
         block_q=bq, block_kv=bkv, block_kv_compute=bkv_compute, block_q_dkv=bq,
         block_kv_dkv=bkv, block_kv_dkv_compute=bkv_compute, block_q_dq=bq, block_kv_dq=bkv)
-    with jax.ensure_compile_time_eval():     # its block tables: constants, not tracers
-        return splash.make_splash_mha(splash.MultiHeadMask([base] * heads),
-                                      block_sizes=blocks, head_shards=1, q_seq_shards=1,
-                                      interpret=interpret)
+    tables = dict(downcast_smem_data=True, head_shards=1, q_seq_shards=1)
+    fwd, mask_fn = _mask_info.process_mask(mask, (bq, bkv), **tables)
+    dq, _ = _mask_info.process_mask(mask, (bq, bkv), **tables)
+    dkv, _ = _mask_info.process_mask_dkv(mask, (bq, bkv), shrink_grid=True, **tables)
+    return _splash.SplashAttentionKernel(
+        fwd, dq, dkv, block_sizes=blocks, is_mqa=False, save_residuals=False,
+        mask_value=_splash.DEFAULT_MASK_VALUE, attn_logits_soft_cap=None,
+        residual_checkpoint_name=None, mask_function=mask_fn, interpret=interpret)
 
 
 def _padding_id(q_ids: Array) -> Array:
