@@ -137,6 +137,7 @@ def test_blocks_per_generation_and_their_fit():
 
 # -------------------------------------------------------------- the real TPU compiler
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                     reason="libtpu (the TPU compiler) is not installed: pip install -e '.[tpu]'")
 def test_splash_compiles_for_every_generation_and_head_dim():
