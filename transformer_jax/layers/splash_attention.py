@@ -14,6 +14,9 @@ MaxText and the other JAX anchors run on TPU. Our conventions around it:
   * segment ids (packed documents) are the kernel's ``SegmentIds``; a key-padding mask
     (B|1, 1, 1, S) becomes segments too: a padded key gets an id that no query of its row
     carries. Lengths are padded to the block sizes (multiples of 128) the same way.
+  * under a "highest" (or any multi-pass) ``jax_default_matmul_precision`` bf16/fp16
+    inputs run in fp32: Mosaic refuses multi-pass bf16 matmuls, and splash's dots take the
+    default precision (our kernel sets its own per dtype instead).
   * rows that see no key at all (every key padded, or no key of their segment) get the
     mean of V, as the reference gives them (``attention_base.fill_empty_rows``).
 
@@ -53,6 +56,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ke
 from jax.experimental.pallas.ops.tpu.splash_attention import (
     splash_attention_mask_info as _mask_info)
 
+from ..errors import UserError
 from .attention_base import check_broadcast, check_qkv, fill_empty_rows, pad_axis
 from .masks import AttentionPattern, combine_masks, segment_mask
 
@@ -185,12 +189,18 @@ def splash_attention(query: Array, key: Array, value: Array, *, mask: Array | No
     mask = check_broadcast(mask, "mask", (b, n, t, s))
     problems = splash_problems(mask=mask_kind(mask), pattern=pattern)
     if problems:
-        raise ValueError("splash attention cannot express " + "; ".join(problems))
+        raise UserError("splash attention cannot express " + "; ".join(problems)
+                        + "; use attention_impl='auto' or 'pallas' (our kernel takes them)")
     blocks = blocks or SPLASH_BLOCKS[device or tpu_name()]
     bq, tp = _fit(blocks.block_q, t)
     bkv, sp = _fit(blocks.block_kv, s)
     scale = 1.0 / math.sqrt(h) if scale is None else float(scale)
     dtype = jnp.result_type(query, key, value)
+    if jnp.dtype(dtype).itemsize < 4 and jax.config.jax_default_matmul_precision not in (
+            None, "default", "fastest", "bfloat16", "DEFAULT"):
+        # splash's dots take the default precision, which Mosaic refuses for bf16/fp16 tiles
+        # at more than one pass ("highest", as the parity tests set it): run them in fp32
+        dtype = jnp.float32
 
     q_ids, kv_ids = segment_ids if segment_ids is not None else (None, None)
     if segment_ids is not None or mask is not None or (tp, sp) != (t, s):
