@@ -9,7 +9,7 @@ reserves; these are compiles, not timings on a chip.
 
 Usage::
 
-    python benchmarks/splash_compile.py                  # 4 x 3 x 3 compiles (~10 min, 2 busy cores)
+    python benchmarks/splash_compile.py          # 4 x 3 x 3 compiles (~10 min, 2 busy cores)
     python benchmarks/splash_compile.py --tpu v5e-1 --lengths 512,8192 --segments
 
 Writes ``benchmarks/results/splash_compile.{json,md}``; docs/tpu.md carries the table.

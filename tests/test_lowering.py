@@ -249,7 +249,8 @@ def test_attention_plan_of_a_run():
     from transformer_jax.models.base import attention_plan, describe_attention_plan
     cfg = GPTConfig.preset("gpt2", dtype="bfloat16", attention_dropout_rate=0.0)
     plan = attention_plan(cfg, 1024, "tpu")
-    why = "no bias, a mask it expresses (causal or not, key padding, segment ids): MaxText's default"
+    why = ("no bias, a mask it expresses (causal or not, key padding, segment ids): "
+           "MaxText's default")
     assert plan == {"attention_impl": "auto", "platform": "tpu", "train": "splash",
                     "eval": "splash", "why": why}
     assert describe_attention_plan(plan, cfg) == f"attention: auto -> splash (tpu: {why})"

@@ -160,6 +160,6 @@ def test_splash_compiles_for_every_generation_and_head_dim():
                 [(q, kv, kv) for q, kv in shapes], ids).lower(lowering_platforms=("tpu",))
             lowered.compile()
         kernels = re.findall(r'kernel_name = "(splash_\w+)"', lowered.as_text())
-        assert sorted(kernels) == sorted(3 * ["splash_mha_fwd_segmented_residuals",
-                                              "splash_mha_dq_segmented_no_residuals",
-                                              "splash_mha_dkv_segmented_no_residuals"]), (tpu, kernels)
+        want = 3 * ["splash_mha_fwd_segmented_residuals", "splash_mha_dq_segmented_no_residuals",
+                    "splash_mha_dkv_segmented_no_residuals"]
+        assert sorted(kernels) == sorted(want), (tpu, kernels)

@@ -337,9 +337,9 @@ def kernel_attention(q: Array, k: Array, v: Array, mask: Array | None, bias: Arr
     "auto", "pallas" and "splash" are one ``lax.platform_dependent`` branch per platform,
     each ``resolve_implementation``'s choice there when the function is lowered ("pallas":
     Mosaic, Triton or interpret mode from one source; "splash": Mosaic on a TPU,
-    interpret mode elsewhere, a UserError in a process on a GPU). "auto" hands ``q_chunk``/``kv_chunk``
-    to the reference and chunked paths only (the kernels keep their own block sizes),
-    "pallas" to its kernel. "jax" and "cudnn" run ``jax.nn.dot_product_attention``.
+    interpret mode elsewhere, a UserError in a process on a GPU). "auto" hands
+    ``q_chunk``/``kv_chunk`` to the reference and chunked paths only (the kernels keep their
+    own block sizes), "pallas" to its kernel. "jax" and "cudnn" run ``jax.nn.dot_product_attention``.
     """
     settings = dict(scale=float(scale), causal=causal, precision=precision,
                     cpu_tuning=cpu_tuning, pattern=pattern)
