@@ -328,5 +328,8 @@ def test_kernel_operands_are_each_devices_share_under_a_mesh(tpu_generation):
     shapes = re.findall(r"custom_call @tpu_custom_call\(([^)]*)\)[^\n]*: \(([^)]*)\)", text)
     assert len(shapes) == 3
     for _, operand_types in shapes:
-        qkv = [t for t in operand_types.split(", ") if t.endswith("bf16>")]
-        assert len(qkv) >= 3 and set(qkv) == {"tensor<4x2x256x64xbf16>"}, operand_types
+        # fp32: under conftest's "highest" default precision splash computes in fp32
+        # (the backward's also take the row statistics, (B / data, N / tensor, 8, T))
+        floats = [t for t in operand_types.split(", ") if t.endswith(("bf16>", "f32>"))]
+        assert floats.count("tensor<4x2x256x64xf32>") >= 3, operand_types
+        assert all(t.startswith("tensor<4x2x") for t in floats), operand_types
