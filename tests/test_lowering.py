@@ -219,7 +219,8 @@ def test_cpu_lowering_keeps_the_reference_and_its_tuning():
 def test_resolve_implementation_table():
     """The choice "auto" makes, per platform and call."""
     r = resolve_implementation
-    assert r("auto", "tpu") == "pallas"
+    assert r("auto", "tpu") == "splash"
+    assert r("auto", "tpu", bias=True) == "pallas"
     assert r("auto", "cpu") == "xla"
     assert r("auto", "cpu", q_len=8192, kv_len=8192) == "chunked"
     for platform in ("cpu", "gpu", "tpu"):
@@ -243,18 +244,25 @@ def test_resolve_implementation_table():
 
 def test_attention_plan_of_a_run():
     """What a run prints and writes into config.json: GPT-2 124M in bf16 on a TPU takes the
-    kernel, unless attention dropout forces the reference while training."""
+    splash kernel, unless attention dropout forces the reference while training; T5 (its
+    relative position bias) our Pallas kernel; each with the reason."""
     from transformer_jax.models.base import attention_plan, describe_attention_plan
     cfg = GPTConfig.preset("gpt2", dtype="bfloat16", attention_dropout_rate=0.0)
     plan = attention_plan(cfg, 1024, "tpu")
-    assert plan == {"attention_impl": "auto", "platform": "tpu", "train": "pallas", "eval": "pallas"}
-    assert describe_attention_plan(plan, cfg) == "attention: auto -> pallas (tpu)"
+    why = ("no bias, a mask it expresses (causal or not, key padding, segment ids): "
+           "MaxText's default")
+    assert plan == {"attention_impl": "auto", "platform": "tpu", "train": "splash",
+                    "eval": "splash", "why": why}
+    assert describe_attention_plan(plan, cfg) == f"attention: auto -> splash (tpu: {why})"
     dropped = cfg.replace(attention_dropout_rate=0.1)
     plan = attention_plan(dropped, 1024, "tpu")
-    assert (plan["train"], plan["eval"]) == ("xla", "pallas")
+    assert (plan["train"], plan["eval"]) == ("xla", "splash")
     assert describe_attention_plan(plan, dropped) == (
         "attention: auto -> xla while training (tpu: attention dropout 0.1 needs it; set it to 0 "
-        "for pallas), pallas at eval")
+        f"for splash), splash at eval: {why}")
+    t5 = T5Config.preset("tiny", dropout_rate=0.0)
+    assert describe_attention_plan(attention_plan(t5, 512, "tpu", 5), t5) == (
+        "attention: auto -> pallas (tpu v5: an additive bias (T5 relative positions))")
     vit = ViTConfig.preset("B/16")                       # 197 tokens: its own length
     assert attention_plan(vit, 1024, "cpu")["train"] == "xla"
     assert attention_plan(GPTConfig(attention_impl="chunked"), 64, "gpu")["eval"] == "chunked"
@@ -307,9 +315,10 @@ def test_pattern_kernels_lower_for_tpu_and_gpu(pattern, segments, tpu_generation
 
 
 def test_kernel_operands_are_each_devices_share_under_a_mesh(tpu_generation):
-    """Under a data x tensor mesh the Mosaic kernel sees this device's rows and heads: its
-    query operand is (B / data, N / tensor, T, H) in the kernel's (B, N, T, H) layout, so
-    nothing of Q, K or V is gathered to feed it. (The mesh is abstract: a v5e-4's devices
+    """Under a data x tensor mesh the Mosaic kernel (splash) sees this device's rows and
+    heads: its query, key and value operands are (B / data, N / tensor, T, H) in the
+    kernel's (B, N, T, H) layout (after its block tables), so nothing of Q, K or V is
+    gathered to feed it. (The mesh is abstract: a v5e-4's devices
     from JAX's TPU topology, or none.)"""
     import flax.linen as nn
     from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec as P
@@ -327,4 +336,8 @@ def test_kernel_operands_are_each_devices_share_under_a_mesh(tpu_generation):
     shapes = re.findall(r"custom_call @tpu_custom_call\(([^)]*)\)[^\n]*: \(([^)]*)\)", text)
     assert len(shapes) == 3
     for _, operand_types in shapes:
-        assert operand_types.startswith("tensor<4x2x256x64xbf16>"), operand_types
+        # fp32: under conftest's "highest" default precision splash computes in fp32
+        # (the backward's also take the row statistics, (B / data, N / tensor, 8, T))
+        floats = [t for t in operand_types.split(", ") if t.endswith(("bf16>", "f32>"))]
+        assert floats.count("tensor<4x2x256x64xf32>") >= 3, operand_types
+        assert all(t.startswith("tensor<4x2x") for t in floats), operand_types

@@ -89,12 +89,14 @@ COMPILED = ([(family, generation) for family in TINY for generation in ("v3", "v
                                                for case in COMPILED])
 def test_tiny_train_steps_compile_for_every_generation(family, generation, data_dir):
     """bf16 train steps of every family compile on both attention paths, and GPT's for each
-    generation: the Pallas kernel (3 Mosaic calls per attention call: forward, dK/dV, dQ)
-    from v4 on, XLA's attention on v3; the compiler's memory figures add up."""
+    generation: from v4 on JAX's splash kernel, our Pallas kernel for T5's relative bias (3
+    Mosaic calls per attention call: forward, dK/dV, dQ), XLA's attention on v3; the
+    compiler's memory figures add up."""
     cfg = tiny(family, data_dir, "model.dtype=bfloat16")
     report = aot.compile_experiment(cfg, GENERATIONS[generation], mesh="data=-1")
     kernel = generation != "v3"
-    assert report.attention == f"{'pallas' if kernel else 'xla'} (tpu {generation})"
+    path = ("pallas" if family == "t5" else "splash") if kernel else "xla"
+    assert report.attention == f"{path} (tpu {generation})"
     # per attention call: forward, dK/dV, dQ (and the forward again under remat)
     assert (report.mosaic_kernels >= 3) if kernel else (report.mosaic_kernels == 0)
     assert report.fits and 0 < report.per_device_bytes < GIB
@@ -180,8 +182,9 @@ def test_pallas_on_v3_is_one_clear_error():
     assert resolve_implementation("auto", "tpu", tpu_generation=3) == "xla"
     assert resolve_implementation("auto", "tpu", tpu_generation=2, q_len=8192,
                                   kv_len=8192) == "chunked"
-    assert resolve_implementation("auto", "tpu", tpu_generation=4) == "pallas"
-    assert resolve_implementation("auto", "tpu") == "pallas"    # unknown: as lowering assumes
+    assert resolve_implementation("auto", "tpu", tpu_generation=4) == "splash"
+    assert resolve_implementation("auto", "tpu") == "splash"    # unknown: as lowering assumes
+    assert resolve_implementation("auto", "tpu", tpu_generation=4, bias=True) == "pallas"
 
 
 @pytest.mark.slow
@@ -299,8 +302,9 @@ def test_the_cli_reports_fits_or_not_with_its_exit_status(data_dir, capsys):
     out = capsys.readouterr().out.strip().splitlines()
     row = json.loads(out[-1])
     assert row["fits"] is True and row["devices"] == 1 and row["hbm_bytes"] == 16 * GIB
-    assert 0 < row["per_device_bytes"] < GIB and row["attention"] == "pallas (tpu v5e)"
-    assert any(line.startswith("attention: pallas (tpu v5e)") for line in out)
+    assert 0 < row["per_device_bytes"] < GIB and row["attention"] == "splash (tpu v5e)"
+    assert any(line.startswith("attention: splash (tpu v5e)") and "MaxText's default" in line
+               for line in out)
 
     assert cli.main(base + ["--tpu", "v5e-1", "--set=batch_size=8192"]) == 2
     captured = capsys.readouterr()

@@ -78,6 +78,7 @@ class CompileReport:
     estimate_basis: str = ""        # what estimated_step_seconds is computed from
     decode_shape: dict | None = None   # --what decode: batch, prompt_len, new_tokens, max_len
     levers: list[str] = dataclasses.field(default_factory=list)   # what lowers the need
+    attention_why: str = ""         # why "auto" took that attention path
 
     @property
     def fits(self) -> bool:
@@ -96,7 +97,7 @@ class CompileReport:
             f"{self.experiment} ({self.what} step) on {self.tpu}: {self.devices} devices, "
             f"{self.hosts} host(s), topology {self.topology}, mesh {self.mesh}",
             f"attention: {self.attention} ({self.mosaic_kernels} Mosaic kernel call(s) "
-            "in the program)",
+            "in the program" + (f"; {self.attention_why})" if self.attention_why else ")"),
         ]
         if self.decode_shape:
             d = self.decode_shape
@@ -491,9 +492,10 @@ def compile_experiment(cfg: ExperimentConfig, tpu: TpuSlice | str, *, mesh: str 
         notes = [f"the compiler: {oom[:300]}", *notes]
     key = "eval" if what != "train" else "train"
     attention = f"{plan[key]} (tpu {tpu.generation.name})"
+    why = plan["why"] if plan[key] == plan["eval"] else "attention dropout"
     return CompileReport(
         experiment=cfg.name, what=what, tpu=tpu.name, topology=tpu.topology, devices=tpu.devices,
-        hosts=tpu.hosts, mesh=sh.describe(device_mesh), attention=attention,
+        hosts=tpu.hosts, mesh=sh.describe(device_mesh), attention=attention, attention_why=why,
         mosaic_kernels=lowered.as_text().count("tpu_custom_call"), parameter_bytes=p_bytes,
         optimizer_bytes=o_bytes, batch_bytes=b_bytes, argument_bytes=arg, temp_bytes=temp,
         output_bytes=out, alias_bytes=alias, per_device_bytes=arg + temp + out - alias,

@@ -18,19 +18,24 @@ Softmax attention has several implementations (``attention_impl=``, one of
                   returned weights.
   * ``"pallas"``  the same algorithm as Pallas kernels (``flash_attention.py``): Mosaic on
                   TPU, Triton on GPU, interpret mode (slow, for tests) on the CPU.
+  * ``"splash"``  JAX's splash kernel, MaxText's TPU attention (``splash_attention.py``):
+                  causal/bidirectional, a window, segment ids and key padding (B, 1, 1, S);
+                  no bias, no other mask or pattern (a UserError says so). Mosaic on TPU,
+                  interpret mode on the CPU, a UserError on a GPU.
   * ``"jax"``     ``jax.nn.dot_product_attention``: cuDNN flash attention on a GPU when
                   cuDNN can run the call, XLA's path otherwise.
   * ``"cudnn"``   the same, but insists on cuDNN: a ValueError lists what prevents it.
   * ``"auto"``    (the default) chosen when the function is lowered, per platform, by
-                  ``attention_dispatch.resolve_implementation``: the Pallas kernel on TPU v4
-                  and later (XLA's paths on v2/v3, where Mosaic cannot compile it), cuDNN on
+                  ``attention_dispatch.resolve_implementation``: on TPU v4 and later splash
+                  for every call it expresses, else the Pallas kernel (e.g. T5's relative
+                  bias); XLA's paths on v2/v3, where Mosaic cannot compile them; cuDNN on
                   a GPU where it can run the call (else the Pallas kernel), the reference
                   on the CPU (``"chunked"`` beyond 4,096 x 4,096 logits per head). Calls
                   the kernels cannot serve (dropout, returned weights, one query row of a
                   KV-cache decode step) take the reference everywhere.
 
 The route: the kind first (linear attention here), then the reference and chunked paths
-here; the kernels ("auto", "pallas", "jax", "cudnn") in ``attention_dispatch.py``. Under a
+here; the kernels ("auto", "pallas", "splash", "jax", "cudnn") in ``attention_dispatch.py``. Under a
 mesh (``jax.set_mesh`` with flax's logical-axis rules, as ``sharding.use_mesh`` sets them)
 the kernels run inside ``shard_map`` over the batch axes and the head axis, so each
 device attends over its own rows and heads and nothing is gathered.

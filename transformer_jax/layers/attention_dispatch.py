@@ -3,7 +3,9 @@
 ``resolve_implementation`` names what an ``implementation`` runs on a platform; the
 functions below ``lax.platform_dependent`` build one branch per platform, chosen when the
 function is lowered, and run the kernels (``flash_attention.py``, cuDNN) inside
-``shard_map`` under a mesh. The public entry point is ``attention.dot_product_attention``.
+``shard_map`` under a mesh (our flash kernel ``flash_attention.py``, JAX's splash kernel
+``splash_attention.py``, cuDNN). The public entry point is
+``attention.dot_product_attention``.
 """
 from __future__ import annotations
 
@@ -22,10 +24,11 @@ from .attention_reference import xla_attention
 from .chunked_attention import chunked_attention, default_chunk
 from .flash_attention import BlockSizes, flash_attention
 from .masks import AttentionPattern, combine_masks, segment_mask
+from .splash_attention import mask_kind, splash_attention, splash_problems, tpu_name
 
 Array = jax.Array
 
-IMPLEMENTATIONS = ("auto", "xla", "chunked", "pallas", "jax", "cudnn")
+IMPLEMENTATIONS = ("auto", "xla", "chunked", "pallas", "splash", "jax", "cudnn")
 PLATFORMS = ("cpu", "gpu", "tpu")
 
 # ----------------------------------------------------------------------------- cuDNN
@@ -139,49 +142,80 @@ def check_attention_impl(attention_impl: str) -> None:
                         f"choose one of {IMPLEMENTATIONS}")
 
 
-def resolve_implementation(attention_impl: str, platform: str, *,
-                           dtype: Any = jnp.float32, head_dim: int = 64, q_len: int = 128, kv_len: int = 128,
-                           dropout: bool = False, return_weights: bool = False,
-                           pattern: AttentionPattern | None = None,
-                           tpu_generation: int | None = None) -> str:
+def resolve_implementation(attention_impl: str, platform: str, **call: Any) -> str:
     """What ``attention_impl`` runs on ``platform`` ("cpu", "gpu" or "tpu") for a call
-    of this description: ``"xla"``, ``"chunked"``, ``"pallas"`` or ``"cudnn"``.
+    of this description: ``"xla"``, ``"chunked"``, ``"pallas"``, ``"splash"`` or
+    ``"cudnn"`` (``choose_implementation``'s name, without its reason)."""
+    return choose_implementation(attention_impl, platform, **call)[0]
+
+
+def choose_implementation(attention_impl: str, platform: str, *,
+                          dtype: Any = jnp.float32, head_dim: int = 64, q_len: int = 128,
+                          kv_len: int = 128, dropout: bool = False,
+                          return_weights: bool = False,
+                          pattern: AttentionPattern | None = None,
+                          tpu_generation: int | None = None, bias: bool | str | None = None,
+                          mask: str | None = None) -> tuple[str, str]:
+    """(implementation, why) for ``attention_impl`` on ``platform`` and a call of this
+    description: ``bias`` (True, or what it is, e.g. "T5 relative positions"), ``mask``
+    (None, "keys" for key padding (B, 1, 1, S), "general" for a (..., T, S) mask).
 
     Explicit implementations resolve to themselves (``"jax"`` to ``"cudnn"`` or
     ``"xla"``); ``"auto"`` as ``attention.py``'s docstring says. The training loop prints the
     result for the model's shapes when a run starts and writes it into ``config.json``.
+    On a TPU v4 or later ``"auto"`` takes JAX's splash kernel (MaxText's choice) for every
+    call whose mask it expresses (causal, bidirectional, a window, segment ids, key
+    padding), our Pallas kernel for the rest (a bias, a general mask, a sparse pattern).
     With a ``pattern`` (window or sparse) ``"auto"`` takes the block paths, which skip the
     blocks outside it: on the CPU for a window once there are 1,024 keys and 4 windows
     (a causal window of 256 at T = 2,048: 3.6x faster than the reference; sparse patterns
-    as full attention), on a GPU/TPU the Pallas kernel (cuDNN for a window, which it has).
-    On a TPU of ``tpu_generation`` 2 or 3 the Pallas kernel does not compile: ``"auto"``
+    as full attention), on a GPU the Pallas kernel (cuDNN for a window, which it has).
+    On a TPU of ``tpu_generation`` 2 or 3 Mosaic kernels do not compile: ``"auto"``
     takes the CPU's choice (the reference, or ``"chunked"`` for long sequences or a
-    window), and an explicit ``"pallas"`` is a UserError.
+    window), and an explicit ``"pallas"`` or ``"splash"`` is a UserError.
     """
     check_attention_impl(attention_impl)
     if platform not in PLATFORMS:
         raise UserError(f"unknown platform {platform!r}; choose one of {PLATFORMS}")
     if attention_impl == "jax":
-        return "cudnn" if platform == "gpu" and not _static_cudnn_problems(
-            dtype, head_dim, q_len, kv_len) else "xla"
-    if attention_impl == "pallas" and platform == "tpu" and not _pallas_on_tpu(tpu_generation):
-        raise UserError(f"attention_impl='pallas' cannot run on a TPU "
+        if platform == "gpu" and not _static_cudnn_problems(dtype, head_dim, q_len, kv_len):
+            return "cudnn", "named; cuDNN can run the call"
+        return "xla", "named; cuDNN cannot run it here"
+    if attention_impl in ("pallas", "splash") and platform == "tpu" and not _pallas_on_tpu(
+            tpu_generation):
+        raise UserError(f"attention_impl={attention_impl!r} cannot run on a TPU "
                         f"v{tpu_generation}: Mosaic compiles Pallas TPU kernels for v4 and "
                         "later only; use 'auto' (XLA's attention on v2/v3), 'xla' or 'chunked'")
+    problems = splash_problems(bias=bias, mask=mask, pattern=pattern)
+    if attention_impl == "splash":
+        if platform == "gpu":
+            raise UserError("attention_impl='splash' is JAX's TPU kernel (Mosaic); on a GPU "
+                            "use 'auto' (cuDNN or our Pallas kernel), 'pallas', 'cudnn', 'jax', "
+                            "'chunked' or 'xla'")
+        if problems:
+            raise UserError("attention_impl='splash' cannot express " + "; ".join(problems)
+                            + ". Use attention_impl='auto' or 'pallas' (our kernel takes them)")
     if attention_impl != "auto":
-        return attention_impl
+        return attention_impl, "named"
     if dropout or return_weights or q_len == 1:
-        return "xla"
+        return "xla", ("attention dropout" if dropout else "returned weights" if
+                       return_weights else "one query row (a decode step)")
     if platform == "cpu" or (platform == "tpu" and not _pallas_on_tpu(tpu_generation)):
         window = pattern is not None and pattern.kind == "window"
         long = q_len * kv_len > CPU_REFERENCE_MAX_LOGITS or (
             window and kv_len >= max(1024, 4 * pattern.size))
-        return "chunked" if long else "xla"
+        where = "no Pallas TPU kernels on v2/v3" if platform == "tpu" else "the CPU"
+        return ("chunked", f"{where}; long sequences or a window") if long else ("xla", where)
+    if platform == "tpu":
+        if problems:
+            return "pallas", "; ".join(problems)
+        window = f", a window of {pattern.size}" if pattern is not None else ""
+        return "splash", (f"no bias, a mask it expresses (causal or not, key padding, segment "
+                          f"ids{window}): MaxText's default")
     cudnn_ok = pattern is None or pattern.kind == "window"
-    if platform == "gpu" and cudnn_ok and not _static_cudnn_problems(dtype, head_dim, q_len,
-                                                                     kv_len):
-        return "cudnn"
-    return "pallas"
+    if cudnn_ok and not _static_cudnn_problems(dtype, head_dim, q_len, kv_len):
+        return "cudnn", "cuDNN can run the call"
+    return "pallas", "cuDNN cannot run the call" if cudnn_ok else "a sparse pattern"
 
 
 def _static_cudnn_problems(dtype, head_dim, q_len, kv_len) -> list[str]:
@@ -238,10 +272,16 @@ class _Call:
     cpu_tuning: bool
     mesh_specs: tuple | None    # ``_mesh_specs`` of the call, resolved outside the trace
     pattern: AttentionPattern | None = None
+    tpu_name: str = "later"     # ``splash_attention.SPLASH_BLOCKS``'s row
 
 
 def _kernel(call: _Call, q, k, v, mask, bias, segment_ids):
-    """The Pallas kernel or ``jax.nn.dot_product_attention`` (cuDNN or XLA's path)."""
+    """The Pallas kernel, the splash kernel or ``jax.nn.dot_product_attention`` (cuDNN
+    or XLA's path)."""
+    if call.attention_impl == "splash":
+        return splash_attention(q, k, v, mask=mask, causal=call.causal, scale=call.scale,
+                                pattern=call.pattern, segment_ids=segment_ids,
+                                interpret=call.platform != "tpu", device=call.tpu_name)
     if call.attention_impl == "pallas":
         blocks = None
         if call.q_chunk or call.kv_chunk:
@@ -291,14 +331,15 @@ def kernel_attention(q: Array, k: Array, v: Array, mask: Array | None, bias: Arr
                      q_chunk: int | None, kv_chunk: int | None, cpu_tuning: bool,
                      pattern: AttentionPattern | None,
                      segment_ids: tuple[Array, Array] | None = None) -> Array:
-    """Softmax attention by ``attention_impl`` "auto", "pallas", "jax" or "cudnn" (checked
-    arguments, no dropout, no returned weights): (B, T, N, Hv).
+    """Softmax attention by ``attention_impl`` "auto", "pallas", "splash", "jax" or "cudnn"
+    (checked arguments, no dropout, no returned weights): (B, T, N, Hv).
 
-    "auto" and "pallas" are one ``lax.platform_dependent`` branch per platform, each
-    ``resolve_implementation``'s choice there when the function is lowered ("pallas":
-    Mosaic, Triton or interpret mode from one source). "auto" hands ``q_chunk``/``kv_chunk``
-    to the reference and chunked paths only (the kernels keep their own block sizes),
-    "pallas" to its kernel. "jax" and "cudnn" run ``jax.nn.dot_product_attention``.
+    "auto", "pallas" and "splash" are one ``lax.platform_dependent`` branch per platform,
+    each ``resolve_implementation``'s choice there when the function is lowered ("pallas":
+    Mosaic, Triton or interpret mode from one source; "splash": Mosaic on a TPU,
+    interpret mode elsewhere, a UserError in a process on a GPU). "auto" hands
+    ``q_chunk``/``kv_chunk`` to the reference and chunked paths only (the kernels keep their
+    own block sizes), "pallas" to its kernel. "jax" and "cudnn" run ``jax.nn.dot_product_attention``.
     """
     settings = dict(scale=float(scale), causal=causal, precision=precision,
                     cpu_tuning=cpu_tuning, pattern=pattern)
@@ -317,16 +358,21 @@ def kernel_attention(q: Array, k: Array, v: Array, mask: Array | None, bias: Arr
     specs = _mesh_specs(q, k, mask, bias)
     generation = tpu_generation()
     describe = dict(dtype=q.dtype, head_dim=q.shape[-1], q_len=q.shape[1], kv_len=k.shape[1],
-                    pattern=pattern)
+                    pattern=pattern, bias=bias is not None, mask=mask_kind(mask))
+    device = tpu_name()
+    if attention_impl == "splash" and jax.default_backend() == "gpu":
+        resolve_implementation("splash", "gpu", **describe)     # the UserError naming others
 
     def branch(platform):
+        if attention_impl == "splash" and platform == "gpu":
+            platform = "cpu"    # never taken: a process on a GPU was refused above
         name = resolve_implementation(
             attention_impl, platform, tpu_generation=generation if platform == "tpu" else None,
             **describe)
         chunks = ((q_chunk, kv_chunk) if attention_impl == "pallas" or name in ("xla", "chunked")
                   else (None, None))
         call = _Call(attention_impl=name, platform=platform, mesh_specs=specs,
-                     q_chunk=chunks[0], kv_chunk=chunks[1], **settings)
+                     q_chunk=chunks[0], kv_chunk=chunks[1], tpu_name=device, **settings)
         return functools.partial(_attend, call=call)
 
     return jax.lax.platform_dependent(q, k, v, mask, bias, segment_ids, cpu=branch("cpu"),

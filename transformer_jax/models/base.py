@@ -17,7 +17,8 @@ from jax.experimental import checkify
 
 from ..errors import UserError
 from ..layers.attention import ATTENTION_KINDS
-from ..layers.attention_dispatch import IMPLEMENTATIONS, resolve_implementation
+from ..layers.attention_dispatch import (IMPLEMENTATIONS, choose_implementation,
+                                         resolve_implementation)
 from ..layers.dense import canonical_dtype
 from ..layers.lora import LoraConfig
 from ..layers.masks import AttentionPattern
@@ -522,32 +523,40 @@ def attention_plan(config: Any, seq_len: int, platform: str,
     """What ``config.attention_impl`` (or linear attention) runs on ``platform`` ("cpu", "gpu", "tpu"; a TPU of
     ``tpu_generation``, e.g. 3 for a v3, when known) for sequences of ``seq_len`` (a ViT's
     own patch count instead), in training (with its attention dropout) and at eval:
-    ``{"attention_impl", "platform", "train", "eval"}``; ``platform`` names the TPU
-    generation (``"tpu v3"``) when it is known."""
+    ``{"attention_impl", "platform", "train", "eval", "why"}``; ``platform`` names the TPU
+    generation (``"tpu v3"``) when it is known, ``why`` the reason for the eval choice. A
+    config's ``ATTENTION_BIAS`` (T5's relative positions) and prefix tuning's (T, P + S)
+    mask are what the splash kernel cannot express."""
     rate = getattr(config, "attention_dropout_rate", getattr(config, "dropout_rate", 0.0))
     seq_len = getattr(config, "seq_len", seq_len)
     shape = dict(dtype=config.dtype, head_dim=config.head_dim, q_len=seq_len, kv_len=seq_len,
                  pattern=getattr(config, "attention_pattern", None),
-                 tpu_generation=tpu_generation if platform == "tpu" else None)
+                 tpu_generation=tpu_generation if platform == "tpu" else None,
+                 bias=getattr(config, "ATTENTION_BIAS", None),
+                 mask="general" if getattr(config, "prefix_tokens", 0) else "keys")
     impl = config.attention_impl
     where = f"tpu v{tpu_generation}" if platform == "tpu" and tpu_generation else platform
     if getattr(config, "attention", "softmax") == "linear":
-        return {"attention_impl": impl, "platform": where, "train": "linear", "eval": "linear"}
-    return {"attention_impl": impl, "platform": where,
-            "train": resolve_implementation(impl, platform, dropout=rate > 0, **shape),
-            "eval": resolve_implementation(impl, platform, **shape)}
+        return {"attention_impl": impl, "platform": where, "train": "linear", "eval": "linear",
+                "why": "linear attention"}
+    train = resolve_implementation(impl, platform, dropout=rate > 0, **shape)
+    name, why = choose_implementation(impl, platform, **shape)
+    return {"attention_impl": impl, "platform": where, "train": train, "eval": name,
+            "why": why}
 
 
 def describe_attention_plan(plan: dict[str, str], config: Any) -> str:
-    """One line for the start of a run, e.g. ``attention: auto -> pallas (tpu)``."""
+    """One line for the start of a run, e.g. ``attention: auto -> splash (tpu v5e: MaxText's
+    kernel: no bias, a mask splash expresses)``; the reason only for ``auto``."""
     if plan["train"] == "linear":
         return f"attention: linear ({plan['platform']})"
     head = f"attention: {plan['attention_impl']} -> "
+    why = f": {plan['why']}" if plan.get("why") and plan["attention_impl"] == "auto" else ""
     if plan["train"] == plan["eval"]:
-        return head + f"{plan['train']} ({plan['platform']})"
+        return head + f"{plan['train']} ({plan['platform']}{why})"
     rate = getattr(config, "attention_dropout_rate", getattr(config, "dropout_rate", 0.0))
     return (head + f"{plan['train']} while training ({plan['platform']}: attention dropout "
-            f"{rate} needs it; set it to 0 for {plan['eval']}), {plan['eval']} at eval")
+            f"{rate} needs it; set it to 0 for {plan['eval']}), {plan['eval']} at eval{why}")
 
 
 class EncoderDecoderConfig:

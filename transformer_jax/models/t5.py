@@ -67,6 +67,8 @@ Array = jax.Array
 
 @dataclasses.dataclass(frozen=True)
 class T5Config(EncoderDecoderConfig, PresetConfig):
+    # every attention call adds it: ``attention_plan`` names it (splash cannot add one)
+    ATTENTION_BIAS: ClassVar[str] = "T5 relative positions"
     vocab_size: int = 32128
     d_model: int = 512
     num_heads: int = 8
