@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from transformer_jax import aot
+from transformer_jax import aot, hlo
 from transformer_jax.errors import UserError
 from transformer_jax.layers.flash_attention import flash_attention
 from transformer_jax.layers.masks import AttentionPattern
@@ -227,7 +227,7 @@ def _all_gather_bytes(text: str):
     for line in text.splitlines():
         m = re.search(r"= (.*?) all-gather(?:-start)?\(", line)
         if m:
-            yield aot._result_bytes(m.group(1), "-start(" in line)
+            yield hlo.result_bytes(m.group(1), "-start(" in line)
 
 
 def test_collectives_are_counted_through_loops():
