@@ -88,3 +88,29 @@ def test_window_pairs_are_the_positions_that_fall_on_the_input():
                                   [1, 2]):
         assert hlo._window_pairs(*case) == every_pair(*case), case
     assert hlo._window_pairs(1, 4, 4, 1, 3, 1, 1) == 4     # the module's convolution
+
+
+def test_a_conditional_counts_its_largest_branch():
+    """One branch runs: branch b's two dots (2 x 4 x 4 x 8 + 2 x 4 x 4 x 4 FLOPs; reads of
+    [4,8] twice and [4,4] twice, two [4,4] writes), not a's one dot added to them."""
+    module = """HloModule m
+
+%a (p: f32[4,8]) -> f32[4,4] {
+  %p = f32[4,8]{1,0} parameter(0)
+  ROOT %d = f32[4,4]{1,0} dot(%p, %p), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+}
+
+%b (p: f32[4,8]) -> f32[4,4] {
+  %p = f32[4,8]{1,0} parameter(0)
+  %d = f32[4,4]{1,0} dot(%p, %p), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+  ROOT %e = f32[4,4]{1,0} dot(%d, %d), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (x: f32[4,8], i: s32[]) -> f32[4,4] {
+  %x = f32[4,8]{1,0} parameter(0)
+  %i = s32[] parameter(1)
+  ROOT %c = f32[4,4]{1,0} conditional(%i, %x, %x), branch_computations={%a, %b}
+}
+"""
+    assert hlo.costs(module) == {"flops": 2 * 4 * 4 * 8 + 2 * 4 * 4 * 4,
+                                 "bytes": 2 * 4 * 8 * 4 + 2 * 4 * 4 * 4 + 2 * 4 * 4 * 4}

@@ -96,7 +96,8 @@ class Program:
     def total(self, count, comp: str | None = None, stack: tuple = (), memo=None) -> dict:
         """``{key: sum}`` of ``count(line, comp, program)`` (a dict per instruction) over one
         run of the program: called computations once per call, loop bodies times their trip
-        count. ``count`` returning None for a line skips its callees (a fusion's inside)."""
+        count, a conditional as its largest branch. ``count`` returning None for a line
+        skips its callees."""
         comp = self.entry if comp is None else comp
         memo = {} if memo is None else memo
         if comp in memo:
@@ -109,10 +110,13 @@ class Program:
             if own is None:
                 continue
             trips = self.trip_count(line) if re.search(r"\swhile\(", line) else 1
-            for callee in self.callees(line, comp):
-                if callee not in stack:
-                    for k, v in self.total(count, callee, stack + (comp,), memo).items():
-                        out[k] = out.get(k, 0) + v * trips
+            called = [self.total(count, c, stack + (comp,), memo)
+                      for c in self.callees(line, comp) if c not in stack]
+            if called and re.search(r"\sconditional\(", line):    # one branch runs: the most
+                called = [{k: max(c.get(k, 0) for c in called) for c in called for k in c}]
+            for sums in called:
+                for k, v in sums.items():
+                    out[k] = out.get(k, 0) + v * trips
         memo[comp] = out
         return out
 
