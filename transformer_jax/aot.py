@@ -34,7 +34,7 @@ from typing import Any
 import jax
 
 from . import sharding as sh
-from .hlo import COLLECTIVES, collectives, costs  # noqa: F401 - COLLECTIVES: aot's API
+from .hlo import collectives, costs
 from .errors import UserError
 from .layers.attention_dispatch import tpu_generation_of
 from .models.base import attention_plan
