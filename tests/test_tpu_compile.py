@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from transformer_jax import aot
+from transformer_jax import aot, hlo
 from transformer_jax.errors import UserError
 from transformer_jax.layers.flash_attention import flash_attention
 from transformer_jax.layers.masks import AttentionPattern
@@ -92,7 +92,9 @@ def test_tiny_train_steps_compile_for_every_generation(family, generation, data_
     generation: from v4 on JAX's splash kernel, our Pallas kernel for T5's relative bias (3
     Mosaic calls per attention call: forward, dK/dV, dQ), XLA's attention on v3; the
     compiler's memory figures add up."""
-    cfg = tiny(family, data_dir, "model.dtype=bfloat16")
+    # v4: the layers scanned (one while loop, its body counted twice for the FLOPs)
+    scan = ["model.scan_layers=true"] * ((family, generation) == ("gpt", "v4"))
+    cfg = tiny(family, data_dir, "model.dtype=bfloat16", *scan)
     report = aot.compile_experiment(cfg, GENERATIONS[generation], mesh="data=-1")
     kernel = generation != "v3"
     path = ("pallas" if family == "t5" else "splash") if kernel else "xla"
@@ -106,6 +108,8 @@ def test_tiny_train_steps_compile_for_every_generation(family, generation, data_
         report.argument_bytes
     # data parallel: the gradients are summed over the devices
     assert report.collectives["all-reduce"]["count"] >= 1
+    if family == "gpt":     # the compiled FLOPs of all devices against 6N + attention
+        assert 0.8 < report.flops_ratio < 1.6, report.flops_ratio
 
 
 @pytest.mark.slow
@@ -230,7 +234,7 @@ def _all_gather_bytes(text: str):
     for line in text.splitlines():
         m = re.search(r"= (.*?) all-gather(?:-start)?\(", line)
         if m:
-            yield aot._result_bytes(m.group(1), "-start(" in line)
+            yield hlo.result_bytes(m.group(1), "-start(" in line)
 
 
 def test_collectives_are_counted_through_loops():
@@ -305,6 +309,16 @@ def test_the_cli_reports_fits_or_not_with_its_exit_status(data_dir, capsys):
     assert 0 < row["per_device_bytes"] < GIB and row["attention"] == "splash (tpu v5e)"
     assert any(line.startswith("attention: splash (tpu v5e)") and "MaxText's default" in line
                for line in out)
+    # the roofline: the compiled program's matmul FLOPs (with the flash kernels' recomputed
+    # logits) within 0.8-1.6 of the model's 6N + attention (measured: 1.06), its time the
+    # slower of FLOPs at v5e's 197 TFLOP/s and HBM bytes at 0.82 TB/s (a lower bound)
+    assert 0.8 < row["compiled_flops"] / row["flops_per_step"] == row["flops_ratio"] < 1.6
+    compute, memory = row["compiled_flops"] / 197e12, row["compiled_hbm_bytes"] / 0.82e12
+    assert row["roofline_seconds"] == max(compute, memory) > 0
+    assert row["roofline_bound"] == ("compute" if compute >= memory else "memory")
+    assert 8 * 2**20 < row["compiled_hbm_bytes"] < 64 * 2**20   # the state, read and written
+    assert any(line.startswith("roofline (a lower bound on the step time, not a measurement): ")
+               and line.endswith(f"compiled / model FLOPs {row['flops_ratio']:.2f}") for line in out)
 
     assert cli.main(base + ["--tpu", "v5e-1", "--set=batch_size=8192"]) == 2
     captured = capsys.readouterr()

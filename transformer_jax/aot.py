@@ -12,10 +12,13 @@ compiler reports is what the hardware would need:
               the total against the generation's HBM (fits, headroom);
   program     the collectives it runs per step (count and bytes), the attention path the
               generation takes and the Mosaic kernels in it;
-  time        the compile time; the model FLOPs per step and a step time *estimated* at a
-              stated MFU (not measured); for the decode loop, its shape (batch, prompt,
-              tokens generated) and a time estimated from a roofline: the prefill at the
-              MFU, then each token reading the parameters and KV cache from HBM.
+  time        the compile time; the roofline of the compiled program, a *lower bound* on
+              its time per device: the slower of its FLOPs at the generation's bf16 peak
+              and its HBM bytes at its bandwidth (:mod:`.hlo` counts both from the HLO,
+              loop bodies times their trip counts), which one binds, and its FLOPs against
+              the model FLOPs (6N + attention); and the older estimate: the model FLOPs at
+              a stated MFU (for the decode loop, the prefill at the MFU, then each token
+              reading the parameters and KV cache from HBM). Neither is a measurement.
 
 :func:`compile_experiment` returns a :class:`CompileReport`; :func:`collectives` reads the
 collectives from a compiled program's HLO text, loops counted by their trip counts.
@@ -31,6 +34,7 @@ from typing import Any
 import jax
 
 from . import sharding as sh
+from .hlo import collectives, costs
 from .errors import UserError
 from .layers.attention_dispatch import tpu_generation_of
 from .models.base import attention_plan
@@ -44,7 +48,6 @@ from .train.step import create_train_state, eval_step, make_train_step
 WHAT = ("train", "eval", "decode")
 DEFAULT_MFU = 0.4
 DECODE_TOKENS = 64     # what --what decode generates by default (fewer for a short model)
-COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 
 
 @dataclasses.dataclass
@@ -79,6 +82,12 @@ class CompileReport:
     decode_shape: dict | None = None   # --what decode: batch, prompt_len, new_tokens, max_len
     levers: list[str] = dataclasses.field(default_factory=list)   # what lowers the need
     attention_why: str = ""         # why "auto" took that attention path
+    # the roofline of the compiled program (per device, loops times their trip counts):
+    compiled_flops: float = 0.0      # its matmul FLOPs (hlo.costs)
+    compiled_hbm_bytes: float = 0.0  # its HBM bytes read and written
+    roofline_seconds: float = 0.0    # max(FLOPs / peak, bytes / bandwidth): a lower bound
+    roofline_bound: str = ""         # "compute" or "memory": which term binds
+    flops_ratio: float = 0.0         # compiled FLOPs x devices / model FLOPs
 
     @property
     def fits(self) -> bool:
@@ -116,6 +125,7 @@ class CompileReport:
             "collectives per step: " + (", ".join(
                 f"{k} x{v['count']} ({v['bytes'] / 2**20:.1f} MiB)"
                 for k, v in self.collectives.items()) or "none"),
+            self.roofline_line(),
             f"model FLOPs per step {self.flops_per_step:.3g}; estimated "
             f"{'decode' if self.decode_shape else 'step'} time "
             f"{_ms(self.estimated_step_seconds)} ({self.estimate_basis}; an estimate, "
@@ -123,6 +133,16 @@ class CompileReport:
             f"compiled in {self.compile_seconds:.1f} s",
         ]
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
+
+    def roofline_line(self) -> str:
+        """The compiled program's roofline: a lower bound on its time, not a measurement."""
+        if not self.compiled_flops:
+            return "roofline: none (the compiler gave no program, only its memory need)"
+        return (f"roofline (a lower bound on the {'decode' if self.decode_shape else 'step'} "
+                f"time, not a measurement): {_ms(self.roofline_seconds)}, "
+                f"{self.roofline_bound}-bound; per device {self.compiled_flops:.3g} FLOPs "
+                f"and {_size(int(self.compiled_hbm_bytes))} of HBM traffic in the compiled "
+                f"program; compiled / model FLOPs {self.flops_ratio:.2f}")
 
     def not_fit_message(self) -> str:
         return (f"{self.experiment} needs {self.per_device_bytes / GIB:.2f} GiB per device on "
@@ -186,91 +206,6 @@ def _planned_task(cfg: ExperimentConfig, workdir: str):
     if "vocab_size" in overrides:
         overrides["vocab_size"] += cfg.sentencepiece_vocab_size - get_tokenizer("byte").vocab_size
     return task, overrides
-
-
-# ----------------------------------------------------------------------------- collectives
-
-_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_CALLEE = re.compile(r"(?:body|calls|to_apply|branch_computations|true_computation|"
-                     r"false_computation)=\{?%?([\w.\-]+(?:,\s*%?[\w.\-]+)*)\}?")
-_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
-_SHAPE = re.compile(r"\b(pred|s4|u4|s8|u8|s16|u16|s32|u32|s64|u64|f16|bf16|f32|f64|"
-                    r"f8e4m3fn|f8e5m2)\[([\d,]*)\]")
-_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4,
-          "u32": 4, "s64": 8, "u64": 8, "f16": 2, "bf16": 2, "f32": 4, "f64": 8,
-          "f8e4m3fn": 1, "f8e5m2": 1}
-
-
-def _result_bytes(result: str, start: bool) -> int:
-    """Bytes of an instruction's result type: every array of a tuple (a combined
-    collective), or the last one of an async ``-start`` (its tuple also holds the operand)."""
-    arrays = _SHAPE.findall(result)
-    total = 0
-    for dtype, dims in arrays[-1:] if start else arrays:
-        n = 1
-        for d in filter(None, dims.split(",")):
-            n *= int(d)
-        total += int(n * _BYTES[dtype])
-    return total
-
-
-def _trip_count(line: str, comps: dict[str, list[str]]) -> int:
-    """How often a while loop runs: XLA's known trip count, else the bound of its
-    condition (``i < N`` with a constant N, as a scan over layers compiles), else 1."""
-    known = _TRIP.search(line)
-    if known:
-        return int(known.group(1))
-    cond = re.search(r"condition=%?([\w.\-]+)", line)
-    body = comps.get(cond.group(1), []) if cond else []
-    constant = re.compile(r"s32\[\]\S* constant\((\d+)\)")
-    bounds = [int(m.group(1)) for ln in body for m in [constant.search(ln)] if m]
-    return bounds[0] if len(bounds) == 1 and any("direction=LT" in ln for ln in body) else 1
-
-
-def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
-    """``{kind: {"count", "bytes"}}`` of the collectives one run of the program executes
-    (per device): each instruction counted once per execution of its computation, a while
-    loop's body as often as its known trip count. Async pairs count at their ``-start``."""
-    comps: dict[str, list[str]] = {}
-    entry, name = None, None
-    for line in hlo_text.splitlines():
-        m = _COMPUTATION.match(line) if line[:1].strip() else None    # headers: unindented
-        if m and not line.startswith("HloModule"):
-            name = m.group(1)
-            comps[name] = []
-            if line.startswith("ENTRY"):
-                entry = name
-        elif name is not None and line.strip() and line.strip() != "}":
-            comps[name].append(line)
-    memo: dict[str, dict[str, list[int]]] = {}
-
-    def visit(comp: str, stack: tuple = ()) -> dict[str, list[int]]:
-        if comp in memo:
-            return memo[comp]
-        out: dict[str, list[int]] = {}
-        for line in comps.get(comp, ()):
-            lhs, _, rhs = line.partition("=")
-            op = re.search(r"\s([a-z][\w\-]*)\(", " " + rhs)
-            kind = op.group(1) if op else ""
-            base = kind[:-6] if kind.endswith("-start") else kind
-            if base in COLLECTIVES:
-                counts = out.setdefault(base, [0, 0])
-                counts[0] += 1
-                counts[1] += _result_bytes(rhs.split(kind + "(")[0], kind != base)
-            trips = _trip_count(line, comps) if kind == "while" else 1
-            for group in _CALLEE.findall(line):
-                for callee in re.split(r",\s*%?", group):
-                    if callee in comps and callee not in stack and callee != comp:
-                        for k, (c, b) in visit(callee, stack + (comp,)).items():
-                            counts = out.setdefault(k, [0, 0])
-                            counts[0] += c * trips
-                            counts[1] += b * trips
-        memo[comp] = out
-        return out
-
-    if entry is None:
-        return {}
-    return {k: {"count": c, "bytes": b} for k, (c, b) in sorted(visit(entry).items())}
 
 
 # ----------------------------------------------------------------------------- compiling
@@ -493,6 +428,8 @@ def compile_experiment(cfg: ExperimentConfig, tpu: TpuSlice | str, *, mesh: str 
     key = "eval" if what != "train" else "train"
     attention = f"{plan[key]} (tpu {tpu.generation.name})"
     why = plan["why"] if plan[key] == plan["eval"] else "attention dropout"
+    text = compiled.as_text()
+    roofline = roofline_figures(costs(text), tpu, flops)
     return CompileReport(
         experiment=cfg.name, what=what, tpu=tpu.name, topology=tpu.topology, devices=tpu.devices,
         hosts=tpu.hosts, mesh=sh.describe(device_mesh), attention=attention, attention_why=why,
@@ -500,10 +437,21 @@ def compile_experiment(cfg: ExperimentConfig, tpu: TpuSlice | str, *, mesh: str 
         optimizer_bytes=o_bytes, batch_bytes=b_bytes, argument_bytes=arg, temp_bytes=temp,
         output_bytes=out, alias_bytes=alias, per_device_bytes=arg + temp + out - alias,
         hbm_bytes=tpu.hbm_bytes, compile_seconds=seconds,
-        collectives=collectives(compiled.as_text()), flops_per_step=flops, mfu=mfu,
+        collectives=collectives(text), flops_per_step=flops, mfu=mfu,
         estimated_step_seconds=seconds_est, notes=notes[:4], out_of_memory=bool(oom),
         estimate_basis=basis, decode_shape=shape,
-        levers=levers(cfg, model_cfg, tpu, mesh_shape, what))
+        levers=levers(cfg, model_cfg, tpu, mesh_shape, what), **roofline)
+
+
+def roofline_figures(cost: dict, tpu: TpuSlice, model_flops: float) -> dict:
+    """The report's roofline fields from a compiled program's per-device ``{"flops",
+    "bytes"}`` (:func:`hlo.costs`): the bound is the slower of its FLOPs at the generation's
+    bf16 peak and its HBM bytes at its bandwidth, per device."""
+    compute, memory = cost["flops"] / tpu.peak_bf16, cost["bytes"] / tpu.hbm_bandwidth
+    return dict(compiled_flops=cost["flops"], compiled_hbm_bytes=cost["bytes"],
+                roofline_seconds=max(compute, memory),
+                roofline_bound="compute" if compute >= memory else "memory",
+                flops_ratio=cost["flops"] * tpu.devices / model_flops if model_flops else 0.0)
 
 
 def memory_figures(compiled, lowered, args) -> tuple[int, int, int, int]:
