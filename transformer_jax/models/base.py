@@ -378,8 +378,9 @@ def running_position(module: Any, t: int, decode: bool):
 
 
 def encode_then_decode(model: Any, input_ids, decoder_input_ids, attention_mask,
-                       decoder_attention_mask, deterministic: bool):
-    """An encoder-decoder's ``__call__``: checked ids, ``model.encode``, ``model.decode``."""
+                       decoder_attention_mask, deterministic: bool, return_hidden: bool = False):
+    """An encoder-decoder's ``__call__``: checked ids, ``model.encode``, ``model.decode``
+    (``return_hidden``: the decoder's hidden states and read-out weights, not its logits)."""
     input_ids = check_ids("input_ids", input_ids)
     decoder_input_ids = check_ids("decoder_input_ids", decoder_input_ids)
     if input_ids.shape[0] != decoder_input_ids.shape[0]:
@@ -387,7 +388,8 @@ def encode_then_decode(model: Any, input_ids, decoder_input_ids, attention_mask,
                         f"{tuple(decoder_input_ids.shape)} have different batch sizes")
     encoded = model.encode(input_ids, attention_mask, deterministic=deterministic)
     return model.decode(decoder_input_ids, encoded, attention_mask, decoder_attention_mask,
-                        deterministic=deterministic)
+                        deterministic=deterministic,
+                        **({"return_hidden": True} if return_hidden else {}))
 
 
 def to_config_layout(params: dict, config: Any) -> dict:

@@ -278,9 +278,9 @@ class T5(nn.Module):
     @with_lora
     def __call__(self, input_ids: Array, decoder_input_ids: Array,
                  attention_mask: Array | None = None, decoder_attention_mask: Array | None = None,
-                 *, deterministic: bool = True) -> Array:
+                 *, deterministic: bool = True, return_hidden: bool = False) -> Array:
         return encode_then_decode(self, input_ids, decoder_input_ids, attention_mask,
-                                  decoder_attention_mask, deterministic)
+                                  decoder_attention_mask, deterministic, return_hidden)
 
     @with_lora
     def encode(self, input_ids: Array, attention_mask: Array | None = None, *,
@@ -296,11 +296,13 @@ class T5(nn.Module):
     @with_lora
     def decode(self, decoder_input_ids: Array, encoded: Array, attention_mask: Array | None = None,
                decoder_attention_mask: Array | None = None, *, deterministic: bool = True,
-               decode: bool = False) -> Array:
+               decode: bool = False, return_hidden: bool = False) -> Array:
         """decoder_input_ids (B, T), encoder output (B, S, D) -> logits (B, T, V) fp32.
 
         ``attention_mask`` (B, S) is the *source* padding mask. With ``decode=True`` the
         tokens are appended to the KV cache (``decoder_attention_mask`` must then be None).
+        ``return_hidden=True``: ``(hidden (B, T, D) as read out, {"kernel": (D, V)})``
+        instead of the logits (``losses.head_loss``).
         """
         cfg = self.config
         decoder_input_ids = check_decoder_inputs(decoder_input_ids, encoded,
@@ -318,6 +320,9 @@ class T5(nn.Module):
                          decode=decode)
         if cfg.scales_output:
             x = x * jnp.asarray(cfg.d_model ** -0.5, x.dtype)
+        if return_hidden:
+            return x, ({"kernel": self.shared.readout_kernel()} if cfg.tie_embeddings
+                       else self.lm_head(x, weights_only=True))
         if cfg.tie_embeddings:
             return self.shared.attend(x)
         return self.lm_head(x).astype(jnp.float32)

@@ -247,9 +247,9 @@ class Transformer(nn.Module):
     @with_lora
     def __call__(self, input_ids: Array, decoder_input_ids: Array,
                  attention_mask: Array | None = None, decoder_attention_mask: Array | None = None,
-                 *, deterministic: bool = True) -> Array:
+                 *, deterministic: bool = True, return_hidden: bool = False) -> Array:
         return encode_then_decode(self, input_ids, decoder_input_ids, attention_mask,
-                                  decoder_attention_mask, deterministic)
+                                  decoder_attention_mask, deterministic, return_hidden)
 
     @with_lora
     def encode(self, input_ids: Array, attention_mask: Array | None = None, *,
@@ -262,11 +262,13 @@ class Transformer(nn.Module):
     @with_lora
     def decode(self, decoder_input_ids: Array, encoded: Array, attention_mask: Array | None = None,
                decoder_attention_mask: Array | None = None, *, deterministic: bool = True,
-               decode: bool = False) -> Array:
+               decode: bool = False, return_hidden: bool = False) -> Array:
         """decoder_input_ids (B, T), encoder output (B, S, D) -> logits (B, T, V) fp32.
 
         ``attention_mask`` (B, S) is the *source* padding mask. With ``decode=True`` the
         tokens are appended to the KV cache (``decoder_attention_mask`` must then be None).
+        ``return_hidden=True``: ``(hidden (B, T, D) as read out, {"kernel": (D, V)})``
+        instead of the logits (``losses.head_loss``).
         """
         decoder_input_ids = check_decoder_inputs(decoder_input_ids, encoded,
                                                  decoder_attention_mask, decode, self.config)
@@ -275,6 +277,9 @@ class Transformer(nn.Module):
         memory_mask = _padding("attention_mask", attention_mask, encoded.shape[:2])
         x = self.decoder(self._embed(decoder_input_ids), self_mask, encoded, memory_mask,
                          deterministic=deterministic, decode=decode)
+        if return_hidden:
+            return x, ({"kernel": self.embed.readout_kernel()} if self.config.tie_embeddings
+                       else self.lm_head(x, weights_only=True))
         if self.config.tie_embeddings:
             return self.embed.attend(x)
         return self.lm_head(x).astype(jnp.float32)

@@ -50,7 +50,7 @@ from .. import data as data_lib
 from .. import storage
 from ..data.shuffle import MASK64, fold_key, grid_hashes, hash_uniform
 from ..errors import UserError
-from ..losses import token_loss
+from ..losses import head_loss, hidden_kwargs
 from .base import Task, register_task
 
 
@@ -291,12 +291,17 @@ class MLMIterator(Iterator[dict]):
         self.count = int(state["count"])
 
 
-def mlm_loss(apply_fn, params, batch, rngs, deterministic: bool, smoothing: float):
-    """MLM cross-entropy over the selected positions (``weights``), summed."""
+def mlm_loss(apply_fn, params, batch, rngs, deterministic: bool, smoothing: float,
+             loss_chunk: int = 0):
+    """MLM cross-entropy over the selected positions (``weights``), summed; ``loss_chunk``
+    tokens at a time when set (``losses.head_loss``)."""
     out = apply_fn({"params": params}, batch["input_ids"], None, batch["attention_mask"],
-                   deterministic=deterministic, rngs=rngs)
+                   deterministic=deterministic, rngs=rngs, **hidden_kwargs(loss_chunk))
     logits = out["mlm_logits"] if isinstance(out, Mapping) else out
-    return token_loss(logits, batch["targets"], batch["weights"], smoothing)
+    return head_loss(logits, batch["targets"], batch["weights"], smoothing, loss_chunk)
+
+
+mlm_loss.chunks = True   # takes loss_chunk (train/step.py)
 
 
 # ----------------------------------------------------------------------------- task
