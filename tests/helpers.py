@@ -151,3 +151,35 @@ def custom_calls(text: str) -> list[str]:
         return out
 
     return expand("main")
+
+
+def assert_chunked_loss_matches(loss_fn, apply_fn, params, batch, *, smoothing=0.1, chunk=5):
+    """A task loss with ``loss_chunk=chunk`` against the plain one on a model: loss, named
+    sums and every parameter's gradient within 1e-6 relative (float32, "highest" matmuls).
+    Returns the plain loss and gradients."""
+    import numpy as np
+
+    def run(loss_chunk):
+        def objective(p):
+            return loss_fn(apply_fn, p, batch, None, True, smoothing, loss_chunk=loss_chunk)
+        with jax.default_matmul_precision("highest"):
+            return jax.jit(jax.value_and_grad(objective, has_aux=True))(params)
+
+    (want, want_sums), want_g = run(0)
+    (got, got_sums), got_g = run(chunk)
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
+    assert set(got_sums) == set(want_sums)
+    for name in want_sums:
+        np.testing.assert_allclose(float(got_sums[name]), float(want_sums[name]), rtol=1e-6,
+                                   err_msg=name)
+    flat_want = jax.tree_util.tree_leaves_with_path(want_g)
+    flat_got = jax.tree_util.tree_leaves(got_g)
+    assert len(flat_want) == len(flat_got)
+    norm = lambda x: float(jax.numpy.linalg.norm(x.ravel()))  # noqa: E731
+    top = max(norm(w) for _, w in flat_want)
+    for (path, w), g in zip(flat_want, flat_got):
+        # relative in the Frobenius norm; a gradient that is zero in exact arithmetic (an
+        # attention key's bias) is rounding noise: its norm is floored at 1e-3 of the largest
+        scale = max(norm(w), 1e-3 * top)
+        assert norm(g - w) <= 1e-6 * scale, (jax.tree_util.keystr(path), norm(g - w), scale)
+    return float(want), want_g

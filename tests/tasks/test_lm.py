@@ -185,3 +185,38 @@ def test_generate_text_rejects_a_prompt_longer_than_the_model(tmp_path):
 
     with pytest.raises(ValueError, match="the prompt is 4 tokens; the model's max_len is 4"):
         lm_task(tmp_path).generate_text(Model(), {}, "abcd")
+
+
+# ----------------------------------------------------------------------------- chunked loss
+
+def _lm_batch(vocab: int, b: int = 2, t: int = 9) -> dict:
+    ks = jax.random.split(jax.random.PRNGKey(7), 3)
+    inputs = jax.random.randint(ks[0], (b, t), 0, vocab)
+    targets = jax.random.randint(ks[1], (b, t), 0, vocab).at[1, -2:].set(-100)
+    weights = (jax.random.uniform(ks[2], (b, t)) > 0.2).astype(np.float32)
+    return {"inputs": inputs, "targets": targets, "weights": weights.at[1, -2:].set(0.0)}
+
+
+@pytest.mark.parametrize("preset, change", [
+    ("gpt:tiny", {}),                                            # tied wte read-out
+    ("gpt:llama-tiny", {}),                                      # untied lm_head
+    ("gemma:gemma3-tiny", {"final_logit_softcap": 3.0}),         # tied, tanh cap
+    ("gemma:gemma3-tiny", {"tie_embeddings": False, "final_logit_softcap": 3.0}),
+])
+def test_lm_loss_chunked_equals_plain(preset, change):
+    """``loss_chunk=5`` (18 tokens: not a multiple) gives the plain loss, its sums and the
+    gradient of every parameter (embedding and lm_head included) within 1e-6 relative."""
+    import flax.linen as nn
+
+    from tests.helpers import assert_chunked_loss_matches
+    from transformer_jax.losses import lm_loss
+    from transformer_jax.models import Gemma, GemmaConfig, GPT, GPTConfig
+    family, name = preset.split(":")
+    cls, config_cls = (GPT, GPTConfig) if family == "gpt" else (Gemma, GemmaConfig)
+    cfg = config_cls.preset(name, **change)
+    model = cls(cfg)
+    batch = _lm_batch(cfg.vocab_size)
+    params = nn.meta.unbox(model.init(jax.random.PRNGKey(0), batch["inputs"])["params"])
+    loss, grads = assert_chunked_loss_matches(lm_loss, model.apply, params, batch)
+    head = grads["wte"]["embedding"] if cfg.tie_embeddings else grads["lm_head"]["kernel"]
+    assert loss > 0 and float(np.abs(head).max()) > 0
