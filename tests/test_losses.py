@@ -154,7 +154,7 @@ def _rel(a, b):
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 @pytest.mark.parametrize("softcap", [None, 2.5])
-@pytest.mark.parametrize("chunk", [4, 64])    # 4 does not divide the 21 tokens; 64 > 21
+@pytest.mark.parametrize("chunk", [4, 64])    # 4 does not divide the rows' 7 positions; 64 > 7
 def test_chunked_cross_entropy_equals_plain_loss_and_gradients(tied, smoothing, softcap, chunk):
     hidden, kernel, bias, table, targets, weights = _readout_case()
 
@@ -210,7 +210,8 @@ def test_chunked_cross_entropy_refuses_a_bad_chunk(chunk):
 def test_chunked_loss_never_holds_the_whole_logits():
     """Compiled (XLA:CPU) loss + gradients at N x V = 8192 x 4096 (128 MiB of float32
     logits): the plain loss's temporaries hold them whole (at least 128 MiB); the chunked
-    one's (chunks of 256 tokens: 4 MiB of logits) stay under a tenth of that (4.5 MiB)."""
+    one's (chunks of 256 positions of its one row: 4 MiB of logits) stay under a tenth of
+    that (4.5 MiB)."""
     n, d, v = 8192, 32, 4096
     logits_bytes = n * v * 4
     hidden = jax.ShapeDtypeStruct((n, d), jnp.float32)

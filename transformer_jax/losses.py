@@ -13,9 +13,9 @@ leading axes.
 
 Chunked read-out (:func:`chunked_cross_entropy`): with a ``loss_chunk`` the task losses ask
 the model for its final hidden states and read-out weights (``return_hidden=True``) instead
-of its logits, and compute the logits, the loss and their gradients ``loss_chunk`` tokens at a
-time: the (B, T, V) float32 logits and their gradient never exist whole. The project has no
-z-loss.
+of its logits, and compute the logits, the loss and their gradients ``loss_chunk`` positions
+of every row at a time: the (B, T, V) float32 logits and their gradient never exist whole.
+The project has no z-loss.
 """
 from __future__ import annotations
 
@@ -116,21 +116,23 @@ def token_loss(logits: Array, targets: Array, weights: Array | None, smoothing: 
 def chunked_cross_entropy(hidden: Array, kernel: Array, targets: Array,
                           weights: Array | None = None, smoothing: float = 0.0, *,
                           bias: Array | None = None, softcap: float | None = None,
-                          chunk: int = 1024, precision: Any = None):
+                          chunk: int = 128, precision: Any = None):
     """:func:`token_loss` of the logits ``hidden @ kernel (+ bias)`` (then ``softcap *
-    tanh(logits / softcap)``), computed ``chunk`` tokens at a time: ``(loss_sum, sums)``.
+    tanh(logits / softcap)``), computed ``chunk`` positions of every row at a time:
+    ``(loss_sum, sums)``.
 
-    hidden (..., D) in the compute dtype; kernel (D, V) (a tied read-out: the embedding
-    transposed, whose gradient then reaches the embedding); bias (V,); targets and weights
-    (...). The tokens are flattened to N, padded to whole chunks (at weight 0) and scanned;
-    each chunk's (chunk, V) float32 logits are recomputed in the backward pass
+    hidden (..., T, D) (or (N, D): one row) in the compute dtype; kernel (D, V) (a tied
+    read-out: the embedding transposed, whose gradient then reaches the embedding); bias
+    (V,); targets and weights (..., T). The rows' T axis is padded to whole chunks (at weight
+    0) and scanned, the batch axis kept whole in each chunk (a batch sharded over devices stays
+    so); each chunk's (..., chunk, V) float32 logits are recomputed in the backward pass
     (``jax.checkpoint``), which accumulates the gradients of ``hidden``, ``kernel`` and
     ``bias``. Sums as :func:`token_loss`: ``weight``, ``nll``, ``correct``.
     """
     if not 0.0 <= smoothing <= 1.0:
         raise UserError(f"smoothing must be in [0, 1], got {smoothing}")
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-        raise UserError(f"loss_chunk={chunk!r} must be a positive int (tokens per chunk), "
+        raise UserError(f"loss_chunk={chunk!r} must be a positive int (positions per chunk), "
                         "or 0 for the plain loss")
     if hidden.shape[:-1] != targets.shape or kernel.shape[:1] != hidden.shape[-1:]:
         raise UserError(f"hidden {hidden.shape}, kernel {kernel.shape} and targets "
@@ -139,21 +141,21 @@ def chunked_cross_entropy(hidden: Array, kernel: Array, targets: Array,
         weights = jnp.ones(targets.shape, jnp.float32)
     elif weights.shape != targets.shape:
         raise UserError(f"weights {weights.shape} must have the shape of targets {targets.shape}")
-    d = hidden.shape[-1]
-    h, t = hidden.reshape(-1, d), targets.reshape(-1).astype(jnp.int32)
-    w = weights.reshape(-1).astype(jnp.float32)
-    n = h.shape[0]
-    size = min(chunk, max(n, 1))
-    count = -(-n // size)
-    pad = count * size - n
+    d, t_len = hidden.shape[-1], max(targets.shape[-1], 1)
+    h = hidden.reshape((-1, t_len, d))                               # (B, T, D)
+    t = targets.reshape((-1, t_len)).astype(jnp.int32)
+    w = weights.reshape((-1, t_len)).astype(jnp.float32)
+    size = min(chunk, t_len)
+    count = -(-t_len // size)
+    pad = count * size - t_len
     if pad:
-        h = jnp.pad(h, ((0, pad), (0, 0)))
-        t, w = jnp.pad(t, (0, pad)), jnp.pad(w, (0, pad))
+        h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
+        t, w = jnp.pad(t, ((0, 0), (0, pad))), jnp.pad(w, ((0, 0), (0, pad)))
 
     @jax.checkpoint   # save only the chunk's inputs; its logits are recomputed
     def piece(kernel, bias, h, t, w):
         logits = jnp.dot(h, kernel.astype(h.dtype), precision=precision,
-                         preferred_element_type=jnp.float32)
+                         preferred_element_type=jnp.float32)          # (B, chunk, V)
         if bias is not None:
             logits = logits + bias.astype(jnp.float32)
         if softcap is not None:
@@ -174,9 +176,12 @@ def chunked_cross_entropy(hidden: Array, kernel: Array, targets: Array,
     def body(carry, xs):
         return tuple(a + b for a, b in zip(carry, piece(kernel, bias, *xs))), None
 
+    def chunks(x):   # (B, count * size, ...) -> (count, B, size, ...)
+        return jnp.swapaxes(x.reshape((x.shape[0], count, size) + x.shape[2:]), 0, 1)
+
     zero = jnp.zeros((), jnp.float32)
-    xs = (h.reshape(count, size, d), t.reshape(count, size), w.reshape(count, size))
-    (loss_sum, nll_sum, correct), _ = jax.lax.scan(body, (zero, zero, zero), xs)
+    (loss_sum, nll_sum, correct), _ = jax.lax.scan(body, (zero, zero, zero),
+                                                   (chunks(h), chunks(t), chunks(w)))
     return loss_sum, {"weight": jnp.sum(w), "nll": nll_sum, "correct": correct}
 
 
@@ -240,7 +245,7 @@ def per_weight_means(loss_sum: Array, sums: dict[str, Array]) -> dict[str, Array
 def lm_loss(apply_fn: Callable, params: Any, batch: dict[str, Array], rngs, deterministic: bool,
             smoothing: float, loss_chunk: int = 0):
     """Next-token loss: ``batch = {"inputs", "targets": (B, T) int, "weights": (B, T)}``;
-    ``loss_chunk`` tokens at a time when set (:func:`head_loss`)."""
+    ``loss_chunk`` positions at a time when set (:func:`head_loss`)."""
     out = apply_fn({"params": params}, batch["inputs"], deterministic=deterministic, rngs=rngs,
                    **hidden_kwargs(loss_chunk))
     return head_loss(out, batch["targets"], batch.get("weights"), smoothing, loss_chunk)

@@ -204,7 +204,7 @@ def _lm_batch(vocab: int, b: int = 2, t: int = 9) -> dict:
     ("gemma:gemma3-tiny", {"tie_embeddings": False, "final_logit_softcap": 3.0}),
 ])
 def test_lm_loss_chunked_equals_plain(preset, change):
-    """``loss_chunk=5`` (18 tokens: not a multiple) gives the plain loss, its sums and the
+    """``loss_chunk=5`` (rows of 9 positions: not a multiple) gives the plain loss, its sums and the
     gradient of every parameter (embedding and lm_head included) within 1e-6 relative."""
     import flax.linen as nn
 

@@ -294,7 +294,7 @@ class MLMIterator(Iterator[dict]):
 def mlm_loss(apply_fn, params, batch, rngs, deterministic: bool, smoothing: float,
              loss_chunk: int = 0):
     """MLM cross-entropy over the selected positions (``weights``), summed; ``loss_chunk``
-    tokens at a time when set (``losses.head_loss``)."""
+    positions of each row at a time when set (``losses.head_loss``)."""
     out = apply_fn({"params": params}, batch["input_ids"], None, batch["attention_mask"],
                    deterministic=deterministic, rngs=rngs, **hidden_kwargs(loss_chunk))
     logits = out["mlm_logits"] if isinstance(out, Mapping) else out

@@ -185,7 +185,8 @@ def pretraining_loss(apply_fn, params, batch, rngs, deterministic: bool, smoothi
     ``nsp_loss`` and ``nsp_correct``. Rows with ``nsp_labels`` < 0 are no pair. The MLM mean
     is over the whole batch's masked tokens: under ``pmap`` (``axis_name``) the pair and
     token counts are summed over the devices first, so the step equals one device's.
-    ``loss_chunk``: the MLM read-out that many tokens at a time (``losses.head_loss``)."""
+    ``loss_chunk``: the MLM read-out that many positions of each row at a time
+    (``losses.head_loss``)."""
     out = apply_fn({"params": params}, batch["input_ids"], batch["token_type_ids"],
                    batch["attention_mask"], deterministic=deterministic, rngs=rngs,
                    **hidden_kwargs(loss_chunk))

@@ -241,7 +241,7 @@ class PairIterator(EpochIterator):
 def seq2seq_loss(apply_fn, params, batch, rngs, deterministic: bool, smoothing: float,
                  loss_chunk: int = 0):
     """Teacher-forced cross-entropy: ``model(inputs, targets, input_mask)`` vs ``labels``;
-    ``loss_chunk`` tokens at a time when set (``losses.head_loss``)."""
+    ``loss_chunk`` positions of each row at a time when set (``losses.head_loss``)."""
     out = apply_fn({"params": params}, batch["inputs"], batch["targets"], batch["input_mask"],
                    deterministic=deterministic, rngs=rngs, **hidden_kwargs(loss_chunk))
     return head_loss(out, batch["labels"], batch["weights"], smoothing, loss_chunk)

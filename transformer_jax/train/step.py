@@ -190,8 +190,8 @@ def make_gradient_sums(loss_fn: LossFn, label_smoothing: float, accum_steps: int
     all the masked tokens) marks itself ``loss_fn.global_batch = True`` and takes
     ``axis_name``: under ``pmap`` it gathers (or sums) what it needs from the other devices.
     A loss with a vocabulary read-out marks itself ``loss_fn.chunks = True`` and takes
-    ``loss_chunk`` (tokens per chunk of the read-out, ``losses.head_loss``; 0: plain); the
-    others ignore it.
+    ``loss_chunk`` (positions of each row per chunk of the read-out, ``losses.head_loss``;
+    0: plain); the others ignore it.
     """
     if getattr(loss_fn, "global_batch", False):
         loss_fn = functools.partial(loss_fn, axis_name=axis_name)
