@@ -155,8 +155,8 @@ def custom_calls(text: str) -> list[str]:
 
 def assert_chunked_loss_matches(loss_fn, apply_fn, params, batch, *, smoothing=0.1, chunk=5):
     """A task loss with ``loss_chunk=chunk`` against the plain one on a model: loss, named
-    sums and every parameter's gradient within 1e-6 relative (float32, "highest" matmuls).
-    Returns the plain loss and gradients."""
+    sums and the gradient within 1e-6 relative (float32, "highest" matmuls; each parameter's
+    within 1e-5). Returns the plain loss and gradients."""
     import numpy as np
 
     def run(loss_chunk):
@@ -176,10 +176,12 @@ def assert_chunked_loss_matches(loss_fn, apply_fn, params, batch, *, smoothing=0
     flat_got = jax.tree_util.tree_leaves(got_g)
     assert len(flat_want) == len(flat_got)
     norm = lambda x: float(jax.numpy.linalg.norm(x.ravel()))  # noqa: E731
-    top = max(norm(w) for _, w in flat_want)
-    for (path, w), g in zip(flat_want, flat_got):
-        # relative in the Frobenius norm; a gradient that is zero in exact arithmetic (an
-        # attention key's bias) is rounding noise: its norm is floored at 1e-3 of the largest
-        scale = max(norm(w), 1e-3 * top)
-        assert norm(g - w) <= 1e-6 * scale, (jax.tree_util.keystr(path), norm(g - w), scale)
+    diffs = [norm(g - w) for (_, w), g in zip(flat_want, flat_got)]
+    sizes = [norm(w) for _, w in flat_want]
+    # the whole gradient: 1e-6 relative (Frobenius norm over every parameter)
+    assert sum(d * d for d in diffs) ** 0.5 <= 1e-6 * sum(n * n for n in sizes) ** 0.5
+    # each parameter's: 1e-5 (float32 rounding grows through the layers), plus 1e-7 of the
+    # largest (a gradient that is zero in exact arithmetic, an attention key's bias, is noise)
+    for (path, _), d, n in zip(flat_want, diffs, sizes):
+        assert d <= 1e-5 * n + 1e-7 * max(sizes), (jax.tree_util.keystr(path), d, n)
     return float(want), want_g
