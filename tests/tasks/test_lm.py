@@ -220,3 +220,22 @@ def test_lm_loss_chunked_equals_plain(preset, change):
     loss, grads = assert_chunked_loss_matches(lm_loss, model.apply, params, batch)
     head = grads["wte"]["embedding"] if cfg.tie_embeddings else grads["lm_head"]["kernel"]
     assert loss > 0 and float(np.abs(head).max()) > 0
+
+
+def test_lm_loss_chunked_refuses_a_lora_adapter_on_the_head():
+    """The chunked loss reads ``lm_head``'s weights itself, so an adapter there (which its
+    matmul would add) is refused in one line naming both fixes."""
+    import flax.linen as nn
+
+    from transformer_jax.losses import lm_loss
+    from transformer_jax.models import GPT, GPTConfig
+    cfg = GPTConfig.preset("llama-tiny", lora=dict(rank=2, targets="lm_head"))
+    model = GPT(cfg)
+    batch = _lm_batch(cfg.vocab_size)
+    params = nn.meta.unbox(model.init(jax.random.PRNGKey(0), batch["inputs"])["params"])
+    loss_sum, _ = lm_loss(model.apply, params, batch, None, True, 0.0)     # plain: fine
+    assert np.isfinite(float(loss_sum))
+    with pytest.raises(UserError, match="lm_head: loss_chunk reads the weights of this layer, "
+                                        "which a LoRA adapter targets; leave it out of "
+                                        "lora.targets, or set loss_chunk=0"):
+        lm_loss(model.apply, params, batch, None, True, 0.0, loss_chunk=4)
