@@ -193,10 +193,13 @@ def make_gradient_sums(loss_fn: LossFn, label_smoothing: float, accum_steps: int
     ``loss_chunk`` (positions of each row per chunk of the read-out, ``losses.head_loss``;
     0: plain); the others ignore it.
     """
+    extra = {}
     if getattr(loss_fn, "global_batch", False):
-        loss_fn = functools.partial(loss_fn, axis_name=axis_name)
+        extra["axis_name"] = axis_name
     if loss_chunk and getattr(loss_fn, "chunks", False):
-        loss_fn = functools.partial(loss_fn, loss_chunk=loss_chunk)
+        extra["loss_chunk"] = loss_chunk
+    if extra:
+        loss_fn = functools.partial(loss_fn, **extra)
     def objective(params, frozen, apply_fn, batch, rng, scale):
         """Differentiated with respect to ``params`` only: the frozen ones get no gradient
         (and no weight-gradient matmuls)."""
