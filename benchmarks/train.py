@@ -27,6 +27,13 @@ Usage::
     python benchmarks/train.py                      # all families, two sizes each (~7 min here)
     python benchmarks/train.py --quick              # one small size per family, compile for GPT only
     python benchmarks/train.py --families gpt --no-compile
+    python benchmarks/train.py --families gpt --no-compile --loss-chunk 1024
+                                                    # also our step with the chunked loss
+
+``--loss-chunk N`` adds our step with ``make_train_step(loss_chunk=N)`` (the read-out and
+cross-entropy N positions of each row at a time, ``losses.chunked_cross_entropy``) to the
+alternation of the cases whose loss takes it (GPT's ``lm_loss``) and reports its median
+step time over the plain step's (> 1: chunking is slower).
 """
 from __future__ import annotations
 
@@ -232,13 +239,14 @@ def _hf_step_fn(model_call, model, opt, inputs):
     return step
 
 
-def our_train_step(built: Built, seed: int = 0):
+def our_train_step(built: Built, seed: int = 0, loss_chunk: int = 0):
     """Our side of a case with AdamW(OPT): (the jitted step, which donates its state, the
     first state, a call that runs one step on ``built.batch`` and waits for it)."""
     tx = make_optimizer(schedule=constant(OPT["lr"]), b1=OPT["b1"], b2=OPT["b2"], eps=OPT["eps"],
                         weight_decay=OPT["weight_decay"], clip_norm=OPT["clip"])
     state = create_train_state(built.module, tx, jax.random.PRNGKey(seed), *built.init_args)
-    step = jax.jit(make_train_step(loss_fn=built.loss_fn), donate_argnums=(0,))
+    step = jax.jit(make_train_step(loss_fn=built.loss_fn, loss_chunk=loss_chunk),
+                   donate_argnums=(0,))
     holder = {"state": state}
 
     def call():
@@ -255,7 +263,7 @@ def hf_adamw(model):
 
 
 def run_case(case: Case, *, rounds: int, warmup: int, use_compile: bool,
-             seed: int = 0) -> dict[str, Any]:
+             seed: int = 0, loss_chunk: int = 0) -> dict[str, Any]:
     """Time one case; ``run`` adds the MFU once the peak is known."""
     torch, _ = _hf()
     torch.manual_seed(seed)
@@ -272,6 +280,9 @@ def run_case(case: Case, *, rounds: int, warmup: int, use_compile: bool,
     record["donated"] = bool(old_leaf.is_deleted())
 
     fns: dict[str, Callable[[], Any]] = {"ours": ours}
+    if loss_chunk and getattr(built.loss_fn, "chunks", False):
+        fns["ours_chunked"] = our_train_step(built, seed, loss_chunk)[2]
+        record["loss_chunk"] = loss_chunk
     hf = built.hf_model
     opt_eager = hf_adamw(hf)
     fns["hf_eager"] = _hf_step_fn(hf, hf, opt_eager, built.hf_inputs)
@@ -290,6 +301,10 @@ def run_case(case: Case, *, rounds: int, warmup: int, use_compile: bool,
         t = common.median(ts)
         record[name] = {"step_s": t, "times_s": ts, "tokens_per_s": built.tokens / t}
     ours_s = record["ours"]["step_s"]
+    if "ours_chunked" in record:
+        record["chunked_over_plain"] = record["ours_chunked"]["step_s"] / ours_s
+        record["round_chunked_over_plain"] = common.round_ratios(
+            record["ours_chunked"]["times_s"], record["ours"]["times_s"])
     for peer in ("hf_eager", "hf_compile"):
         if peer in record:
             record[f"speedup_vs_{peer}"] = record[peer]["step_s"] / ours_s
@@ -370,6 +385,14 @@ def markdown(records: list[dict], peak: float, data: dict | None) -> str:
             "ours/eager and ours/compile are ratios of the median step times (> 1: ours is "
             "faster); per round: the median and quartiles of each round's eager/ours ratio. "
             "torch.compile s = its first two steps (compile included)."]
+    for r in records:
+        if "chunked_over_plain" in r:
+            q = r["round_chunked_over_plain"]
+            text += ["", f"{r['name']}: loss_chunk={r['loss_chunk']} step "
+                     f"{r['ours_chunked']['step_s'] * 1e3:.0f} ms against the plain loss's "
+                     f"{r['ours']['step_s'] * 1e3:.0f} ms: chunked/plain "
+                     f"{r['chunked_over_plain']:.3f} (per round {q['median']:.3f}, quartiles "
+                     f"{q['q1']:.3f}-{q['q3']:.3f})"]
     if data:
         line = (f"Data pipeline ({data['experiment']}, batches {data['batch_shapes']}): "
                 f"{data['batch_s_median'] * 1e3:.2f} ms per batch (max {data['batch_s_max'] * 1e3:.2f} ms)")
@@ -394,7 +417,8 @@ def run(args) -> dict[str, Any]:
     for case in cases:
         use_compile = not args.no_compile and (not args.quick or case.family == "gpt")
         try:
-            r = run_case(case, rounds=args.rounds, warmup=args.warmup, use_compile=use_compile)
+            r = run_case(case, rounds=args.rounds, warmup=args.warmup, use_compile=use_compile,
+                         loss_chunk=args.loss_chunk)
         except Exception as e:  # noqa: BLE001 - report and keep going
             r = {"family": case.family, "name": case.name,
                  "error": f"{type(e).__name__}: {e}"[:300]}
@@ -420,7 +444,7 @@ def run(args) -> dict[str, Any]:
     peak_after = measure_matmul_peak()
     peak_ref = max(peak, peak_after)
     for r in records:
-        for impl in ("ours", "hf_eager", "hf_compile"):
+        for impl in ("ours", "ours_chunked", "hf_eager", "hf_compile"):
             if impl in r:
                 r[impl]["mfu"] = r["model_flops_per_step"] / r[impl]["step_s"] / peak_ref
     return {"benchmark": "train", "machine": common.machine_info(), "peak_flops": peak_ref,
@@ -436,6 +460,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=2, help="untimed calls of each side first")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer")
     p.add_argument("--no-data", action="store_true", help="skip the data-pipeline timing")
+    p.add_argument("--loss-chunk", type=int, default=0,
+                   help="also time our step with this loss_chunk (positions of each row "
+                        "per chunk; 0: no)")
 
 
 def main(argv=None) -> int:

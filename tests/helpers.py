@@ -195,3 +195,37 @@ def assert_packed_like_alone(fn, params, streams: dict, vocab: int, *, pad: int 
         total_grads = g if total_grads is None else jax.tree_util.tree_map(jnp.add, total_grads, g)
     for a, b in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(total_grads)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def assert_chunked_loss_matches(loss_fn, apply_fn, params, batch, *, smoothing=0.1, chunk=5):
+    """A task loss with ``loss_chunk=chunk`` against the plain one on a model: loss, named
+    sums and the gradient within 1e-6 relative (float32, "highest" matmuls; each parameter's
+    within 1e-5). Returns the plain loss and gradients."""
+    import numpy as np
+
+    def run(loss_chunk):
+        def objective(p):
+            return loss_fn(apply_fn, p, batch, None, True, smoothing, loss_chunk=loss_chunk)
+        with jax.default_matmul_precision("highest"):
+            return jax.jit(jax.value_and_grad(objective, has_aux=True))(params)
+
+    (want, want_sums), want_g = run(0)
+    (got, got_sums), got_g = run(chunk)
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
+    assert set(got_sums) == set(want_sums)
+    for name in want_sums:
+        np.testing.assert_allclose(float(got_sums[name]), float(want_sums[name]), rtol=1e-6,
+                                   err_msg=name)
+    flat_want = jax.tree_util.tree_leaves_with_path(want_g)
+    flat_got = jax.tree_util.tree_leaves(got_g)
+    assert len(flat_want) == len(flat_got)
+    norm = lambda x: float(jax.numpy.linalg.norm(x.ravel()))  # noqa: E731
+    diffs = [norm(g - w) for (_, w), g in zip(flat_want, flat_got)]
+    sizes = [norm(w) for _, w in flat_want]
+    # the whole gradient: 1e-6 relative (Frobenius norm over every parameter)
+    assert sum(d * d for d in diffs) ** 0.5 <= 1e-6 * sum(n * n for n in sizes) ** 0.5
+    # each parameter's: 1e-5 (float32 rounding grows through the layers), plus 1e-7 of the
+    # largest (a gradient that is zero in exact arithmetic, an attention key's bias, is noise)
+    for (path, _), d, n in zip(flat_want, diffs, sizes):
+        assert d <= 1e-5 * n + 1e-7 * max(sizes), (jax.tree_util.keystr(path), d, n)
+    return float(want), want_g

@@ -128,3 +128,105 @@ def test_lm_loss_is_the_token_loss_of_the_model_logits():
     want_sum, want = losses.token_loss(logits, batch["targets"], batch["weights"], 0.1)
     assert float(got_sum) == float(want_sum) and float(got["weight"]) == 5.0
     assert {k: float(v) for k, v in got.items()} == {k: float(v) for k, v in want.items()}
+
+
+# ---------------------------------------------------------------------------
+# Chunked read-out + cross-entropy
+# ---------------------------------------------------------------------------
+
+def _readout_case(n_rows=3, t=7, d=8, v=13):
+    ks = jax.random.split(jax.random.PRNGKey(3), 6)
+    hidden = jax.random.normal(ks[0], (n_rows, t, d))
+    kernel = jax.random.normal(ks[1], (d, v)) * 0.7
+    bias = jax.random.normal(ks[2], (v,))
+    table = jax.random.normal(ks[3], (v, d)) * 0.7             # a tied embedding (V, D)
+    targets = jax.random.randint(ks[4], (n_rows, t), 0, v)
+    weights = (jax.random.uniform(ks[5], (n_rows, t)) > 0.3).astype(jnp.float32) * 1.5
+    targets = targets.at[0, 2].set(-100).at[1, 4].set(v + 5)   # out of range, at weight 0
+    weights = weights.at[0, 2].set(0.0).at[1, 4].set(0.0).at[2, 0].set(2.0)
+    return hidden, kernel, bias, table, targets, weights
+
+
+def _rel(a, b):
+    return float(jnp.max(jnp.abs(a - b)) / jnp.maximum(jnp.max(jnp.abs(b)), 1e-30))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("softcap", [None, 2.5])
+@pytest.mark.parametrize("chunk", [4, 64])    # 4 does not divide the rows' 7 positions; 64 > 7
+def test_chunked_cross_entropy_equals_plain_loss_and_gradients(tied, smoothing, softcap, chunk):
+    hidden, kernel, bias, table, targets, weights = _readout_case()
+
+    def read(hidden, kernel, bias, table):
+        w = table.T if tied else kernel
+        return w, (None if tied else bias)
+
+    def plain(hidden, kernel, bias, table):
+        w, b = read(hidden, kernel, bias, table)
+        logits = jnp.dot(hidden, w, precision="highest")
+        logits = logits if b is None else logits + b
+        if softcap is not None:
+            logits = softcap * jnp.tanh(logits / softcap)
+        return losses.token_loss(logits, targets, weights, smoothing)
+
+    def chunked(hidden, kernel, bias, table):
+        w, b = read(hidden, kernel, bias, table)
+        return losses.chunked_cross_entropy(hidden, w, targets, weights, smoothing, bias=b,
+                                            softcap=softcap, chunk=chunk, precision="highest")
+
+    args = (hidden, kernel, bias, table)
+    (want, want_sums), want_g = jax.value_and_grad(plain, argnums=(0, 1, 2, 3), has_aux=True)(*args)
+    (got, got_sums), got_g = jax.value_and_grad(chunked, argnums=(0, 1, 2, 3), has_aux=True)(*args)
+    assert float(got) == pytest.approx(float(want), rel=1e-6)
+    assert set(got_sums) == {"weight", "nll", "correct"}
+    assert float(got_sums["weight"]) == float(want_sums["weight"]) == float(jnp.sum(weights))
+    assert float(got_sums["nll"]) == pytest.approx(float(want_sums["nll"]), rel=1e-6)
+    assert float(got_sums["correct"]) == float(want_sums["correct"])
+    for name, g, w in zip(("hidden", "kernel", "bias", "table"), got_g, want_g):
+        if float(jnp.max(jnp.abs(w))) == 0.0:          # the unused one of kernel / table
+            assert float(jnp.max(jnp.abs(g))) == 0.0, name
+        else:
+            assert _rel(g, w) < 1e-6, name
+
+
+def test_chunked_cross_entropy_hits_are_the_argmax_hits():
+    # logits = hidden @ I: token 0's top logit is its target, token 1's is not
+    hidden = jnp.array([[0.0, 3.0, 1.0], [2.0, 0.5, 0.1]])
+    targets = jnp.array([1, 2])
+    _, sums = losses.chunked_cross_entropy(hidden, jnp.eye(3), targets, chunk=1)
+    assert float(sums["correct"]) == 1.0
+    lse = jax.nn.logsumexp(hidden, axis=-1)
+    assert float(sums["nll"]) == pytest.approx(float(lse[0] - 3.0 + lse[1] - 0.1), rel=1e-6)
+
+
+@pytest.mark.parametrize("chunk", [0, -1, 2.5, True])
+def test_chunked_cross_entropy_refuses_a_bad_chunk(chunk):
+    with pytest.raises(losses.UserError, match=r"loss_chunk=.* must be a positive int"):
+        losses.chunked_cross_entropy(jnp.ones((2, 3)), jnp.ones((3, 4)), jnp.zeros(2, jnp.int32),
+                                     chunk=chunk)
+
+
+def test_chunked_loss_never_holds_the_whole_logits():
+    """Compiled (XLA:CPU) loss + gradients at N x V = 8192 x 4096 (128 MiB of float32
+    logits): the plain loss's temporaries hold them whole (at least 128 MiB); the chunked
+    one's (chunks of 256 positions of its one row: 4 MiB of logits) stay under a tenth of
+    that (4.5 MiB)."""
+    n, d, v = 8192, 32, 4096
+    logits_bytes = n * v * 4
+    hidden = jax.ShapeDtypeStruct((n, d), jnp.float32)
+    kernel = jax.ShapeDtypeStruct((d, v), jnp.float32)
+    targets = jax.ShapeDtypeStruct((n,), jnp.int32)
+
+    def plain(h, w, t):
+        return losses.token_loss(h @ w, t, None, 0.1)[0]
+
+    def chunked(h, w, t):
+        return losses.chunked_cross_entropy(h, w, t, None, 0.1, chunk=256)[0]
+
+    def temp_bytes(f):
+        compiled = jax.jit(jax.grad(f, argnums=(0, 1))).lower(hidden, kernel, targets).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    assert temp_bytes(plain) >= logits_bytes
+    assert temp_bytes(chunked) < logits_bytes / 10

@@ -271,7 +271,8 @@ def _state_and_step(cfg, task, model_cfg, model, mesh, what: str, decode_tokens:
     batch_bytes = _tree_bytes(batch)
     if what == "train":
         step = make_train_step(loss_fn=task.loss_fn, label_smoothing=cfg.label_smoothing,
-                               accum_steps=cfg.accum_steps, schedule=schedule)
+                               accum_steps=cfg.accum_steps, schedule=schedule,
+                               loss_chunk=cfg.loss_chunk)
         fn = jax.jit(step, in_shardings=(shardings, batch_sh), out_shardings=(shardings, rep),
                      donate_argnums=(0,))
         return fn, (sh.with_shardings(abstract, shardings), batch), \

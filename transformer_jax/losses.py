@@ -8,7 +8,14 @@ divide once by the total weight (:func:`mean_loss`, :func:`per_weight_means`). A
 counts two kinds of things names a second weight, ``X_weight``, for its ``X_*`` sums
 (:func:`metric_names`).
 
-Shapes: B batch, T length, V vocabulary (or classes); ``...`` any leading axes.
+Shapes: B batch, T length, D model width, N tokens, V vocabulary (or classes); ``...`` any
+leading axes.
+
+Chunked read-out (:func:`chunked_cross_entropy`): with a ``loss_chunk`` the task losses ask
+the model for its final hidden states and read-out weights (``return_hidden=True``) instead
+of its logits, and compute the logits, the loss and their gradients ``loss_chunk`` positions
+of every row at a time: the (B, T, V) float32 logits and their gradient never exist whole.
+The project has no z-loss.
 """
 from __future__ import annotations
 
@@ -25,7 +32,8 @@ Array = jax.Array
 LossFn = Callable[..., tuple[Array, dict[str, Array]]]
 
 __all__ = ["LossFn", "target_logits", "label_smoothed_cross_entropy", "mean_loss",
-           "token_loss", "metric_names", "per_weight_means", "packed_kwargs", "lm_loss"]
+           "token_loss", "chunked_cross_entropy", "head_loss", "hidden_kwargs", "metric_names",
+           "per_weight_means", "packed_kwargs", "lm_loss"]
 
 
 def target_logits(logits: Array, targets: Array) -> tuple[Array, Array]:
@@ -105,6 +113,96 @@ def token_loss(logits: Array, targets: Array, weights: Array | None, smoothing: 
     return loss_sum, {"weight": weight_sum, "nll": nll_sum, "correct": jnp.sum(hits * w)}
 
 
+def chunked_cross_entropy(hidden: Array, kernel: Array, targets: Array,
+                          weights: Array | None = None, smoothing: float = 0.0, *,
+                          bias: Array | None = None, softcap: float | None = None,
+                          chunk: int = 128, precision: Any = None):
+    """:func:`token_loss` of the logits ``hidden @ kernel (+ bias)`` (then ``softcap *
+    tanh(logits / softcap)``), computed ``chunk`` positions of every row at a time:
+    ``(loss_sum, sums)``.
+
+    hidden (..., T, D) (or (N, D): one row) in the compute dtype; kernel (D, V) (a tied
+    read-out: the embedding transposed, whose gradient then reaches the embedding); bias
+    (V,); targets and weights (..., T). The rows' T axis is padded to whole chunks (at weight
+    0) and scanned, the batch axis kept whole in each chunk (a batch sharded over devices stays
+    so); each chunk's (..., chunk, V) float32 logits are recomputed in the backward pass
+    (``jax.checkpoint``), which accumulates the gradients of ``hidden``, ``kernel`` and
+    ``bias``. Sums as :func:`token_loss`: ``weight``, ``nll``, ``correct``.
+    """
+    if not 0.0 <= smoothing <= 1.0:
+        raise UserError(f"smoothing must be in [0, 1], got {smoothing}")
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise UserError(f"loss_chunk={chunk!r} must be a positive int (positions per chunk), "
+                        "or 0 for the plain loss")
+    if hidden.shape[:-1] != targets.shape or kernel.shape[:1] != hidden.shape[-1:]:
+        raise UserError(f"hidden {hidden.shape}, kernel {kernel.shape} and targets "
+                        f"{targets.shape} disagree: expected (..., D), (D, V) and (...)")
+    if weights is None:
+        weights = jnp.ones(targets.shape, jnp.float32)
+    elif weights.shape != targets.shape:
+        raise UserError(f"weights {weights.shape} must have the shape of targets {targets.shape}")
+    d, t_len = hidden.shape[-1], max(targets.shape[-1], 1)
+    h = hidden.reshape((-1, t_len, d))                               # (B, T, D)
+    t = targets.reshape((-1, t_len)).astype(jnp.int32)
+    w = weights.reshape((-1, t_len)).astype(jnp.float32)
+    size = min(chunk, t_len)
+    count = -(-t_len // size)
+    pad = count * size - t_len
+    if pad:
+        h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
+        t, w = jnp.pad(t, ((0, 0), (0, pad))), jnp.pad(w, ((0, 0), (0, pad)))
+
+    @jax.checkpoint   # save only the chunk's inputs; its logits are recomputed
+    def piece(kernel, bias, h, t, w):
+        logits = jnp.dot(h, kernel.astype(h.dtype), precision=precision,
+                         preferred_element_type=jnp.float32)          # (B, chunk, V)
+        if bias is not None:
+            logits = logits + bias.astype(jnp.float32)
+        if softcap is not None:
+            logits = softcap * jnp.tanh(logits / softcap)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        target_logit, in_range = target_logits(logits, t)
+        nll = lse - target_logit
+        per_token = nll
+        if smoothing:
+            per_token = (1.0 - smoothing) * nll + smoothing * (lse - jnp.mean(logits, axis=-1))
+        keep = w != 0
+        loss = jnp.sum(jnp.where(keep, per_token * w, 0.0))
+        nll_sum = jax.lax.stop_gradient(jnp.sum(jnp.where(keep, nll * w, 0.0)))
+        top = jax.lax.stop_gradient(jnp.max(logits, axis=-1))
+        hits = in_range & (jax.lax.stop_gradient(target_logit) >= top)
+        return loss, nll_sum, jnp.sum(jnp.where(hits, w, 0.0))
+
+    def body(carry, xs):
+        return tuple(a + b for a, b in zip(carry, piece(kernel, bias, *xs))), None
+
+    def chunks(x):   # (B, count * size, ...) -> (count, B, size, ...)
+        return jnp.swapaxes(x.reshape((x.shape[0], count, size) + x.shape[2:]), 0, 1)
+
+    zero = jnp.zeros((), jnp.float32)
+    (loss_sum, nll_sum, correct), _ = jax.lax.scan(body, (zero, zero, zero),
+                                                   (chunks(h), chunks(t), chunks(w)))
+    return loss_sum, {"weight": jnp.sum(w), "nll": nll_sum, "correct": correct}
+
+
+def head_loss(out: Any, targets: Array, weights: Array | None, smoothing: float,
+              loss_chunk: int = 0):
+    """:func:`token_loss` of a model's output: its logits, or, with ``loss_chunk``, its
+    ``(hidden, head)`` (``return_hidden=True``; head: ``kernel``, optional ``bias`` and
+    ``softcap``) through :func:`chunked_cross_entropy`."""
+    if not loss_chunk:
+        return token_loss(out, targets, weights, smoothing)
+    hidden, head = out
+    return chunked_cross_entropy(hidden, head["kernel"], targets, weights, smoothing,
+                                 bias=head.get("bias"), softcap=head.get("softcap"),
+                                 chunk=loss_chunk)
+
+
+def hidden_kwargs(loss_chunk: int) -> dict:
+    """The model keywords a task loss passes: ``return_hidden=True`` with a ``loss_chunk``."""
+    return {"return_hidden": True} if loss_chunk else {}
+
+
 def metric_names(names: Iterable[str]) -> dict[str, tuple[str, str]]:
     """For each named sum that is not a weight: ``(metric name, the weight it is divided by)``.
 
@@ -153,9 +251,13 @@ def packed_kwargs(batch: dict[str, Array], positions: str = "position_ids") -> d
 
 
 def lm_loss(apply_fn: Callable, params: Any, batch: dict[str, Array], rngs, deterministic: bool,
-            smoothing: float):
+            smoothing: float, loss_chunk: int = 0):
     """Next-token loss: ``batch = {"inputs", "targets": (B, T) int, "weights": (B, T)}``, and
-    with packed documents ``segment_ids`` and ``positions`` (B, T) int."""
-    logits = apply_fn({"params": params}, batch["inputs"], deterministic=deterministic, rngs=rngs,
-                      **packed_kwargs(batch))
-    return token_loss(logits, batch["targets"], batch.get("weights"), smoothing)
+    with packed documents ``segment_ids`` and ``positions`` (B, T) int; ``loss_chunk``
+    positions at a time when set (:func:`head_loss`)."""
+    out = apply_fn({"params": params}, batch["inputs"], deterministic=deterministic, rngs=rngs,
+                   **packed_kwargs(batch), **hidden_kwargs(loss_chunk))
+    return head_loss(out, batch["targets"], batch.get("weights"), smoothing, loss_chunk)
+
+
+lm_loss.chunks = True   # takes loss_chunk (train/step.py)

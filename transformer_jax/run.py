@@ -178,7 +178,7 @@ def setup(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
     ckpt = CheckpointManager(workdir / "checkpoints", save_every=cfg.save_every, keep=cfg.keep)
     train_step = compile_train_step(placement, make_train_step(
         loss_fn=task.loss_fn, label_smoothing=cfg.label_smoothing, accum_steps=cfg.accum_steps,
-        schedule=schedule, axis_name=placement.axis_name))
+        schedule=schedule, axis_name=placement.axis_name, loss_chunk=cfg.loss_chunk))
     resumed = restored is not None
     wandb = (WandbLog.open(cfg.log, workdir, run_config, resumed=resumed)
              if cfg.log.wandb and is_main() else None)

@@ -209,3 +209,57 @@ def test_document_packing_feeds_segments_and_positions_to_the_model(tmp_path):
     assert (shapes["segment_ids"].shape, str(shapes["positions"].dtype)) == ((B, T), "int32")
     with pytest.raises(UserError, match="task.packing='rows' is unknown; choose 'concatenate'"):
         lm_task(tmp_path, task_options={"packing": "rows"})
+
+
+# ----------------------------------------------------------------------------- chunked loss
+
+def _lm_batch(vocab: int, b: int = 2, t: int = 9) -> dict:
+    ks = jax.random.split(jax.random.PRNGKey(7), 3)
+    inputs = jax.random.randint(ks[0], (b, t), 0, vocab)
+    targets = jax.random.randint(ks[1], (b, t), 0, vocab).at[1, -2:].set(-100)
+    weights = (jax.random.uniform(ks[2], (b, t)) > 0.2).astype(np.float32)
+    return {"inputs": inputs, "targets": targets, "weights": weights.at[1, -2:].set(0.0)}
+
+
+@pytest.mark.parametrize("preset, change", [
+    ("gpt:tiny", {}),                                            # tied wte read-out
+    ("gpt:llama-tiny", {}),                                      # untied lm_head
+    ("gemma:gemma3-tiny", {"final_logit_softcap": 3.0}),         # tied, tanh cap
+    ("gemma:gemma3-tiny", {"tie_embeddings": False, "final_logit_softcap": 3.0}),
+])
+def test_lm_loss_chunked_equals_plain(preset, change):
+    """``loss_chunk=5`` (rows of 9 positions: not a multiple) gives the plain loss, its sums and the
+    gradient of every parameter (embedding and lm_head included) within 1e-6 relative."""
+    import flax.linen as nn
+
+    from tests.helpers import assert_chunked_loss_matches
+    from transformer_jax.losses import lm_loss
+    from transformer_jax.models import Gemma, GemmaConfig, GPT, GPTConfig
+    family, name = preset.split(":")
+    cls, config_cls = (GPT, GPTConfig) if family == "gpt" else (Gemma, GemmaConfig)
+    cfg = config_cls.preset(name, **change)
+    model = cls(cfg)
+    batch = _lm_batch(cfg.vocab_size)
+    params = nn.meta.unbox(model.init(jax.random.PRNGKey(0), batch["inputs"])["params"])
+    loss, grads = assert_chunked_loss_matches(lm_loss, model.apply, params, batch)
+    head = grads["wte"]["embedding"] if cfg.tie_embeddings else grads["lm_head"]["kernel"]
+    assert loss > 0 and float(np.abs(head).max()) > 0
+
+
+def test_lm_loss_chunked_refuses_a_lora_adapter_on_the_head():
+    """The chunked loss reads ``lm_head``'s weights itself, so an adapter there (which its
+    matmul would add) is refused in one line naming both fixes."""
+    import flax.linen as nn
+
+    from transformer_jax.losses import lm_loss
+    from transformer_jax.models import GPT, GPTConfig
+    cfg = GPTConfig.preset("llama-tiny", lora=dict(rank=2, targets="lm_head"))
+    model = GPT(cfg)
+    batch = _lm_batch(cfg.vocab_size)
+    params = nn.meta.unbox(model.init(jax.random.PRNGKey(0), batch["inputs"])["params"])
+    loss_sum, _ = lm_loss(model.apply, params, batch, None, True, 0.0)     # plain: fine
+    assert np.isfinite(float(loss_sum))
+    with pytest.raises(UserError, match="lm_head: loss_chunk reads the weights of this layer, "
+                                        "which a LoRA adapter targets; leave it out of "
+                                        "lora.targets, or set loss_chunk=0"):
+        lm_loss(model.apply, params, batch, None, True, 0.0, loss_chunk=4)

@@ -258,3 +258,24 @@ def test_mlm_loss_passes_packed_documents_to_the_model():
     assert sorted(seen) == ["position_ids", "segment_ids"]
     np.testing.assert_array_equal(seen["position_ids"], [[0, 1, 2, 0, 1]])
     assert float(loss) == pytest.approx(2 * math.log(4), rel=1e-6)
+
+
+def test_mlm_loss_chunked_equals_plain():
+    """BERT's MLM head with ``loss_chunk=5``: the transform and its norm run on the hidden
+    states, then the tied decoder and its bias in chunks; the loss, its sums and every
+    gradient (word embeddings, the head's bias) equal the plain loss's within 1e-6."""
+    import flax.linen as nn
+
+    from tests.helpers import assert_chunked_loss_matches
+    from transformer_jax.models import Bert, BertConfig
+    cfg = BertConfig.preset("tiny", head="mlm", num_layers=1, d_model=32, num_heads=2)
+    model = Bert(cfg)
+    ks = jax.random.split(jax.random.PRNGKey(4), 3)
+    ids = jax.random.randint(ks[0], (2, 11), 0, cfg.vocab_size)
+    weights = (jax.random.uniform(ks[1], (2, 11)) > 0.5).astype(np.float32)
+    targets = jnp.where(weights > 0, jax.random.randint(ks[2], (2, 11), 0, cfg.vocab_size), -100)
+    batch = {"input_ids": ids, "attention_mask": jnp.ones((2, 11), jnp.int32).at[1, 9:].set(0),
+             "targets": targets, "weights": weights}
+    params = nn.meta.unbox(model.init(jax.random.PRNGKey(0), ids)["params"])
+    _, grads = assert_chunked_loss_matches(mlm_loss, model.apply, params, batch)
+    assert float(jnp.abs(grads["mlm"]["bias"]).max()) > 0

@@ -265,3 +265,33 @@ def test_seq2seq_loss_passes_packed_pairs_to_the_model():
                             "segment_ids"]
     np.testing.assert_array_equal(seen["decoder_positions"], [[0, 1, 0]])
     assert float(loss) == pytest.approx(3 * math.log(5), rel=1e-6)
+
+
+@pytest.mark.parametrize("family", ["t5", "transformer"])
+def test_seq2seq_loss_chunked_equals_plain(family):
+    """``loss_chunk=5`` on T5 (tied read-out, decoder output scaled by D^-1/2) and the
+    Transformer (untied lm_head): loss, sums and gradients equal the plain loss's (1e-6)."""
+    import flax.linen as nn
+    import jax.numpy as jnp
+
+    from tests.helpers import assert_chunked_loss_matches
+    from transformer_jax.models import T5, T5Config, Transformer, TransformerConfig
+    if family == "t5":
+        model = T5(T5Config(vocab_size=40, d_model=32, num_heads=4, head_dim=8, mlp_dim=48,
+                            num_layers=1, num_decoder_layers=1, relative_attention_num_buckets=8,
+                            relative_attention_max_distance=20, dropout_rate=0.0))
+    else:
+        model = Transformer(TransformerConfig(vocab_size=40, max_len=16, num_layers=1,
+                                              num_decoder_layers=1, d_model=32, num_heads=4,
+                                              mlp_dim=48, dropout_rate=0.0, tie_embeddings=False))
+    ks = jax.random.split(jax.random.PRNGKey(6), 4)
+    src = jax.random.randint(ks[0], (2, 7), 1, 40)
+    tgt = jax.random.randint(ks[1], (2, 6), 1, 40)
+    weights = (jax.random.uniform(ks[2], (2, 6)) > 0.2).astype(np.float32)
+    labels = jnp.where(weights > 0, jax.random.randint(ks[3], (2, 6), 0, 40), -100)
+    batch = {"inputs": src, "targets": tgt, "input_mask": jnp.ones((2, 7), jnp.int32).at[0, 5:].set(0),
+             "labels": labels, "weights": weights}
+    params = nn.meta.unbox(model.init(jax.random.PRNGKey(0), src, tgt)["params"])
+    _, grads = assert_chunked_loss_matches(seq2seq_loss, model.apply, params, batch)
+    head = grads["shared"]["embedding"] if family == "t5" else grads["lm_head"]["kernel"]
+    assert float(jnp.abs(head).max()) > 0

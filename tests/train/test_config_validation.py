@@ -28,6 +28,7 @@ ALLOWED: dict[str, set] = {
     "accum_steps": set(), "learning_rate": set(), "warmup_steps": {"zero"},
     "end_learning_rate": {"zero"}, "b1": {"zero"}, "b2": {"zero"}, "eps": set(),
     "weight_decay": {"zero"}, "clip_norm": set(), "label_smoothing": {"zero"}, "seed": {"zero"},
+    "loss_chunk": {"zero"},
     "loss_scale_init": set(), "loss_scale_growth_interval": set(), "log_every": set(),
     "eval_every": set(), "eval_batches": set(), "save_every": set(), "keep": set(),
     "loss_spike_factor": set(), "loss_spike_window": set(), "sample_tokens": {"zero"},

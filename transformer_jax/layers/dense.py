@@ -71,7 +71,10 @@ class Dense(nn.Module):
     cpu_tuning: bool = True
 
     @nn.compact
-    def __call__(self, x: Array) -> Array:
+    def __call__(self, x: Array, weights_only: bool = False) -> Array | dict:
+        """``x @ W + b``; with ``weights_only`` the read-out weights instead: ``{"kernel":
+        (in, out) in the compute dtype, "bias": (out,) or None}`` (no LoRA adapter may target
+        the layer then), for a loss that does the matmul itself (``losses.head_loss``)."""
         features = (self.features,) if isinstance(self.features, int) else tuple(self.features)
         in_shape = tuple(x.shape[-self.in_axes:])
         kernel_shape = in_shape + features
@@ -90,6 +93,8 @@ class Dense(nn.Module):
         lead = x.shape[:-self.in_axes]
         x2 = x.reshape((-1, math.prod(in_shape))).astype(dtype)
         w2 = kernel.reshape((math.prod(in_shape), math.prod(features))).astype(dtype)
+        if weights_only:
+            return self._weights(w2, features, axes)
         y = jnp.dot(x2, matmul_weight(w2, self.cpu_tuning), precision=self.precision)
         delta = lora.adapter_delta(self, x2, in_shape, features, axes, self.in_axes, dtype,
                                    self.param_dtype, self.precision)   # LoRA, where targeted
@@ -101,6 +106,19 @@ class Dense(nn.Module):
                 features, self.param_dtype)
             y = y + bias.reshape(-1).astype(dtype)
         return y.reshape(lead + features)
+
+    def _weights(self, w2: Array, features: tuple[int, ...], axes: tuple) -> dict:
+        current = lora.active()
+        if current is not None and current[0].matches(lora.module_path(self)):
+            raise UserError(f"{self.name}: loss_chunk reads the weights of this layer, which a "
+                            "LoRA adapter targets; leave it out of lora.targets, or set "
+                            "loss_chunk=0")
+        bias = None
+        if self.use_bias:
+            bias = self.param(
+                "bias", nn.with_logical_partitioning(self.bias_init, axes[self.in_axes:]),
+                features, self.param_dtype).reshape(-1).astype(canonical_dtype(self.dtype))
+        return {"kernel": w2, "bias": bias}
 
 
 class Embed(nn.Module):
@@ -137,6 +155,10 @@ class Embed(nn.Module):
         would be a gather and a scatter (which XLA cannot shard against the table's split)."""
         table = jax.lax.dynamic_slice_in_dim(self._gathered(), start, length, axis=0)
         return table.astype(canonical_dtype(self.dtype))
+
+    def readout_kernel(self) -> Array:
+        """The tied read-out's weight (D, V) in the compute dtype (the table transposed)."""
+        return self.embedding.astype(canonical_dtype(self.dtype)).T
 
     def attend(self, x: Array) -> Array:
         """Tied read-out (B, T, D) -> (B, T, V) logits, accumulated and returned in fp32."""

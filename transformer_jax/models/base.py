@@ -419,9 +419,11 @@ def check_packed_decoder(segment_ids, memory_segment_ids, shape, memory_shape, d
 
 def encode_then_decode(model: Any, input_ids, decoder_input_ids, attention_mask,
                        decoder_attention_mask, deterministic: bool, *, segment_ids=None,
-                       positions=None, decoder_segment_ids=None, decoder_positions=None):
+                       positions=None, decoder_segment_ids=None, decoder_positions=None,
+                       return_hidden: bool = False):
     """An encoder-decoder's ``__call__``: checked ids, ``model.encode``, ``model.decode``
-    (packed documents: the source's and the targets' segment ids and positions)."""
+    (packed documents: the source's and the targets' segment ids and positions;
+    ``return_hidden``: the decoder's hidden states and read-out weights, not its logits)."""
     input_ids = check_ids("input_ids", input_ids)
     decoder_input_ids = check_ids("decoder_input_ids", decoder_input_ids)
     if input_ids.shape[0] != decoder_input_ids.shape[0]:
@@ -431,7 +433,8 @@ def encode_then_decode(model: Any, input_ids, decoder_input_ids, attention_mask,
                            segment_ids=segment_ids, positions=positions)
     return model.decode(decoder_input_ids, encoded, attention_mask, decoder_attention_mask,
                         deterministic=deterministic, segment_ids=decoder_segment_ids,
-                        positions=decoder_positions, memory_segment_ids=segment_ids)
+                        positions=decoder_positions, memory_segment_ids=segment_ids,
+                        **({"return_hidden": True} if return_hidden else {}))
 
 
 def to_config_layout(params: dict, config: Any) -> dict:

@@ -206,7 +206,11 @@ class BertEncoder(nn.Module):
     @nn.compact
     def __call__(self, input_ids: Array, token_type_ids: Array | None = None,
                  attention_mask: Array | None = None, position_ids: Array | None = None, *,
-                 deterministic: bool = True, segment_ids: Array | None = None):
+                 deterministic: bool = True, segment_ids: Array | None = None,
+                 return_hidden: bool = False):
+        """``return_hidden=True`` (heads "mlm", "pretraining"): the MLM logits replaced by
+        ``(transformed hidden (B, T, D), {"kernel": (D, V) tied, "bias": (V,)})``, for a loss
+        that reads out in chunks (``losses.head_loss``)."""
         cfg = self.config
         dtype, param_dtype = canonical_dtype(cfg.dtype), canonical_dtype(cfg.param_dtype)
         input_ids = jnp.asarray(input_ids)
@@ -286,7 +290,11 @@ class Bert(nn.Module):
     @nn.compact
     def __call__(self, input_ids: Array, token_type_ids: Array | None = None,
                  attention_mask: Array | None = None, position_ids: Array | None = None, *,
-                 deterministic: bool = True, segment_ids: Array | None = None):
+                 deterministic: bool = True, segment_ids: Array | None = None,
+                 return_hidden: bool = False):
+        """``return_hidden=True`` (heads "mlm", "pretraining"): the MLM logits replaced by
+        ``(transformed hidden (B, T, D), {"kernel": (D, V) tied, "bias": (V,)})``, for a loss
+        that reads out in chunks (``losses.head_loss``)."""
         cfg = self.config
         dtype, param_dtype = canonical_dtype(cfg.dtype), canonical_dtype(cfg.param_dtype)
         init = nn.initializers.normal(cfg.initializer_range)
@@ -302,7 +310,7 @@ class Bert(nn.Module):
                          param_dtype=param_dtype, kernel_init=init,
                          name="classifier")(h).astype(jnp.float32)
 
-        mlm_logits = BertMLMHead(cfg, name="mlm")(sequence, bert)
+        mlm_logits = BertMLMHead(cfg, name="mlm")(sequence, bert, return_hidden)
         if cfg.head == "mlm":
             return mlm_logits
         nsp_logits = Dense(2, kernel_axes=("embed", None), dtype=dtype, param_dtype=param_dtype,
@@ -315,7 +323,7 @@ class BertMLMHead(nn.Module):
     config: BertConfig
 
     @nn.compact
-    def __call__(self, sequence: Array, encoder: BertEncoder) -> Array:
+    def __call__(self, sequence: Array, encoder: BertEncoder, return_hidden: bool = False):
         cfg = self.config
         dtype, param_dtype = canonical_dtype(cfg.dtype), canonical_dtype(cfg.param_dtype)
         h = Dense(cfg.d_model, kernel_axes=("embed", "mlp"), dtype=dtype, param_dtype=param_dtype,
@@ -325,6 +333,8 @@ class BertMLMHead(nn.Module):
                       name="transform_norm")(h)
         bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, ("vocab",)),
                           (cfg.vocab_size,), param_dtype)
+        if return_hidden:
+            return h, {"kernel": encoder.word_embeddings.readout_kernel(), "bias": bias}
         return encoder.attend(h) + bias.astype(jnp.float32)
 
 

@@ -237,13 +237,15 @@ class Gemma(nn.Module):
     @nn.compact
     def __call__(self, input_ids: Array, attention_mask: Array | None = None,
                  position_ids: Array | None = None, *, deterministic: bool = True,
-                 decode: bool = False, segment_ids: Array | None = None) -> Array:
+                 decode: bool = False, segment_ids: Array | None = None,
+                 return_hidden: bool = False) -> Array:
         """input_ids (B, T) int; attention_mask (B, S) with 1 = real token (HF convention);
         packed documents: ``segment_ids`` (B, T) with ``position_ids`` restarting per document.
 
         As ``GPT``: without ``decode`` S = T and the layers attend causally; with
         ``decode=True`` (a KV cache in the ``cache`` collection) ``attention_mask`` covers
         the whole cache length S_max and ``position_ids`` default to the running position.
+        ``return_hidden=True``: ``(hidden after ln_f, {"kernel", "softcap"})`` (as ``GPT``).
         """
         cfg = self.config
         dtype, param_dtype = canonical_dtype(cfg.dtype), canonical_dtype(cfg.param_dtype)
@@ -270,11 +272,14 @@ class Gemma(nn.Module):
                         per_layer=[{"local": k == "local"} for k in cfg.layer_kinds])
         x = make_norm("rmsnorm_plus_one", cfg.norm_eps, dtype, param_dtype, name="ln_f")(x)
         if cfg.tie_embeddings:
-            logits = wte.attend(x)
+            logits = (x, {"kernel": wte.readout_kernel()}) if return_hidden else wte.attend(x)
         else:
-            logits = Dense(cfg.vocab_size, use_bias=False, kernel_axes=("embed", "vocab"),
-                           dtype=dtype, param_dtype=param_dtype, kernel_init=init,
-                           cpu_tuning=cfg.cpu_tuning, name="lm_head")(x).astype(jnp.float32)
+            head = Dense(cfg.vocab_size, use_bias=False, kernel_axes=("embed", "vocab"),
+                         dtype=dtype, param_dtype=param_dtype, kernel_init=init,
+                         cpu_tuning=cfg.cpu_tuning, name="lm_head")
+            logits = (x, head(x, weights_only=True)) if return_hidden else head(x).astype(jnp.float32)
+        if return_hidden:   # (hidden, read-out weights and the cap): losses.head_loss
+            return logits[0], {**logits[1], "softcap": cfg.final_logit_softcap}
         if cfg.final_logit_softcap is not None:
             cap = cfg.final_logit_softcap
             logits = cap * jnp.tanh(logits / cap)

@@ -232,7 +232,8 @@ class GPT(nn.Module):
     @nn.compact
     def __call__(self, input_ids: Array, attention_mask: Array | None = None,
                  position_ids: Array | None = None, *, deterministic: bool = True,
-                 decode: bool = False, segment_ids: Array | None = None) -> Array:
+                 decode: bool = False, segment_ids: Array | None = None,
+                 return_hidden: bool = False) -> Array:
         """input_ids (B, T) int; attention_mask (B, S) with 1 = real token (HF convention).
 
         Without ``decode``, S = T and the layers attend causally (``causal=True``: the
@@ -254,6 +255,9 @@ class GPT(nn.Module):
         (PEFT's forward: P + arange(T), padding or not) and given ``position_ids`` alike
         (PEFT adds P to them; ``decode.generate`` passes the real-token count, HF
         ``generate`` the same), is shifted by P before the position table or RoPE.
+
+        ``return_hidden=True``: ``(hidden (B, T, D) after ln_f, {"kernel": (D, V)})`` instead
+        of the logits, for a loss that reads out in chunks (``losses.head_loss``).
         """
         cfg = self.config
         dtype, param_dtype = canonical_dtype(cfg.dtype), canonical_dtype(cfg.param_dtype)
@@ -288,10 +292,12 @@ class GPT(nn.Module):
                          deterministic, decode, segment_ids)
         x = make_norm(cfg.norm, cfg.norm_eps, dtype, param_dtype, name="ln_f")(x)
         if cfg.tie_embeddings:
-            return wte.attend(x)
+            return (x, {"kernel": wte.readout_kernel()}) if return_hidden else wte.attend(x)
         head = Dense(cfg.vocab_size, use_bias=False, kernel_axes=("embed", "vocab"), dtype=dtype,
                      param_dtype=param_dtype, kernel_init=init, cpu_tuning=cfg.cpu_tuning,
                      name="lm_head")
+        if return_hidden:
+            return x, head(x, weights_only=True)
         return head(x).astype(jnp.float32)
 
     def _check_inputs(self, input_ids, attention_mask, decode: bool) -> tuple[int, int]:

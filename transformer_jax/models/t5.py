@@ -293,12 +293,13 @@ class T5(nn.Module):
                  attention_mask: Array | None = None, decoder_attention_mask: Array | None = None,
                  *, deterministic: bool = True, segment_ids: Array | None = None,
                  positions: Array | None = None, decoder_segment_ids: Array | None = None,
-                 decoder_positions: Array | None = None) -> Array:
+                 decoder_positions: Array | None = None, return_hidden: bool = False) -> Array:
         return encode_then_decode(self, input_ids, decoder_input_ids, attention_mask,
                                   decoder_attention_mask, deterministic,
                                   segment_ids=segment_ids, positions=positions,
                                   decoder_segment_ids=decoder_segment_ids,
-                                  decoder_positions=decoder_positions)
+                                  decoder_positions=decoder_positions,
+                                  return_hidden=return_hidden)
 
     @with_lora
     def encode(self, input_ids: Array, attention_mask: Array | None = None, *,
@@ -320,13 +321,14 @@ class T5(nn.Module):
                decoder_attention_mask: Array | None = None, *, deterministic: bool = True,
                decode: bool = False, segment_ids: Array | None = None,
                positions: Array | None = None,
-               memory_segment_ids: Array | None = None) -> Array:
+               memory_segment_ids: Array | None = None, return_hidden: bool = False) -> Array:
         """decoder_input_ids (B, T), encoder output (B, S, D) -> logits (B, T, V) fp32.
 
         ``attention_mask`` (B, S) is the *source* padding mask. With ``decode=True`` the
         tokens are appended to the KV cache (``decoder_attention_mask`` must then be None).
         Packed documents: the targets' ``segment_ids``/``positions`` (B, T) and the source's
-        ``memory_segment_ids`` (B, S).
+        ``memory_segment_ids`` (B, S). ``return_hidden=True``: ``(hidden (B, T, D) as read
+        out, {"kernel": (D, V)})`` instead of the logits (``losses.head_loss``).
         """
         cfg = self.config
         decoder_input_ids = check_decoder_inputs(decoder_input_ids, encoded,
@@ -348,6 +350,9 @@ class T5(nn.Module):
                          memory_segment_ids=memory_segment_ids)
         if cfg.scales_output:
             x = x * jnp.asarray(cfg.d_model ** -0.5, x.dtype)
+        if return_hidden:
+            return x, ({"kernel": self.shared.readout_kernel()} if cfg.tie_embeddings
+                       else self.lm_head(x, weights_only=True))
         if cfg.tie_embeddings:
             return self.shared.attend(x)
         return self.lm_head(x).astype(jnp.float32)

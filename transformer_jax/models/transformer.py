@@ -260,12 +260,13 @@ class Transformer(nn.Module):
                  attention_mask: Array | None = None, decoder_attention_mask: Array | None = None,
                  *, deterministic: bool = True, segment_ids: Array | None = None,
                  positions: Array | None = None, decoder_segment_ids: Array | None = None,
-                 decoder_positions: Array | None = None) -> Array:
+                 decoder_positions: Array | None = None, return_hidden: bool = False) -> Array:
         return encode_then_decode(self, input_ids, decoder_input_ids, attention_mask,
                                   decoder_attention_mask, deterministic,
                                   segment_ids=segment_ids, positions=positions,
                                   decoder_segment_ids=decoder_segment_ids,
-                                  decoder_positions=decoder_positions)
+                                  decoder_positions=decoder_positions,
+                                  return_hidden=return_hidden)
 
     @with_lora
     def encode(self, input_ids: Array, attention_mask: Array | None = None, *,
@@ -284,13 +285,14 @@ class Transformer(nn.Module):
                decoder_attention_mask: Array | None = None, *, deterministic: bool = True,
                decode: bool = False, segment_ids: Array | None = None,
                positions: Array | None = None,
-               memory_segment_ids: Array | None = None) -> Array:
+               memory_segment_ids: Array | None = None, return_hidden: bool = False) -> Array:
         """decoder_input_ids (B, T), encoder output (B, S, D) -> logits (B, T, V) fp32.
 
         ``attention_mask`` (B, S) is the *source* padding mask. With ``decode=True`` the
         tokens are appended to the KV cache (``decoder_attention_mask`` must then be None).
         Packed documents: the targets' ``segment_ids``/``positions`` (B, T) and the source's
-        ``memory_segment_ids`` (B, S).
+        ``memory_segment_ids`` (B, S). ``return_hidden=True``: ``(hidden (B, T, D) as read
+        out, {"kernel": (D, V)})`` instead of the logits (``losses.head_loss``).
         """
         decoder_input_ids = check_decoder_inputs(decoder_input_ids, encoded,
                                                  decoder_attention_mask, decode, self.config)
@@ -303,6 +305,9 @@ class Transformer(nn.Module):
         x = self.decoder(self._embed(decoder_input_ids), self_mask, encoded, memory_mask,
                          deterministic=deterministic, decode=decode, positions=positions,
                          segment_ids=segment_ids, memory_segment_ids=memory_segment_ids)
+        if return_hidden:
+            return x, ({"kernel": self.embed.readout_kernel()} if self.config.tie_embeddings
+                       else self.lm_head(x, weights_only=True))
         if self.config.tie_embeddings:
             return self.embed.attend(x)
         return self.lm_head(x).astype(jnp.float32)

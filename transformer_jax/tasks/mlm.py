@@ -50,7 +50,7 @@ from .. import data as data_lib
 from .. import storage
 from ..data.shuffle import MASK64, fold_key, grid_hashes, hash_uniform
 from ..errors import UserError
-from ..losses import packed_kwargs, token_loss
+from ..losses import head_loss, hidden_kwargs, packed_kwargs
 from .base import Task, register_task
 
 
@@ -291,13 +291,19 @@ class MLMIterator(Iterator[dict]):
         self.count = int(state["count"])
 
 
-def mlm_loss(apply_fn, params, batch, rngs, deterministic: bool, smoothing: float):
+def mlm_loss(apply_fn, params, batch, rngs, deterministic: bool, smoothing: float,
+             loss_chunk: int = 0):
     """MLM cross-entropy over the selected positions (``weights``), summed; packed documents
-    (a batch with ``segment_ids`` and ``positions``) pass them on."""
+    (a batch with ``segment_ids`` and ``positions``) pass them on; ``loss_chunk`` positions
+    of each row at a time when set (``losses.head_loss``)."""
     out = apply_fn({"params": params}, batch["input_ids"], None, batch["attention_mask"],
-                   deterministic=deterministic, rngs=rngs, **packed_kwargs(batch))
+                   deterministic=deterministic, rngs=rngs, **packed_kwargs(batch),
+                   **hidden_kwargs(loss_chunk))
     logits = out["mlm_logits"] if isinstance(out, Mapping) else out
-    return token_loss(logits, batch["targets"], batch["weights"], smoothing)
+    return head_loss(logits, batch["targets"], batch["weights"], smoothing, loss_chunk)
+
+
+mlm_loss.chunks = True   # takes loss_chunk (train/step.py)
 
 
 # ----------------------------------------------------------------------------- task

@@ -60,7 +60,7 @@ import numpy as np
 from .. import data as data_lib
 from ..data.shuffle import EpochIterator
 from ..errors import UserError
-from ..losses import mean_loss, token_loss
+from ..losses import head_loss, hidden_kwargs, mean_loss, token_loss
 from .base import Task, register_task
 from .classify import encode_example
 from ..data.shuffle import fold_key, grid_hashes, hash_uniform
@@ -177,19 +177,23 @@ class PairIterator(EpochIterator):
 
 
 def pretraining_loss(apply_fn, params, batch, rngs, deterministic: bool, smoothing: float,
-                     axis_name: str | None = None):
+                     axis_name: str | None = None, loss_chunk: int = 0):
     """HF ``BertForPreTraining``'s loss as sums: ``(pairs * mlm_mean + nsp_sum, sums)``.
 
     sums: ``weight`` (pairs), ``nll`` (the same without label smoothing), ``mlm_weight``
     (masked tokens), ``mlm_loss`` and ``mlm_correct`` over them, ``nsp_weight`` (pairs),
     ``nsp_loss`` and ``nsp_correct``. Rows with ``nsp_labels`` < 0 are no pair. The MLM mean
     is over the whole batch's masked tokens: under ``pmap`` (``axis_name``) the pair and
-    token counts are summed over the devices first, so the step equals one device's."""
+    token counts are summed over the devices first, so the step equals one device's.
+    ``loss_chunk``: the MLM read-out that many positions of each row at a time
+    (``losses.head_loss``)."""
     out = apply_fn({"params": params}, batch["input_ids"], batch["token_type_ids"],
-                   batch["attention_mask"], deterministic=deterministic, rngs=rngs)
+                   batch["attention_mask"], deterministic=deterministic, rngs=rngs,
+                   **hidden_kwargs(loss_chunk))
     labels = batch["nsp_labels"]
     pair = (labels >= 0).astype(jnp.float32)
-    mlm_sum, mlm = token_loss(out["mlm_logits"], batch["targets"], batch["weights"], smoothing)
+    mlm_sum, mlm = head_loss(out["mlm_logits"], batch["targets"], batch["weights"], smoothing,
+                             loss_chunk)
     nsp_sum, nsp = token_loss(out["nsp_logits"], labels, pair, smoothing)
     pairs, masked = nsp["weight"], mlm["weight"]
     if axis_name is not None:
@@ -205,6 +209,7 @@ def pretraining_loss(apply_fn, params, batch, rngs, deterministic: bool, smoothi
 
 
 pretraining_loss.global_batch = True     # make_gradient_sums passes the pmap axis name
+pretraining_loss.chunks = True           # takes loss_chunk (train/step.py)
 
 
 # ----------------------------------------------------------------------------- task

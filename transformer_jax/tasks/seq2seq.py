@@ -67,7 +67,7 @@ from ..beam_search import beam_search, greedy_search
 from ..data.shuffle import EpochIterator
 from ..data.sources import check_tfds_dataset, open_source, read_examples
 from ..errors import UserError
-from ..losses import token_loss
+from ..losses import head_loss, hidden_kwargs
 from ..models import FAMILIES
 from .base import Task, register_task
 
@@ -238,15 +238,20 @@ class PairIterator(EpochIterator):
                             self.tgt_len, self.start_id)
 
 
-def seq2seq_loss(apply_fn, params, batch, rngs, deterministic: bool, smoothing: float):
+def seq2seq_loss(apply_fn, params, batch, rngs, deterministic: bool, smoothing: float,
+                 loss_chunk: int = 0):
     """Teacher-forced cross-entropy: ``model(inputs, targets, input_mask)`` vs ``labels``;
     packed pairs (a batch with ``segment_ids``/``positions`` (B, S) of the inputs and
-    ``decoder_segment_ids``/``decoder_positions`` (B, T) of the targets) pass them on."""
+    ``decoder_segment_ids``/``decoder_positions`` (B, T) of the targets) pass them on;
+    ``loss_chunk`` positions of each row at a time when set (``losses.head_loss``)."""
     packed = {key: batch[key] for key in ("segment_ids", "positions", "decoder_segment_ids",
                                           "decoder_positions") if key in batch}
-    logits = apply_fn({"params": params}, batch["inputs"], batch["targets"], batch["input_mask"],
-                      deterministic=deterministic, rngs=rngs, **packed)
-    return token_loss(logits, batch["labels"], batch["weights"], smoothing)
+    out = apply_fn({"params": params}, batch["inputs"], batch["targets"], batch["input_mask"],
+                   deterministic=deterministic, rngs=rngs, **packed, **hidden_kwargs(loss_chunk))
+    return head_loss(out, batch["labels"], batch["weights"], smoothing, loss_chunk)
+
+
+seq2seq_loss.chunks = True   # takes loss_chunk (train/step.py)
 
 
 def cut_at_eos(row: Sequence[int], eos_id: int) -> list[int]:

@@ -105,6 +105,11 @@ class ExperimentConfig(PresetConfig):
     weight_decay: float = 0.01
     clip_norm: float | None = 1.0
     label_smoothing: float = 0.0
+    # the training loss reads out loss_chunk positions of every row at a time, (B, loss_chunk,
+    # V) float32 logits (losses.chunked_cross_entropy): the (B, T, V) logits and their
+    # gradient never exist whole. 0: the plain loss.
+    # Tasks with a vocabulary read-out (lm, mlm, seq2seq, pretrain) use it; the others ignore it.
+    loss_chunk: int = 0
     seed: int = 0
     # dynamic loss scaling: "auto" (on for model.dtype=float16, off otherwise), "dynamic",
     # "none"; the scale starts at loss_scale_init and doubles after that many finite steps
@@ -182,6 +187,9 @@ class ExperimentConfig(PresetConfig):
         self._require_number("clip_norm", minimum=0, exclusive_min=True, allow_none=True,
                              hint=" (None: no clipping)")
         self._require_number("label_smoothing", minimum=0, maximum=1)
+        self._require_number("loss_chunk", integer=True, minimum=0,
+                             hint=" (positions of each row per chunk of the loss's read-out; "
+                                  "0: the plain loss)")
         self._require_number("seed", integer=True, minimum=0, maximum=2 ** 63 - 1)
         if not isinstance(self.loss_scale, str) or self.loss_scale not in ("auto", "dynamic", "none"):
             raise UserError(f"loss_scale={self.loss_scale!r} is unknown; choose 'auto' (dynamic "

@@ -177,7 +177,7 @@ def _skip_if_not_finite(finite: Array, new: TrainState, old: TrainState) -> Trai
 
 
 def make_gradient_sums(loss_fn: LossFn, label_smoothing: float, accum_steps: int,
-                       axis_name: str | None = None) -> Callable:
+                       axis_name: str | None = None, loss_chunk: int = 0) -> Callable:
     """``gradient_sums(state, batch, rng, scale) -> (grads, loss_sum, sums)``: the loss sum,
     named sums and the gradient of the loss sum, over ``accum_steps`` micro-batches.
 
@@ -189,9 +189,17 @@ def make_gradient_sums(loss_fn: LossFn, label_smoothing: float, accum_steps: int
     contrastive loss: every image against every caption; BERT pretraining's MLM mean over
     all the masked tokens) marks itself ``loss_fn.global_batch = True`` and takes
     ``axis_name``: under ``pmap`` it gathers (or sums) what it needs from the other devices.
+    A loss with a vocabulary read-out marks itself ``loss_fn.chunks = True`` and takes
+    ``loss_chunk`` (positions of each row per chunk of the read-out, ``losses.head_loss``;
+    0: plain); the others ignore it.
     """
+    extra = {}
     if getattr(loss_fn, "global_batch", False):
-        loss_fn = functools.partial(loss_fn, axis_name=axis_name)
+        extra["axis_name"] = axis_name
+    if loss_chunk and getattr(loss_fn, "chunks", False):
+        extra["loss_chunk"] = loss_chunk
+    if extra:
+        loss_fn = functools.partial(loss_fn, **extra)
     def objective(params, frozen, apply_fn, batch, rng, scale):
         """Differentiated with respect to ``params`` only: the frozen ones get no gradient
         (and no weight-gradient matmuls)."""
@@ -232,8 +240,9 @@ def make_gradient_sums(loss_fn: LossFn, label_smoothing: float, accum_steps: int
 def make_train_step(*, loss_fn: LossFn = lm_loss, label_smoothing: float = 0.0,
                     accum_steps: int = 1,
                     schedule: Callable[[Array], Array] | None = None,
-                    axis_name: str | None = None) -> Callable:
-    """Build ``train_step(state, batch) -> (state, metrics)``.
+                    axis_name: str | None = None, loss_chunk: int = 0) -> Callable:
+    """Build ``train_step(state, batch) -> (state, metrics)``; ``loss_chunk``: see
+    :func:`make_gradient_sums`.
 
     Metrics (fp32 scalars): ``loss`` (the training objective, label smoothing included),
     the loss function's other sums per weight (``nll``, ``accuracy`` ...), ``grad_norm``
@@ -250,7 +259,8 @@ def make_train_step(*, loss_fn: LossFn = lm_loss, label_smoothing: float = 0.0,
     """
     if accum_steps < 1:
         raise UserError(f"accum_steps must be >= 1, got {accum_steps}")
-    gradient_sums = make_gradient_sums(loss_fn, label_smoothing, accum_steps, axis_name)
+    gradient_sums = make_gradient_sums(loss_fn, label_smoothing, accum_steps, axis_name,
+                                       loss_chunk)
 
     def train_step(state: TrainState, batch: dict[str, Array]):
         step_rng = jax.random.fold_in(state.rng, state.step)
