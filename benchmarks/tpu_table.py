@@ -2,8 +2,10 @@
 
 Each row is one ``transformer-jax compile`` (the real TPU compiler, libtpu, on this host;
 no TPU needed): per-device memory against the type's HBM, the attention path, the
-collectives per step and the estimated step time at 40% MFU (the compile times are in the
-JSON). Two more rows show GPT-2 large on a v2-8: data parallel does not fit the 8 GiB
+collectives per step, the roofline bound of the compiled program (its FLOPs and HBM bytes
+against the chip's peaks: a lower bound on the step time, not a measurement) and the step
+time estimated at 40% MFU (the compile times are in the JSON). A row whose experiment cannot
+be built on this host (e.g. its dataset is not prepared here) is listed as skipped, with why. Two more rows show GPT-2 large on a v2-8: data parallel does not fit the 8 GiB
 cores, FSDP does.
 
 Usage::
@@ -62,29 +64,39 @@ def render(rows: list[dict]) -> str:
         table.append([f"`{name}`", r["tpu"], r["mesh"],
                       f"{gib(r['per_device_bytes'])} / {r['hbm_bytes'] / 2**30:.0f}",
                       "yes" if r["fits"] else "**no**", r["attention"].split(" (")[0], coll,
+                      (f"{r['roofline_seconds'] * 1e3:.0f} ms ({r['roofline_bound']})"
+                       if r["fits"] and r.get("roofline_bound") else "-"),
                       f"{r['estimated_step_seconds'] * 1e3:.0f} ms" if r["fits"] else "-"])
     return common.md_table(["experiment", "TPU", "mesh", "GiB per device / HBM", "fits",
-                            "attention", "collectives per step", "step (est., 40% MFU)"], table)
+                            "attention", "collectives per step", "roofline bound (binds)",
+                            "step (est., 40% MFU)"], table)
 
 
 def run(only: str | None = None) -> dict:
     from transformer_jax.aot import compile_experiment
+    from transformer_jax.errors import UserError
     from transformer_jax.train.config import apply_overrides, load_experiment
 
-    rows = []
+    rows, skipped = [], []
     for experiment, tpu, mesh, overrides, label in ROWS:
         if only and experiment != only:
             continue
         cfg = apply_overrides(load_experiment(experiment), overrides)
         start = time.perf_counter()
-        r = compile_experiment(cfg, tpu, mesh=mesh)
+        try:
+            r = compile_experiment(cfg, tpu, mesh=mesh)
+        except UserError as e:
+            print(f"{experiment} {tpu}: skipped ({e})", flush=True)
+            skipped.append({"experiment": experiment, "tpu": tpu, "why": str(e)})
+            continue
         print(f"{experiment} {tpu} {r.mesh}: {gib(r.per_device_bytes)} / {gib(r.hbm_bytes)} "
               f"GiB ({time.perf_counter() - start:.0f} s)", flush=True)
         rows.append({"label": label, "overrides": overrides, **r.to_dict()})
     import jax
     import libtpu
     return {"machine": common.machine_info(), "jax": jax.__version__,
-            "libtpu": libtpu.__version__, "rows": rows, "markdown": render(rows)}
+            "libtpu": libtpu.__version__, "rows": rows, "skipped": skipped,
+            "markdown": render(rows)}
 
 
 def main(argv=None) -> int:
