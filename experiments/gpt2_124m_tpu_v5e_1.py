@@ -23,13 +23,14 @@ compute, fp32 parameters and AdamW moments, scanned and rematerialised layers, d
 on the residual stream only) with 1024-token windows and a batch of 64 sequences (65,536
 tokens per step) in one micro-batch, which one 16 GiB chip holds with the chunked loss
 (with the plain loss it took 2 micro-batches of 32).
-Attention: the Pallas (Mosaic) flash kernel (v5e and v6e take it).
+Attention: JAX's splash kernel (``"auto"`` on v4 and later).
 
 The loss reads out 128 positions of each row at a time (``loss_chunk=128``: (64, 128,
 32000) float32 logits, 0.98 GiB, instead of the batch's whole 7.8 GiB and their gradient).
 
 Compiled for the chip on a CPU host (``transformer-jax compile``, libtpu 0.0.42.1, jax
-0.10.2): per device 7.12 GiB of 16 (parameters 0.41, AdamW moments 0.82, temporaries 5.89).
+0.10.2): per device 6.91 GiB of 16 with splash (7.12 GiB with our Pallas kernel: parameters
+0.41, AdamW moments 0.82, temporaries 5.89).
 Before the chunked loss (2 micro-batches of 32, plain loss): 9.31 GiB (temporaries 8.08);
 the chunked loss with those 2 micro-batches: 5.48 GiB (temporaries 4.24).
 

@@ -197,6 +197,31 @@ def assert_packed_like_alone(fn, params, streams: dict, vocab: int, *, pad: int 
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
+def assert_encoder_decoder_packed(model, params, vocab: int):
+    """An encoder-decoder (T5, Transformer) over two source/target pairs packed into one row
+    each: ``assert_packed_like_alone`` (encoder self-attention, causal decoder self-attention
+    and cross-attention stay within each pair; positions restart per document), and the
+    refusals of half-given segment ids and of segment ids in a decode step."""
+    import jax.numpy as jnp
+    import pytest
+
+    from transformer_jax.errors import UserError
+
+    def fn(params, inputs):
+        (src, src_seg, src_pos), (tgt, tgt_seg, tgt_pos) = inputs["source"], inputs["target"]
+        return model.apply({"params": params}, src, tgt, segment_ids=src_seg, positions=src_pos,
+                           decoder_segment_ids=tgt_seg, decoder_positions=tgt_pos)
+
+    assert_packed_like_alone(fn, params, {"source": (4, 7), "target": (6, 3)}, vocab)
+    ids, seg = jnp.ones((1, 4), jnp.int32), jnp.ones((1, 4), jnp.int32)
+    with pytest.raises(UserError, match="segment ids for both the source"):
+        model.apply({"params": params}, ids, ids, segment_ids=seg)
+    encoded = model.apply({"params": params}, ids, method=model.encode)
+    with pytest.raises(UserError, match="not for decode=True"):
+        model.apply({"params": params}, ids[:, :1], encoded, segment_ids=seg[:, :1],
+                    memory_segment_ids=seg, decode=True, method=model.decode, mutable=["cache"])
+
+
 def assert_chunked_loss_matches(loss_fn, apply_fn, params, batch, *, smoothing=0.1, chunk=5):
     """A task loss with ``loss_chunk=chunk`` against the plain one on a model: loss, named
     sums and the gradient within 1e-6 relative (float32, "highest" matmuls; each parameter's

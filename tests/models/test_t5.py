@@ -21,7 +21,7 @@ from transformer_jax.tasks.seq2seq import seq2seq_loss
 from transformer_jax.train.step import create_train_state, make_train_step
 from transformer_jax.errors import UserError
 
-from ..helpers import assert_packed_like_alone
+from ..helpers import assert_encoder_decoder_packed
 
 TINY = dict(vocab_size=40, d_model=32, num_heads=4, head_dim=8, mlp_dim=48, num_layers=1,
             num_decoder_layers=2, relative_attention_num_buckets=8,
@@ -267,26 +267,14 @@ def test_decode_mode_rejects_a_decoder_mask(tiny):
                     method="decode", mutable=["cache"])
 
 
-@pytest.mark.parametrize("impl", ["xla", "chunked", "pallas"])
+# one path per family here (every path: test_attention.py and test_gpt.py)
+@pytest.mark.parametrize("impl", ["pallas"])
 def test_packed_documents_equal_documents_alone(impl):
     # two source/target pairs packed into one row each: encoder self-attention, causal decoder
     # self-attention and cross-attention stay within each pair; positions restart per document
     model = T5(T5Config(**TINY, attention_impl=impl))
     params = jax.jit(lambda rng: init_params(model, rng))(jax.random.PRNGKey(2))
-
-    def fn(params, inputs):
-        (src, src_seg, src_pos), (tgt, tgt_seg, tgt_pos) = inputs["source"], inputs["target"]
-        return model.apply({"params": params}, src, tgt, segment_ids=src_seg, positions=src_pos,
-                           decoder_segment_ids=tgt_seg, decoder_positions=tgt_pos)
-
-    assert_packed_like_alone(fn, params, {"source": (4, 7), "target": (6, 3)}, 40)
-    ids, seg = jnp.ones((1, 4), jnp.int32), jnp.ones((1, 4), jnp.int32)
-    with pytest.raises(UserError, match="segment ids for both the source"):
-        model.apply({"params": params}, ids, ids, segment_ids=seg)
-    encoded = model.apply({"params": params}, ids, method=model.encode)
-    with pytest.raises(UserError, match="not for decode=True"):
-        model.apply({"params": params}, ids[:, :1], encoded, segment_ids=seg[:, :1],
-                    memory_segment_ids=seg, decode=True, method=model.decode, mutable=["cache"])
+    assert_encoder_decoder_packed(model, params, 40)
 
 
 def test_relative_position_bias_from_per_row_positions():

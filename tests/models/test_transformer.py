@@ -20,7 +20,7 @@ from transformer_jax.models.base import to_config_layout
 from transformer_jax.models.transformer import Transformer, TransformerConfig, init_params
 from transformer_jax.errors import UserError
 
-from ..helpers import assert_packed_like_alone
+from ..helpers import assert_encoder_decoder_packed
 
 TINY = dict(vocab_size=40, max_len=32, num_layers=1, num_decoder_layers=2, d_model=32,
             num_heads=4, mlp_dim=48, dropout_rate=0.0)
@@ -241,23 +241,11 @@ def test_bad_inputs_raise(tiny):
         model.apply({"params": params}, src, tgt[0])
 
 
-@pytest.mark.parametrize("impl", ["xla", "chunked", "pallas"])
+# one path per family here (every path: test_attention.py and test_gpt.py)
+@pytest.mark.parametrize("impl", ["chunked"])
 def test_packed_documents_equal_documents_alone(impl):
     # two source/target pairs packed into one row each: encoder self-attention, causal decoder
     # self-attention and cross-attention stay within each pair; positions restart per document
     model = Transformer(TransformerConfig(**TINY, attention_impl=impl))
     params = jax.jit(lambda rng: init_params(model, rng))(jax.random.PRNGKey(2))
-
-    def fn(params, inputs):
-        (src, src_seg, src_pos), (tgt, tgt_seg, tgt_pos) = inputs["source"], inputs["target"]
-        return model.apply({"params": params}, src, tgt, segment_ids=src_seg, positions=src_pos,
-                           decoder_segment_ids=tgt_seg, decoder_positions=tgt_pos)
-
-    assert_packed_like_alone(fn, params, {"source": (4, 7), "target": (6, 3)}, 40)
-    ids, seg = jnp.ones((1, 4), jnp.int32), jnp.ones((1, 4), jnp.int32)
-    with pytest.raises(UserError, match="segment ids for both the source"):
-        model.apply({"params": params}, ids, ids, segment_ids=seg)
-    encoded = model.apply({"params": params}, ids, method=model.encode)
-    with pytest.raises(UserError, match="not for decode=True"):
-        model.apply({"params": params}, ids[:, :1], encoded, segment_ids=seg[:, :1],
-                    memory_segment_ids=seg, decode=True, method=model.decode, mutable=["cache"])
+    assert_encoder_decoder_packed(model, params, 40)

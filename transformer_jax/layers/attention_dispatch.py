@@ -204,8 +204,9 @@ def choose_implementation(attention_impl: str, platform: str, *,
         window = pattern is not None and pattern.kind == "window"
         long = q_len * kv_len > CPU_REFERENCE_MAX_LOGITS or (
             window and kv_len >= max(1024, 4 * pattern.size))
-        where = "no Pallas TPU kernels on v2/v3" if platform == "tpu" else "the CPU"
-        return ("chunked", f"{where}; long sequences or a window") if long else ("xla", where)
+        where = "no Pallas TPU kernels on v2/v3" if platform == "tpu" else "no kernels here"
+        return (("chunked", f"{where}; long sequences or a window: memory linear in T")
+                if long else ("xla", f"{where}; the exact reference up to 4096 x 4096 logits"))
     if platform == "tpu":
         if problems:
             return "pallas", "; ".join(problems)
