@@ -472,7 +472,7 @@ def test_experiment_files_build(tmp_path):
 
 
 # one path per family here (every path: test_attention.py and test_gpt.py)
-@pytest.mark.parametrize("impl", ["pallas"])
+@pytest.mark.parametrize("impl", ["xla"])
 def test_packed_documents_equal_documents_alone(impl):
     # bidirectional attention within each document; learned positions restart at each one
     cfg = CFG.replace(head="mlm", attention_impl=impl, num_layers=1)

@@ -124,7 +124,7 @@ def test_param_count_and_flops():
 
 
 # one path per family here (every path: test_attention.py and test_gpt.py)
-@pytest.mark.parametrize("impl", ["chunked"])
+@pytest.mark.parametrize("impl", ["xla"])
 def test_packed_documents_equal_documents_alone(impl):
     # local (window 8) and global layers; RoPE restarts at each document
     model = Gemma(TINY.replace(attention_impl=impl, max_len=32))

@@ -268,7 +268,7 @@ def test_decode_mode_rejects_a_decoder_mask(tiny):
 
 
 # one path per family here (every path: test_attention.py and test_gpt.py)
-@pytest.mark.parametrize("impl", ["pallas"])
+@pytest.mark.parametrize("impl", ["xla"])
 def test_packed_documents_equal_documents_alone(impl):
     # two source/target pairs packed into one row each: encoder self-attention, causal decoder
     # self-attention and cross-attention stay within each pair; positions restart per document

@@ -242,7 +242,7 @@ def test_bad_inputs_raise(tiny):
 
 
 # one path per family here (every path: test_attention.py and test_gpt.py)
-@pytest.mark.parametrize("impl", ["chunked"])
+@pytest.mark.parametrize("impl", ["xla"])
 def test_packed_documents_equal_documents_alone(impl):
     # two source/target pairs packed into one row each: encoder self-attention, causal decoder
     # self-attention and cross-attention stay within each pair; positions restart per document
