@@ -152,11 +152,11 @@ def _kernel(heads: int, tp: int, sp: int, causal: bool, window: int | None, bq: 
         block_q=bq, block_kv=bkv, block_kv_compute=bkv_compute, block_q_dkv=bq,
         block_kv_dkv=bkv, block_kv_dkv_compute=bkv_compute, block_q_dq=bq, block_kv_dq=bkv)
     tables = dict(downcast_smem_data=True, head_shards=1, q_seq_shards=1)
+    # the dQ kernel uses the forward's blocks, so it shares the forward's tables
     fwd, mask_fn = _mask_info.process_mask(mask, (bq, bkv), **tables)
-    dq, _ = _mask_info.process_mask(mask, (bq, bkv), **tables)
     dkv, _ = _mask_info.process_mask_dkv(mask, (bq, bkv), shrink_grid=True, **tables)
     return _splash.SplashAttentionKernel(
-        fwd, dq, dkv, block_sizes=blocks, is_mqa=False, save_residuals=False,
+        fwd, fwd, dkv, block_sizes=blocks, is_mqa=False, save_residuals=False,
         mask_value=_splash.DEFAULT_MASK_VALUE, attn_logits_soft_cap=None,
         residual_checkpoint_name=None, mask_function=mask_fn, interpret=interpret)
 
