@@ -292,7 +292,9 @@ def costs(hlo_text: str) -> dict[str, float]:
     fused = _inside_fusions(program)
 
     def count(line, comp, program):
-        types = types_of.setdefault(comp, program.types(comp))
+        types = types_of.get(comp)
+        if types is None:                     # once per computation (its lines are many)
+            types = types_of[comp] = program.types(comp)
         flops = _matmul_flops(line, types)
         if "tpu_custom_call" in line:
             flops += _mosaic_flops(line, types)
