@@ -208,17 +208,19 @@ def test_packed_documents_attend_as_if_alone(impl):
     ct = rand(3, (1, 20, 4, 8))
     kw = dict(causal=True, attention_impl=impl, q_chunk=8, kv_chunk=8)
 
-    def loss(q, k, v, ct, **seg):
-        return jnp.sum(dot_product_attention(q, k, v, **kw, **seg) * ct)
-    out = dot_product_attention(q, k, v, segment_ids=jnp.asarray(ids), **kw)
-    grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v, ct, segment_ids=jnp.asarray(ids))
+    def loss(q, k, v, ct, segment_ids=None):
+        return jnp.sum(dot_product_attention(q, k, v, segment_ids=segment_ids, **kw) * ct)
+    attend = jax.jit(lambda q, k, v, segment_ids=None: dot_product_attention(
+        q, k, v, segment_ids=segment_ids, **kw))
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    out = attend(q, k, v, segment_ids=jnp.asarray(ids))
+    grads = grad(q, k, v, ct, segment_ids=jnp.asarray(ids))
     start = 0
     for n in lengths:
         part = slice(start, start + n)
-        alone = dot_product_attention(q[:, part], k[:, part], v[:, part], **kw)
+        alone = attend(q[:, part], k[:, part], v[:, part])
         np.testing.assert_allclose(out[:, part], alone, **FP32_TOL)
-        g_alone = jax.grad(loss, argnums=(0, 1, 2))(q[:, part], k[:, part], v[:, part],
-                                                     ct[:, part])
+        g_alone = grad(q[:, part], k[:, part], v[:, part], ct[:, part])
         for g, ga in zip(grads, g_alone):
             np.testing.assert_allclose(g[:, part], ga, rtol=1e-5, atol=1e-5)
         start += n
