@@ -155,45 +155,52 @@ def custom_calls(text: str) -> list[str]:
 
 def assert_packed_like_alone(fn, params, streams: dict, vocab: int, *, pad: int = 2, seed=0):
     """Packed documents give each document exactly the logits and the loss gradients it gets
-    alone. ``streams``: name -> document lengths (the k-th documents of all streams belong
-    together, e.g. an encoder's and a decoder's); each stream is packed into one row with
-    ``pad`` padding tokens after its documents. ``fn(params, {name: (ids, segment_ids,
-    positions)})`` -> logits (1, T, V) of the last stream (segment_ids and positions None:
-    the documents alone, (1, n) each)."""
+    alone in its own padded row. ``streams``: name -> document lengths (the k-th documents of
+    all streams belong together, e.g. an encoder's and a decoder's). ``fn(params, {name:
+    (ids, segment_ids, positions, mask)})`` -> logits (B, T, V) of the last stream, called
+    twice: packed, each stream one row (its documents, then ``pad`` padding tokens) with
+    segment ids and positions (mask None); alone, one row per document, right-padded to the
+    longest, with its padding mask (1 = real token; segment ids and positions None). The
+    rows alone go in one batch: their loss is the sum of the documents' losses."""
     import jax.numpy as jnp
     import numpy as np
     rng = np.random.default_rng(seed)
-    packed, parts = {}, {}
+    packed, alone, parts = {}, {}, {}
     for name, lengths in streams.items():
         total = sum(lengths) + pad
         ids = rng.integers(3, vocab, (1, total)).astype(np.int32)
         seg = np.zeros((1, total), np.int32)
         pos = np.zeros((1, total), np.int32)
+        solo = np.zeros((len(lengths), max(lengths)), np.int32)
+        mask = np.zeros_like(solo)
         parts[name], start = [], 0
         for k, n in enumerate(lengths):
             seg[0, start:start + n], pos[0, start:start + n] = k + 1, np.arange(n)
+            solo[k, :n], mask[k, :n] = ids[0, start:start + n], 1
             parts[name].append(slice(start, start + n))
             start += n
-        packed[name] = (jnp.asarray(ids), jnp.asarray(seg), jnp.asarray(pos))
+        packed[name] = (jnp.asarray(ids), jnp.asarray(seg), jnp.asarray(pos), None)
+        alone[name] = (jnp.asarray(solo), None, None, jnp.asarray(mask))
     out = list(streams)[-1]
-    targets = jnp.asarray(rng.integers(0, vocab, packed[out][0].shape))
+    targets = rng.integers(0, vocab, packed[out][0].shape).astype(np.int32)
+    solo_targets = np.zeros(alone[out][0].shape, np.int32)
+    for k, part in enumerate(parts[out]):
+        solo_targets[k, :part.stop - part.start] = targets[0, part]
 
     def loss(params, inputs, targets, weights):
         logp = jax.nn.log_softmax(fn(params, inputs), axis=-1)
         return -jnp.sum(jnp.take_along_axis(logp, targets[..., None], -1)[..., 0] * weights)
 
-    weights = (packed[out][1] > 0).astype(jnp.float32)
     fn, grad = jax.jit(fn), jax.jit(jax.grad(loss))
     logits = fn(params, packed)
-    grads = grad(params, packed, targets, weights)
-    total_grads = None
-    for k in range(len(parts[out])):
-        alone = {name: (packed[name][0][:, parts[name][k]], None, None) for name in streams}
-        part = parts[out][k]
-        np.testing.assert_allclose(logits[:, part], fn(params, alone), rtol=2e-5, atol=2e-5)
-        g = grad(params, alone, targets[:, part], weights[:, part])
-        total_grads = g if total_grads is None else jax.tree_util.tree_map(jnp.add, total_grads, g)
-    for a, b in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(total_grads)):
+    grads = grad(params, packed, jnp.asarray(targets), (packed[out][1] > 0).astype(jnp.float32))
+    logits_alone = fn(params, alone)
+    grads_alone = grad(params, alone, jnp.asarray(solo_targets),
+                       alone[out][3].astype(jnp.float32))
+    for k, part in enumerate(parts[out]):
+        np.testing.assert_allclose(logits[0, part], logits_alone[k, :part.stop - part.start],
+                                   rtol=2e-5, atol=2e-5)
+    for a, b in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(grads_alone)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
@@ -208,15 +215,17 @@ def assert_encoder_decoder_packed(model, params, vocab: int):
     from transformer_jax.errors import UserError
 
     def fn(params, inputs):
-        (src, src_seg, src_pos), (tgt, tgt_seg, tgt_pos) = inputs["source"], inputs["target"]
-        return model.apply({"params": params}, src, tgt, segment_ids=src_seg, positions=src_pos,
+        (src, src_seg, src_pos, src_mask), (tgt, tgt_seg, tgt_pos, tgt_mask) = \
+            inputs["source"], inputs["target"]
+        return model.apply({"params": params}, src, tgt, src_mask, tgt_mask,
+                           segment_ids=src_seg, positions=src_pos,
                            decoder_segment_ids=tgt_seg, decoder_positions=tgt_pos)
 
     assert_packed_like_alone(fn, params, {"source": (4, 7), "target": (6, 3)}, vocab)
     ids, seg = jnp.ones((1, 4), jnp.int32), jnp.ones((1, 4), jnp.int32)
     with pytest.raises(UserError, match="segment ids for both the source"):
         model.apply({"params": params}, ids, ids, segment_ids=seg)
-    encoded = model.apply({"params": params}, ids, method=model.encode)
+    encoded = jnp.zeros((1, 4, model.config.d_model))      # refused before it is read
     with pytest.raises(UserError, match="not for decode=True"):
         model.apply({"params": params}, ids[:, :1], encoded, segment_ids=seg[:, :1],
                     memory_segment_ids=seg, decode=True, method=model.decode, mutable=["cache"])

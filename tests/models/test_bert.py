@@ -479,8 +479,9 @@ def test_packed_documents_equal_documents_alone(impl):
     model = Bert(cfg)
 
     def fn(params, inputs):
-        ids, seg, pos = inputs["tokens"]
-        return model.apply({"params": params}, ids, position_ids=pos, segment_ids=seg)
+        ids, seg, pos, mask = inputs["tokens"]
+        return model.apply({"params": params}, ids, attention_mask=mask, position_ids=pos,
+                           segment_ids=seg)
 
     assert_packed_like_alone(fn, init(cfg), {"tokens": (5, 7)}, cfg.vocab_size)
     with pytest.raises(UserError, match=r"segment_ids must be integers of the tokens' shape \(1, 4\)"):

@@ -204,8 +204,8 @@ def test_packed_documents_equal_documents_alone(preset, impl):
     params = init_params(model, jax.random.PRNGKey(1))
 
     def fn(params, inputs):
-        ids, seg, pos = inputs["tokens"]
-        return model.apply({"params": params}, ids, position_ids=pos, segment_ids=seg)
+        ids, seg, pos, mask = inputs["tokens"]
+        return model.apply({"params": params}, ids, mask, position_ids=pos, segment_ids=seg)
 
     assert_packed_like_alone(fn, params, {"tokens": (5, 9, 3)}, cfg.vocab_size)
     with pytest.raises(UserError, match="not for decode=True: a KV cache holds one sequence"):
