@@ -276,6 +276,6 @@ def test_mlm_loss_chunked_equals_plain():
     targets = jnp.where(weights > 0, jax.random.randint(ks[2], (2, 11), 0, cfg.vocab_size), -100)
     batch = {"input_ids": ids, "attention_mask": jnp.ones((2, 11), jnp.int32).at[1, 9:].set(0),
              "targets": targets, "weights": weights}
-    params = nn.meta.unbox(model.init(jax.random.PRNGKey(0), ids)["params"])
+    params = nn.meta.unbox(jax.jit(model.init)(jax.random.PRNGKey(0), ids)["params"])
     _, grads = assert_chunked_loss_matches(mlm_loss, model.apply, params, batch)
     assert float(jnp.abs(grads["mlm"]["bias"]).max()) > 0

@@ -321,5 +321,5 @@ def test_pretraining_loss_chunked_equals_plain():
     batch = {"input_ids": ids, "token_type_ids": jnp.zeros((3, 10), jnp.int32).at[:, 5:].set(1),
              "attention_mask": jnp.ones((3, 10), jnp.int32), "targets": targets,
              "weights": weights, "nsp_labels": jnp.array([0, 1, -100])}
-    params = nn.meta.unbox(model.init(jax.random.PRNGKey(0), ids)["params"])
+    params = nn.meta.unbox(jax.jit(model.init)(jax.random.PRNGKey(0), ids)["params"])
     assert_chunked_loss_matches(pretraining_loss, model.apply, params, batch, chunk=4)

@@ -291,7 +291,7 @@ def test_seq2seq_loss_chunked_equals_plain(family):
     labels = jnp.where(weights > 0, jax.random.randint(ks[3], (2, 6), 0, 40), -100)
     batch = {"inputs": src, "targets": tgt, "input_mask": jnp.ones((2, 7), jnp.int32).at[0, 5:].set(0),
              "labels": labels, "weights": weights}
-    params = nn.meta.unbox(model.init(jax.random.PRNGKey(0), src, tgt)["params"])
+    params = nn.meta.unbox(jax.jit(model.init)(jax.random.PRNGKey(0), src, tgt)["params"])
     _, grads = assert_chunked_loss_matches(seq2seq_loss, model.apply, params, batch)
     head = grads["shared"]["embedding"] if family == "t5" else grads["lm_head"]["kernel"]
     assert float(jnp.abs(head).max()) > 0
