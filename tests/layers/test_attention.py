@@ -231,12 +231,13 @@ def test_packed_documents_in_a_block_and_refusals():
     from transformer_jax.layers.blocks import DecoderBlock
     block = DecoderBlock(num_heads=2, mlp_dim=16, cross_attention=False, rope_base=10000.0)
     x = rand(0, (1, 9, 8))
-    params = block.init(jax.random.PRNGKey(0), x)
+    params = jax.jit(block.init)(jax.random.PRNGKey(0), x)
+    apply = jax.jit(block.apply)
     ids = jnp.array([[1, 1, 1, 1, 2, 2, 2, 2, 2]])
     pos = jnp.array([[0, 1, 2, 3, 0, 1, 2, 3, 4]])
-    packed = block.apply(params, x, positions=pos, segment_ids=ids)
-    np.testing.assert_allclose(packed[:, :4], block.apply(params, x[:, :4]), **FP32_TOL)
-    np.testing.assert_allclose(packed[:, 4:], block.apply(params, x[:, 4:]), **FP32_TOL)
+    packed = apply(params, x, positions=pos, segment_ids=ids)
+    np.testing.assert_allclose(packed[:, :4], apply(params, x[:, :4]), **FP32_TOL)
+    np.testing.assert_allclose(packed[:, 4:], apply(params, x[:, 4:]), **FP32_TOL)
     with pytest.raises(ValueError, match="segment_ids must be"):
         dot_product_attention(x.reshape(1, 9, 2, 4), x.reshape(1, 9, 2, 4),
                               x.reshape(1, 9, 2, 4), segment_ids=ids[:, :5])

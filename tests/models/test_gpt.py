@@ -194,8 +194,8 @@ def test_sample_logits_distributions():
     np.testing.assert_array_equal(sample_logits(logits[:2], None), [0, 0])
 
 
-@pytest.mark.parametrize("preset, impl", [("tiny", "xla"), ("tiny", "chunked"),
-                                          ("llama-tiny", "pallas"), ("llama-tiny", "splash")])
+# every path at the attention level (test_attention.py; splash: test_splash_attention.py)
+@pytest.mark.parametrize("preset, impl", [("tiny", "xla"), ("llama-tiny", "splash")])
 def test_packed_documents_equal_documents_alone(preset, impl):
     # learned positions (GPT-2) and RoPE (Llama) restart at each document
     cfg = GPTConfig.preset(preset, dropout_rate=0.0, attention_dropout_rate=0.0,
