@@ -138,12 +138,12 @@ def test_costs_read_each_computations_types_once(monkeypatch):
     take 5 s instead of 0.2 s). Here: the entry, the loop body and the fusion; the loop
     condition counts nothing."""
     calls = []
-    real = hlo.Program.types
+    real = hlo.Program._read_types
 
     def types(self, comp):
         calls.append(comp)
         return real(self, comp)
 
-    monkeypatch.setattr(hlo.Program, "types", types)
+    monkeypatch.setattr(hlo.Program, "_read_types", types)
     hlo.costs(MODULE)
     assert sorted(calls) == ["body", "main", "slice_dot"]

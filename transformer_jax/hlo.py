@@ -69,6 +69,7 @@ class Program:
 
     def __init__(self, hlo_text: str):
         self.comps: dict[str, list[str]] = {}
+        self._types: dict[str, dict[str, str]] = {}
         self.entry, name = None, None
         for line in hlo_text.splitlines():
             m = _COMPUTATION.match(line) if line[:1].strip() else None   # headers: unindented
@@ -124,7 +125,13 @@ class Program:
         return out
 
     def types(self, comp: str) -> dict[str, str]:
-        """``{instruction name: its result type}`` in ``comp``."""
+        """``{instruction name: its result type}`` in ``comp``, read once per computation
+        (the counts ask for every instruction's operands)."""
+        if comp not in self._types:
+            self._types[comp] = self._read_types(comp)
+        return self._types[comp]
+
+    def _read_types(self, comp: str) -> dict[str, str]:
         out = {}
         for line in self.comps.get(comp, ()):
             m = _INSTRUCTION.match(line)
@@ -288,13 +295,10 @@ def costs(hlo_text: str) -> dict[str, float]:
     """``{"flops", "bytes"}`` of one run of a compiled program (per device, the shard each
     device runs): see the module docstring."""
     program = Program(hlo_text)
-    types_of: dict[str, dict[str, str]] = {}
     fused = _inside_fusions(program)
 
     def count(line, comp, program):
-        types = types_of.get(comp)
-        if types is None:                     # once per computation (its lines are many)
-            types = types_of[comp] = program.types(comp)
+        types = program.types(comp)
         flops = _matmul_flops(line, types)
         if "tpu_custom_call" in line:
             flops += _mosaic_flops(line, types)

@@ -148,16 +148,16 @@ def test_splash_compiles_for_every_generation_and_head_dim():
     from transformer_jax.tpu import TpuSlice
     ids = jax.ShapeDtypeStruct((1, 256), jnp.int32)
 
-    def loss(qkv, ids):
-        return sum(jnp.sum(dot_product_attention(q, k, v, causal=True, segment_ids=ids)
-                           .astype(jnp.float32)) for q, k, v in qkv)
+    def loss(q, k, v, ids):
+        out = dot_product_attention(q, k, v, causal=True, segment_ids=ids)
+        return jnp.sum(out.astype(jnp.float32))
     for tpu, h in (("v4-8", 64), ("v5e-1", 128), ("v5p-8", 256), ("v6e-1", 128)):
-        shapes = [(jax.ShapeDtypeStruct((1, 256, 4, h), jnp.bfloat16),
-                   jax.ShapeDtypeStruct((1, 256, 2, h), jnp.bfloat16))]
+        q = jax.ShapeDtypeStruct((1, 256, 4, h), jnp.bfloat16)
+        kv = jax.ShapeDtypeStruct((1, 256, 2, h), jnp.bfloat16)
         mesh = jax.make_mesh((1,), ("x",), devices=TpuSlice.parse(tpu).jax_devices()[:1])
         with jax.set_mesh(mesh):
-            lowered = jax.jit(jax.grad(loss)).trace(
-                [(q, kv, kv) for q, kv in shapes], ids).lower(lowering_platforms=("tpu",))
+            lowered = jax.jit(jax.grad(loss, (0, 1, 2))).trace(q, kv, kv, ids).lower(
+                lowering_platforms=("tpu",))
             lowered.compile()
         kernels = re.findall(r'kernel_name = "(splash_\w+)"', lowered.as_text())
         want = ["splash_mha_fwd_segmented_residuals", "splash_mha_dq_segmented_no_residuals",
