@@ -1,5 +1,6 @@
 """Golden values for the position tables: sinusoidal and rotary."""
 import math
+import os
 
 import jax.numpy as jnp
 import numpy as np
@@ -52,6 +53,7 @@ REAL_ROPES = {
                                  "original_max_position_embeddings": 8192}),
     "gemma-3-global": (1e6, 256, {"rope_type": "linear", "factor": 8.0}),
     "qwen-3": (1e6, 128, {"rope_type": "default"}),
+    "llama-2": (10000.0, 128, {"rope_type": "default"}),
 }
 _OURS = {"llama3": lambda p: dict(kind="llama3", factor=p["factor"],
                                   low_freq_factor=p["low_freq_factor"],
@@ -73,37 +75,136 @@ def _hf_rope(name):
     return RopeScaling.from_value(_OURS[params["rope_type"]](params)), config, rotary
 
 
-@pytest.mark.parametrize("name", sorted(REAL_ROPES))
-def test_rope_frequencies_equal_transformers_for_the_real_models(name):
-    """Every one of the H/2 inverse frequencies against transformers' own
-    ROPE_INIT_FUNCTIONS (default RoPE: the rotary embedding's table): bit for bit for
-    Llama 3.x, within 1 ulp for theta 1e6."""
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+def _exact_frequencies(theta, h, scaling):
+    """The inverse frequencies of ``rope_frequencies(h, theta, scaling)`` in 50-digit mpmath
+    arithmetic, each rounded once to float32 (the nearest of the float32 neighbours)."""
+    mpmath = pytest.importorskip("mpmath")
+    with mpmath.workdps(50):
+        out = []
+        for i in range(0, h, 2):
+            f = mpmath.mpf(theta) ** (-mpmath.mpf(i) / h)
+            if scaling is not None and scaling.kind == "linear":
+                f = f / scaling.factor
+            elif scaling is not None:
+                wavelen = 2 * mpmath.pi / f
+                old, low, high = scaling.original_max_len, scaling.low_freq_factor, scaling.high_freq_factor
+                if wavelen > old / low:
+                    f = f / scaling.factor
+                elif wavelen >= old / high:
+                    smooth = (old / wavelen - low) / (high - low)
+                    f = (1 - smooth) * f / scaling.factor + smooth * f
+            near = np.float32(float(f))
+            candidates = [np.nextafter(near, np.float32(0)), near, np.nextafter(near, np.float32(2))]
+            out.append(min(candidates, key=lambda c: abs(mpmath.mpf(float(c)) - f)))
+    return np.array(out, np.float32)
+
+
+def _ulps(a, b):
+    """How many float32 steps apart a and b are, elementwise (both positive)."""
+    return np.abs(a.view(np.int32).astype(np.int64) - b.view(np.int32).astype(np.int64))
+
+
+def _transformers_bound(name, h, theta):
+    """Per frequency, how many ulps transformers' float32 table may be from the correctly
+    rounded one: 1 (torch's float32 pow), 3 in ``llama3``'s blended band (its float32
+    blending arithmetic on top)."""
     from transformer_jax.layers.embeddings import rope_frequencies
-    scaling, config, rotary = _hf_rope(name)
+    bound = np.ones(h // 2, np.int64)
+    params = REAL_ROPES[name][2]
+    if params["rope_type"] == "llama3":
+        wavelen = 2 * math.pi / rope_frequencies(h, theta).astype(np.float64)
+        old = params["original_max_position_embeddings"]
+        blended = (wavelen >= old / params["high_freq_factor"]) & (wavelen <= old / params["low_freq_factor"])
+        assert blended.sum() >= 3
+        bound[blended] = 3
+    return bound
+
+
+def _transformers_frequencies(name):
+    """transformers' float32 table for ``name``: its ROPE_INIT_FUNCTIONS (the rotary
+    embedding's buffer for default RoPE), with the attention factor it returns."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    _, config, rotary = _hf_rope(name)
+    params = REAL_ROPES[name][2]
+    if params["rope_type"] == "default":
+        return rotary.inv_freq.numpy(), 1.0
+    inv, factor = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, "cpu")
+    return inv.numpy(), factor
+
+
+@pytest.mark.parametrize("name", sorted(REAL_ROPES))
+def test_rope_frequencies_are_correctly_rounded_and_within_transformers_bound(name):
+    """Every one of the H/2 inverse frequencies: the float32 nearest the exact value (50-digit
+    mpmath), and within :func:`_transformers_bound` ulps of transformers' own table."""
+    from transformer_jax.layers.embeddings import rope_frequencies
+    scaling, _, _ = _hf_rope(name)
     theta, h, params = REAL_ROPES[name]
     ours = rope_frequencies(h, theta, scaling)
-    if params["rope_type"] == "default":
-        theirs, factor = rotary.inv_freq.numpy(), 1.0
-    else:
-        inv, factor = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, "cpu")
-        theirs = inv.numpy()
-        # the scaling is not the identity: some frequencies moved, by the factor at most
+    assert ours.dtype == np.float32 and ours.shape == (h // 2,)
+    np.testing.assert_array_equal(ours, _exact_frequencies(theta, h, scaling))
+    theirs, factor = _transformers_frequencies(name)
+    assert theirs.shape == ours.shape and factor == 1.0
+    assert (_ulps(ours, theirs) <= _transformers_bound(name, h, theta)).all(), _ulps(ours, theirs)
+    if scaling is not None:    # the scaling is not the identity: the lowest moved by the factor
         plain = rope_frequencies(h, theta)
-        assert (ours != plain).sum() >= h // 8 and np.allclose(ours.min(), plain.min() / params["factor"])
-    assert ours.shape == theirs.shape == (h // 2,) and factor == 1.0
-    if name.startswith("llama"):
-        np.testing.assert_array_equal(ours, theirs)
-    else:    # theta 1e6: NumPy's and torch's fp32 pow differ by 1 ulp at one frequency
-        np.testing.assert_array_max_ulp(ours, theirs, maxulp=1)
+        assert (ours != plain).sum() >= h // 8 and ours.min() == np.float32(plain.min() / params["factor"])
+
+
+@pytest.mark.parametrize("h", [64, 256])
+def test_plain_rope_frequencies_are_correctly_rounded_at_theta_1e4(h):
+    from transformer_jax.layers.embeddings import rope_frequencies
+    np.testing.assert_array_equal(rope_frequencies(h, 10000.0), _exact_frequencies(10000.0, h, None))
+
+
+_TABLES_SCRIPT = """
+import json, numpy as np
+from numpy._core._multiarray_umath import __cpu_dispatch__, __cpu_features__
+from transformer_jax.layers.embeddings import RopeScaling, rope_frequencies
+tables = {name: rope_frequencies(h, theta, RopeScaling.from_value(scaling)).view(np.int32).tolist()
+          for name, (theta, h, scaling) in json.loads(input()).items()}
+print(json.dumps({"on": [f for f in __cpu_dispatch__ if __cpu_features__.get(f)], "tables": tables}))
+"""
+
+
+def test_rope_tables_do_not_depend_on_the_hosts_simd():
+    """The tables in a process whose NumPy may use every SIMD target this host has, and in one
+    limited to NumPy's baseline (``NPY_DISABLE_CPU_FEATURES``: on an AVX-512 host that changes
+    NumPy's own float32 ``pow`` by up to 2 ulp): identical, and correctly rounded."""
+    import json
+    import subprocess
+    import sys
+    from numpy._core._multiarray_umath import __cpu_dispatch__, __cpu_features__
+    from transformer_jax.layers.embeddings import RopeScaling
+    settings = {name: (theta, h, _OURS[params["rope_type"]](params))
+                for name, (theta, h, params) in REAL_ROPES.items()}
+    dispatched = [f for f in __cpu_dispatch__ if __cpu_features__.get(f)]
+    runs = []
+    for disabled in ([], dispatched):
+        env = dict(os.environ, NPY_DISABLE_CPU_FEATURES=" ".join(disabled))
+        done = subprocess.run([sys.executable, "-c", _TABLES_SCRIPT], input=json.dumps(settings),
+                              capture_output=True, text=True, env=env, timeout=120, check=True)
+        runs.append(json.loads(done.stdout.splitlines()[-1]))
+    assert runs[0]["on"] == dispatched and runs[1]["on"] == []
+    assert runs[0]["tables"] == runs[1]["tables"]
+    for name, (theta, h, scaling) in settings.items():
+        exact = _exact_frequencies(theta, h, RopeScaling.from_value(scaling))
+        assert runs[0]["tables"][name] == exact.view(np.int32).tolist(), name
 
 
 @pytest.mark.parametrize("name", sorted(REAL_ROPES))
 def test_apply_rope_equals_transformers_up_to_131072_positions(name):
     """Queries rotated at 300 positions in [0, 131072) (incl. 0, the original 8192 boundary
-    and the last, 131071): equal to transformers' cos/sin and ``apply_rotary_pos_emb``."""
+    and the last, 131071): equal to transformers' cos/sin and ``apply_rotary_pos_emb`` within
+    a tolerance derived from the frequency tables' difference.
+
+    Per frequency f, the two rotation angles are fp32 products ``position * f``: identical
+    where the tables agree, and otherwise at most ``position * |df| + ulp(position * max f)``
+    apart (within 1 ulp of the exact product each). A rotated pair (x1, x2) then differs by at
+    most ``(|x1| + |x2|) * (angle difference + 4 ulp(1))``, the last for XLA's and torch's
+    float32 sin and cos, plus the output's rounding."""
     import torch
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    from transformer_jax.layers.embeddings import rope_frequencies
     scaling, _, rotary = _hf_rope(name)
     theta, h, _ = REAL_ROPES[name]
     rng = np.random.default_rng(0)
@@ -116,7 +217,14 @@ def test_apply_rope_equals_transformers_up_to_131072_positions(name):
     cos, sin = rotary(xt, torch.from_numpy(positions.astype(np.int64))[None])
     theirs, _ = apply_rotary_pos_emb(xt, xt, cos, sin)
     theirs = theirs.transpose(1, 2).numpy()
-    # Measured (|x| <= 5): <= 4.8e-7 for Llama 3.x (the same fp32 angles), 1.7e-6 for
-    # Gemma 3, 1.1e-5 for theta 1e6 (a frequency 1 ulp apart, times 131071).
-    np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-6 if name.startswith("llama") else 2e-5)
+    mine, hf = rope_frequencies(h, theta, scaling), rotary.inv_freq.numpy()
+    assert (_ulps(mine, hf) <= _transformers_bound(name, h, theta)).all()
+    df = np.abs(mine.astype(np.float64) - hf.astype(np.float64))                     # (H/2,)
+    angle = positions[:, None].astype(np.float64) * np.maximum(mine, hf)              # (T, H/2)
+    d_angle = positions[:, None] * df + np.where(df > 0, np.spacing(angle.astype(np.float32)), 0)
+    pair = np.abs(x[..., : h // 2]) + np.abs(x[..., h // 2:])                          # (B, T, N, H/2)
+    tol = pair * (d_angle[None, :, None, :] + 4 * np.spacing(np.float32(1)))
+    tol = np.concatenate([tol, tol], axis=-1) + np.spacing(np.abs(theirs).astype(np.float32))
+    err = np.abs(ours - theirs)
+    assert (err <= tol).all(), (err - tol).max()
     assert np.abs(ours[:, -1] - x[:, -1]).max() > 0.1       # the last position does rotate

@@ -6,6 +6,7 @@ H head dim, N heads, B batch.
 from __future__ import annotations
 
 import dataclasses
+import decimal
 import math
 from typing import Any
 
@@ -106,29 +107,54 @@ class RopeScaling:
         return cls(**value)
 
 
+def _power_f64(base: float, numerator: int, denominator: int) -> float:
+    """``base ** (numerator / denominator)`` correctly rounded to float64, the same on every host.
+
+    Computed in :mod:`decimal` at 40 digits (software arithmetic, so no libm or SIMD ``pow``
+    takes part) and rounded once to float64. NumPy's float64 and float32 ``pow`` are not
+    host-independent: with AVX-512 NumPy dispatches to vectorised kernels that differ from the
+    scalar ones in the last bit (float32: 2 ulp from the truth where torch is 1 ulp).
+    """
+    with decimal.localcontext(prec=40):
+        value = decimal.Decimal(base) ** (decimal.Decimal(numerator) / decimal.Decimal(denominator))
+    return float(value)
+
+
 def rope_frequencies(head_dim: int, base: float = 10000.0,
                      scaling: RopeScaling | None = None) -> np.ndarray:
     """Inverse frequencies ``base^(-2i/H)``, (H/2,) fp32, rescaled by ``scaling``.
 
-    Computed in NumPy fp32 with transformers' operation order (its rope initialisation
-    functions), so the tables agree to the last bit; they are constants of the model.
+    Computed in float64 (the powers from :func:`_power_f64`, the rescaling in IEEE float64
+    arithmetic, whose results every host shares) and rounded once to float32: the correctly
+    rounded table, identical on every CPU. They are constants of the model.
+
+    transformers computes the same table in torch float32 (``1 / base ** (arange / H)`` and,
+    for ``llama3``, the band arithmetic in float32). For the real models' settings (Llama 2,
+    Llama 3.1/3.2, Qwen 3, Gemma 3's global layers; ``tests/layers/test_embeddings.py``) its table is within 1 ulp of this one, and within
+    3 ulp in ``llama3``'s blended band (wavelengths between ``original_max_len /
+    high_freq_factor`` and ``original_max_len / low_freq_factor``, 6 of Llama 3.1's 64
+    frequencies), where its float32 blending adds two more roundings. Torch's float32 ``pow``
+    misses the correctly rounded value by 1 ulp at about a third of the frequencies. A
+    frequency 1 ulp apart rotates by ``position * ulp`` more: at position 131,071 and a
+    frequency near 0.8, 0.008 rad, so rotated queries differ from transformers' by up to
+    0.026 (unit-normal entries) there, and by its sin/cos rounding (5e-7) where the
+    frequencies agree.
     """
     if head_dim % 2:
         raise UserError(f"RoPE needs an even head_dim, got {head_dim}")
-    f32 = np.float32
-    inv = f32(1.0) / (f32(base) ** (np.arange(0, head_dim, 2).astype(f32) / f32(head_dim)))
+    inv = np.array([_power_f64(base, -i, head_dim) for i in range(0, head_dim, 2)], np.float64)
     if scaling is None:
-        return inv
+        return inv.astype(np.float32)
     if scaling.kind == "linear":
-        return inv / f32(scaling.factor)
-    factor, old = f32(scaling.factor), f32(scaling.original_max_len)
-    low, high = f32(scaling.low_freq_factor), f32(scaling.high_freq_factor)
-    wavelen = f32(2 * math.pi) / inv
+        return (inv / float(scaling.factor)).astype(np.float32)
+    factor, old = float(scaling.factor), float(scaling.original_max_len)
+    low, high = float(scaling.low_freq_factor), float(scaling.high_freq_factor)
+    wavelen = 2 * math.pi / inv
     scaled = np.where(wavelen > old / low, inv / factor, inv)
     smooth = (old / wavelen - low) / (high - low)
-    blended = (f32(1) - smooth) * scaled / factor + smooth * scaled
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
     medium = ~(wavelen < old / high) & ~(wavelen > old / low)
-    return np.where(medium, blended, scaled).astype(f32)
+    return np.where(medium, blended, scaled).astype(np.float32)
 
 
 def apply_rope(x: Array, positions: Array, *, base: float = 10000.0, interleaved: bool = False,
