@@ -78,7 +78,7 @@ def _hf_rope(name):
 def _exact_frequencies(theta, h, scaling):
     """The inverse frequencies of ``rope_frequencies(h, theta, scaling)`` in 50-digit mpmath
     arithmetic, each rounded once to float32 (the nearest of the float32 neighbours)."""
-    mpmath = pytest.importorskip("mpmath")
+    import mpmath
     with mpmath.workdps(50):
         out = []
         for i in range(0, h, 2):
