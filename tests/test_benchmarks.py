@@ -423,6 +423,29 @@ def test_compare_torch_drift_table_row_from_a_short_run(tmp_path):
     assert (tmp_path / "vit_digits_6" / "compare.png").exists()
 
 
+def test_input_pipeline_demand_needs_no_dataset(monkeypatch):
+    """The FLOPs per example of every row's experiment come from its config alone, where
+    TensorFlow and TFDS cannot be imported (imagenet2012 is not opened): ViT-B/16's
+    ``flops_per_image`` (1.055e11), GPT-2 124M's ``flops_per_token`` at seq_len 1024 and the
+    configured SentencePiece vocabulary of 32,000 (the planned task's)."""
+    from transformer_jax.models import build_model
+    from transformer_jax.train.config import load_experiment
+    monkeypatch.setitem(sys.modules, "tensorflow", None)
+    monkeypatch.setitem(sys.modules, "tensorflow_datasets", None)
+    ip = _benchmarks("input_pipeline")
+    got = {name: ip.experiment_flops(name) for name in sorted({e for e, _ in ip.ROWS})}
+    for name, (flops, unit) in got.items():
+        cfg = load_experiment(name)
+        fixed = {"num_classes": 1000, "num_channels": 3} if unit == "image" else {
+            "vocab_size": 32_000}
+        model_cfg, _ = build_model(cfg.model, cfg.model_preset, {**fixed, **cfg.model_overrides})
+        want = (model_cfg.flops_per_image() if unit == "image"
+                else model_cfg.flops_per_token(cfg.seq_len))
+        assert (flops, unit) == (pytest.approx(want, rel=1e-12),
+                                 "image" if cfg.model == "vit" else "token"), name
+    assert got["vit_b16_tpu_v5e_1"][0] == pytest.approx(1.055e11, rel=1e-3)
+
+
 def test_input_pipeline_smoke_cores_needed_are_what_the_chips_consume_over_the_per_core_rate(
         tmp_path):
     """``benchmarks/input_pipeline.py`` at tiny sizes, workers 0 and 1, with given FLOPs per

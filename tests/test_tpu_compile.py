@@ -15,6 +15,7 @@ import importlib.util
 import json
 import os
 import re
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -393,6 +394,35 @@ def test_topology_names_are_checked_as_tpu_types_are(here):
         status, out, lines = here("compile", "--experiment", "stdlib_gpt", "--topology", topology)
         assert (status, out) == (2, "")
         assert len(lines) == 1 and lines[0].startswith(f"error: --topology {topology!r} is not")
+
+
+def test_an_imagenet_experiment_compiles_where_its_dataset_cannot_be_read(tmp_path, here,
+                                                                        monkeypatch):
+    """``compile --experiment vit_b16_tpu_v5e_1`` plans from any host: with TensorFlow and
+    TFDS unimportable and imagenet2012 nowhere, the image shapes are the config's (ViT-B/16's
+    1000 classes and 3 channels; the model cut to one narrow layer on 32-pixel images to
+    compile in seconds); it prints the memory and says the dataset was not opened."""
+    from transformer_jax.models import build_model
+    monkeypatch.setitem(sys.modules, "tensorflow", None)
+    monkeypatch.setitem(sys.modules, "tensorflow_datasets", None)
+    small = ["model.num_layers=1", "model.d_model=64", "model.num_heads=2", "model.mlp_dim=128",
+             "model.image_size=32", "model.patch_size=8"]
+    status, out, lines = here(
+        "compile", "--experiment", "vit_b16_tpu_v5e_1", "--tpu", "v5e-1", "--json",
+        f"--set=data_dir={tmp_path / 'empty'}", "--set=batch_size=8", "--set=accum_steps=1",
+        *(f"--set={s}" for s in small))
+    assert (status, lines) == (0, [])
+    text = out.strip().splitlines()
+    row = json.loads(text[-1])
+    model_cfg, _ = build_model("vit", "B/16", {"dtype": "bfloat16", **{
+        s.split("=")[0][len("model."):]: int(s.split("=")[1]) for s in small}})
+    assert (model_cfg.num_classes, model_cfg.num_channels) == (1000, 3)
+    assert row["fits"] and row["parameter_bytes"] == 4 * model_cfg.num_params()
+    assert row["batch_bytes"] == 8 * 32 * 32 * 3 * 4 + 8 * 4 + 8 * 4   # images, labels, weights
+    assert any(line.startswith("per device: arguments ") for line in text)
+    assert "note: dataset 'imagenet2012' not opened: its shapes are the model config's " \
+           "(num_classes=1000, num_channels=3; --set model.FIELD=N where the data's differ)" in text
+    assert not (tmp_path / "empty").exists()
 
 
 def test_decode_shape_fits_the_model_and_names_real_flags(data_dir, here):

@@ -193,19 +193,31 @@ def levers(cfg: ExperimentConfig, model_cfg, tpu: TpuSlice, mesh_shape: dict,
 # ----------------------------------------------------------------------------- the task
 
 def _planned_task(cfg: ExperimentConfig, workdir: str):
-    """``(task, model_overrides)`` without reading data: a SentencePiece vocabulary still to
-    be trained from the data counts as its configured size (the task is built on the byte
+    """``(task, model_overrides)`` without reading data: the task is built from the config
+    alone (:meth:`Task.planned_spec`: an image dataset's classes and channels are the model
+    config's, its metadata is not opened), and a SentencePiece vocabulary still to be
+    trained from the data counts as its configured size (the task is built on the byte
     tokenizer, and the vocabulary it derives moves by the difference)."""
     if cfg.tokenizer != "sentencepiece":
-        task = make_task(cfg, workdir)
+        task = make_task(cfg, workdir, plan=True)
         return task, task.model_overrides()
     from .data import get_tokenizer
 
-    task = make_task(dataclasses.replace(cfg, tokenizer="byte"), workdir)
+    task = make_task(dataclasses.replace(cfg, tokenizer="byte"), workdir, plan=True)
     overrides = dict(task.model_overrides())
     if "vocab_size" in overrides:
         overrides["vocab_size"] += cfg.sentencepiece_vocab_size - get_tokenizer("byte").vocab_size
     return task, overrides
+
+
+def _planned_note(cfg: ExperimentConfig, task, overrides: dict) -> list[str]:
+    """The note that says the data's shapes are the config's, where the dataset was not
+    opened (a task built from its planned spec)."""
+    if task.saved_spec is None:
+        return []
+    fields = ", ".join(f"{k}={v}" for k, v in overrides.items() if k.startswith("num_"))
+    return [f"dataset {cfg.dataset!r} not opened: its shapes are the model config's ({fields}; "
+            "--set model.FIELD=N where the data's differ)"]
 
 
 # ----------------------------------------------------------------------------- compiling
@@ -408,6 +420,7 @@ def compile_experiment(cfg: ExperimentConfig, tpu: TpuSlice | str, *, mesh: str 
         plan = attention_plan(model_cfg, cfg.seq_len, "tpu", generation)
         fn, args, (p_bytes, o_bytes, b_bytes), notes, shape = _state_and_step(
             cfg, task, model_cfg, model, device_mesh, what, decode_tokens)
+        notes = _planned_note(cfg, task, overrides) + notes
         start = time.perf_counter()
         with sh.use_mesh(device_mesh):
             lowered = fn.trace(*args).lower()

@@ -3,13 +3,14 @@ the test split in order, crops/flips only in training) and its metrics (loss and
 of a numpy linear classifier, the eval sample). Iterator and training: tests/models/test_vit.py."""
 import dataclasses
 import math
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer_jax.data.images import digits_split
+from transformer_jax.data.images import DatasetInfo, dataset_info, digits_split
 from transformer_jax.tasks import make_task
 from transformer_jax.tasks.image_classification import (ImageClassificationTask,
                                                         image_classification_loss)
@@ -114,6 +115,39 @@ def test_task_sets_the_model_and_rebuilds_from_its_spec(tmp_path):
     assert spec == {"dataset": "digits", "num_classes": 10, "num_channels": 1, "max_value": 16.0,
                     "label_names": [str(i) for i in range(10)], "image_size": S, "flip": False}
     assert make_task(task.cfg, tmp_path, spec=spec).info == task.info
+
+
+def test_a_planned_task_takes_its_shapes_from_the_config_and_opens_no_dataset(tmp_path,
+                                                                               monkeypatch):
+    """``make_task(plan=True)``, what ``compile`` builds: an image dataset's classes and
+    channels are the model config's (the preset's, or ``model.*``), nothing opened, with
+    TensorFlow and TFDS unimportable: imagenet2012 in an empty data_dir, an ``hf:`` folder
+    that does not exist, CLIP's channels the same way; the digits keep their own facts.
+    Unplanned, the same imagenet2012 task reaches for TFDS (the import fails)."""
+    monkeypatch.setitem(sys.modules, "tensorflow", None)
+    monkeypatch.setitem(sys.modules, "tensorflow_datasets", None)
+    missing = tmp_path / "nothere"
+    cfg = ExperimentConfig(task="image_classification", model="vit", model_preset="tiny",
+                           model_overrides={}, dataset="imagenet2012", data_dir=str(missing),
+                           batch_size=4)
+    task = make_task(cfg, tmp_path / "w", plan=True)
+    assert task.model_overrides() == {"num_classes": 10, "num_channels": 3}   # the tiny preset's
+    assert {k: (v.shape, str(v.dtype)) for k, v in task.batch_shapes().items()} == {
+        "images": ((4, 16, 16, 3), "float32"), "labels": ((4,), "int32"),
+        "weights": ((4,), "float32")}
+    five = make_task(dataclasses.replace(cfg, dataset=f"hf:{missing}", model_overrides=dict(
+        num_classes=5, num_channels=1)), tmp_path / "w", plan=True)
+    assert five.info == DatasetInfo(f"hf:{missing}", 5, 1, 255.0, ("0", "1", "2", "3", "4"), True)
+    assert (five.model_config.num_classes, five.model_config.num_channels) == (5, 1)
+    digits = make_task(dataclasses.replace(cfg, dataset="digits"), tmp_path / "w", plan=True)
+    assert digits.saved_spec is None and digits.info == dataset_info("digits")
+    clip = make_task(dataclasses.replace(cfg, task="contrastive", model="clip", seq_len=32,
+                                         dataset=f"hf:{missing}"), tmp_path / "w", plan=True)
+    assert (clip.info.num_classes, clip.info.num_channels, clip.caption_key) == (0, 3, None)
+    assert clip.batch_shapes()["images"].shape == (4, 16, 16, 3)
+    with pytest.raises(ImportError, match="import of tensorflow_datasets halted"):
+        make_task(cfg, tmp_path / "w")
+    assert not missing.exists()
 
 
 # ----------------------------------------------------------------------------- metrics

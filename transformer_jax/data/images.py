@@ -62,9 +62,9 @@ from transformer_jax.data.sources import (check_tfds_dataset, default_data_dir, 
                                           read_examples)
 from transformer_jax.errors import UserError
 
-__all__ = ["DatasetInfo", "ImageIterator", "dataset_info", "default_workers", "digits_split",
-           "load_digits_arrays", "make_image_iterator", "open_image_source", "prepare_row",
-           "preprocess_image"]
+__all__ = ["DatasetInfo", "ImageIterator", "configured_info", "dataset_info", "default_workers",
+           "digits_split", "load_digits_arrays", "make_image_iterator", "open_image_source",
+           "prepare_row", "preprocess_image"]
 
 DIGITS_SPLITS = ("train", "test")
 
@@ -162,6 +162,18 @@ def dataset_info(dataset: str, *, data_dir: str | None = None) -> DatasetInfo:
     channels = image.shape[-1] or 3
     base = dataset.split("/")[0].split(":")[0]
     return DatasetInfo(base, int(label.num_classes), int(channels), 255.0, names, True)
+
+
+def configured_info(dataset: str, num_classes: int, num_channels: int) -> DatasetInfo:
+    """What :func:`dataset_info` says of ``dataset``, with the classes and channels given
+    (the model config's) instead of read: nothing is opened, no TFDS metadata, no ``hf:``
+    file. What ``transformer-jax compile`` plans with, on a host that may not hold (or be
+    able to read) the data; the digits' facts need no data and are their own."""
+    if dataset == "digits":
+        return dataset_info("digits")
+    name = dataset if is_hf_dataset(dataset) else dataset.split("/")[0].split(":")[0]
+    return DatasetInfo(name, num_classes, num_channels, 255.0,
+                       tuple(str(i) for i in range(num_classes)), True)
 
 
 # ----------------------------------------------------------------------------- preprocessing

@@ -108,6 +108,13 @@ class Task(abc.ABC):
         """Model config fields the data fixes (e.g. ``vocab_size``, ``num_classes``)."""
         return {}
 
+    @classmethod
+    def planned_spec(cls, cfg) -> dict | None:
+        """The spec that builds this task from ``cfg`` alone, opening no dataset (what
+        ``transformer-jax compile`` plans a slice with, on any host), where building it
+        normally would read the data's metadata; None: the task reads none to be built."""
+        return None
+
     @abc.abstractmethod
     def make_iterator(self, split: str, process_index: int, process_count: int, *, train: bool):
         """This process's batches of ``split``: with ``train``, an endless shuffled iterator
@@ -232,9 +239,12 @@ def tasks_for(family: str) -> list[str]:
     return sorted(name for name, cls in TASKS.items() if family in cls.MODELS)
 
 
-def make_task(cfg, workdir: str | Path, *, spec: dict | None = None) -> Task:
+def make_task(cfg, workdir: str | Path, *, spec: dict | None = None, plan: bool = False) -> Task:
+    """The task of ``cfg``: from a saved ``spec``, or with ``plan`` from the config alone
+    (:meth:`Task.planned_spec`: no dataset opened), or from the data."""
     if cfg.task not in TASKS:
         hint = difflib.get_close_matches(cfg.task, TASKS, n=1)
         raise UserError(f"unknown task {cfg.task!r}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
                         + f"; choose one of {sorted(TASKS)}")
-    return TASKS[cfg.task](cfg, workdir, spec=spec)
+    cls = TASKS[cfg.task]
+    return cls(cfg, workdir, spec=cls.planned_spec(cfg) if plan and spec is None else spec)

@@ -72,6 +72,7 @@ from ..data.hf_datasets import is_hf_dataset, open_hf_source
 from ..data.hf_tokenizer import HFTokenizer
 from ..data.shuffle import splitmix64
 from ..errors import UserError
+from ..models import build_model
 from ..models.clip import l2_normalize
 from .base import Task, register_task
 
@@ -284,6 +285,14 @@ def recall_at_1(similarity: np.ndarray, labels: np.ndarray | None = None) -> flo
 
 # ============================================================================ the task
 
+def _spec(tokenizer_spec, info: image_data.DatasetInfo, caption_key: str | None) -> dict:
+    """The task's spec: the tokenizer, the image facts and the caption feature."""
+    return {"tokenizer": tokenizer_spec, "dataset": info.name,
+            "num_classes": info.num_classes, "num_channels": info.num_channels,
+            "max_value": info.max_value, "label_names": list(info.label_names),
+            "flip": info.flip, "caption_key": caption_key}
+
+
 @register_task
 class ContrastiveTask(Task):
     """CLIP contrastive pretraining on image-caption pairs (module docstring)."""
@@ -410,11 +419,20 @@ class ContrastiveTask(Task):
         return dataclasses.replace(info, num_classes=0, label_names=()), key
 
     def spec(self) -> dict:
-        info = self.info
-        return {"tokenizer": self.tokenizer_spec, "dataset": info.name,
-                "num_classes": info.num_classes, "num_channels": info.num_channels,
-                "max_value": info.max_value, "label_names": list(info.label_names),
-                "flip": info.flip, "caption_key": self.caption_key}
+        return _spec(self.tokenizer_spec, self.info, self.caption_key)
+
+    @classmethod
+    def planned_spec(cls, cfg) -> dict | None:
+        """The channels of the model config (``model.num_channels``, else the preset's),
+        not the dataset's metadata, and no classes (the zero-shot labels need the data).
+        None for the digits (their facts need no data) and for a config the task refuses."""
+        if (cfg.model != "clip" or not isinstance(cfg.dataset, str)
+                or cfg.dataset in ("digits", "python_stdlib") or cfg.tokenizer == "sentencepiece"):
+            return None
+        model_cfg, _ = build_model(cfg.model, cfg.model_preset, cfg.model_overrides)
+        info = image_data.configured_info(cfg.dataset, 0, model_cfg.num_channels)
+        return _spec(data_lib.canonical_spec(cfg.tokenizer), info,
+                     cfg.task_options.get("caption_key"))
 
     def model_overrides(self) -> dict:
         tok = self.tokenizer

@@ -50,6 +50,13 @@ def image_classification_loss(apply_fn, params, batch, rngs, deterministic: bool
     return token_loss(logits, batch["labels"], batch.get("weights"), smoothing)
 
 
+def _info_spec(info: image_data.DatasetInfo) -> dict:
+    """The JSON of a :class:`~transformer_jax.data.images.DatasetInfo` in a task's spec."""
+    return {"dataset": info.name, "num_classes": info.num_classes,
+            "num_channels": info.num_channels, "max_value": info.max_value,
+            "label_names": list(info.label_names), "flip": info.flip}
+
+
 @register_task
 class ImageClassificationTask(Task):
     """ViT image classification; options in the module docstring."""
@@ -110,11 +117,24 @@ class ImageClassificationTask(Task):
         return out
 
     def spec(self) -> dict:
-        info = self.info
-        return {"dataset": info.name, "num_classes": info.num_classes,
-                "num_channels": info.num_channels, "max_value": info.max_value,
-                "label_names": list(info.label_names), "image_size": self.image_size,
-                "flip": info.flip}
+        return {**_info_spec(self.info), "image_size": self.image_size}
+
+    @classmethod
+    def planned_spec(cls, cfg) -> dict | None:
+        """The classes and channels of the model config (``model.num_classes`` and
+        ``model.num_channels``, else the preset's: ViT-B/16's 1000 and 3 are ImageNet's),
+        not the dataset's metadata. None for the digits (their facts need no data) and for
+        a config the task refuses anyway."""
+        family = FAMILIES.get(cfg.model)
+        if (not isinstance(cfg.dataset, str) or cfg.dataset in ("digits", "python_stdlib")
+                or family is None or not hasattr(family[0], "patch_size")):
+            return None
+        model_cfg, _ = build_model(cfg.model, cfg.model_preset, cfg.model_overrides)
+        if not model_cfg.num_classes:
+            raise UserError("task 'image_classification' needs classes: model.num_classes=0 "
+                            "builds a ViT without a head; drop it (the dataset sets it)")
+        return _info_spec(image_data.configured_info(cfg.dataset, model_cfg.num_classes,
+                                                     model_cfg.num_channels))
 
     def batch_dims(self) -> dict[str, int]:
         return {"H": self.image_size, "W": self.image_size, "C": self.info.num_channels}
