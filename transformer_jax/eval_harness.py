@@ -47,9 +47,11 @@ UserError that says so.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
+import re
 from typing import Any, Callable, Sequence
 
 import flax.linen as nn
@@ -432,13 +434,86 @@ class HarnessLM(TemplateLM):
 
 # ----------------------------------------------------------------------------- the CLI's run
 
+#: seconds the Hugging Face Hub has to answer one request before the harness runs offline
+HUB_PROBE_SECONDS = 3.0
+
+
+def hub_unreachable() -> str | None:
+    """Why the Hugging Face Hub cannot be reached from here, or None where it can: offline
+    mode is set (``HF_HUB_OFFLINE`` / ``HF_DATASETS_OFFLINE``), or the endpoint did not
+    answer one request within :data:`HUB_PROBE_SECONDS` (no retries; any HTTP answer counts)."""
+    import datasets
+    from huggingface_hub import constants
+    from huggingface_hub.utils import get_session
+
+    if constants.is_offline_mode() or datasets.config.HF_HUB_OFFLINE:
+        return "offline mode is set: HF_HUB_OFFLINE or HF_DATASETS_OFFLINE"
+    try:
+        get_session().head(constants.ENDPOINT, timeout=HUB_PROBE_SECONDS)
+    except Exception as e:  # noqa: BLE001 - any failure to connect means: not reachable
+        return f"{constants.ENDPOINT} did not answer: {type(e).__name__}"
+    return None
+
+
+@contextlib.contextmanager
+def hub_offline():
+    """The Hub client and ``datasets`` in offline mode inside (a cached dataset loads from
+    its cache, another fails at once instead of retrying for a minute), as before after."""
+    import datasets
+    from huggingface_hub import constants
+
+    saved = (constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE,
+             datasets.config.HF_DATASETS_OFFLINE)
+    constants.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
+    datasets.config.HF_DATASETS_OFFLINE = True
+    try:
+        yield
+    finally:
+        (constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE,
+         datasets.config.HF_DATASETS_OFFLINE) = saved
+
+
+def _failing_task(error: BaseException) -> tuple[str | None, str | None]:
+    """``(task name, dataset path)`` of the innermost harness task being built where
+    ``error`` was raised (its traceback's frames), or Nones."""
+    from lm_eval.api.task import Task
+
+    found, tb = (None, None), error.__traceback__
+    while tb is not None:
+        task = tb.tb_frame.f_locals.get("self")
+        if isinstance(task, Task) and getattr(task, "config", None) is not None:
+            found = (getattr(task.config, "task", None), getattr(task.config, "dataset_path", None))
+        tb = tb.tb_next
+    return found
+
+
+def offline_message(error: BaseException, tasks: Sequence[str], why: str | None) -> str:
+    """One line for a harness task whose data the Hub was to give and did not: the task,
+    the dataset, why, and the fixes."""
+    import datasets
+
+    task, path = _failing_task(error)
+    quoted = re.search(r"(?:reach|dataset) '([^']+)'", str(error))   # datasets' own words
+    path = path or (quoted.group(1) if quoted else "its data")
+    name = repr(task) if task else ", ".join(map(repr, tasks))
+    what = f"the dataset {path!r}" if path != "its data" else path
+    return (f"harness task {name} needs {what} from the Hugging Face Hub, which "
+            f"cannot be reached ({why or f'{type(error).__name__}: {error}'}), and the datasets "
+            f"cache ({datasets.config.HF_DATASETS_CACHE}) does not hold it: run the eval once "
+            "where there is a network (the dataset is cached, then loads offline), set "
+            "HF_DATASETS_CACHE (or HF_HOME) to a cache that holds it, or evaluate a local task "
+            "(--include-path DIR)")
+
+
 def run_harness(lm: HarnessLM, tasks: Sequence[str], *, include_path: str | None = None,
                 num_fewshot: int | None = None, limit: float | None = None,
                 bootstrap_iters: int = 100000, log_samples: bool = False,
                 include_defaults: bool = True) -> dict | None:
     """``lm_eval.simple_evaluate`` with ``lm`` on process 0 (the others follow); its results
     dict on process 0, None elsewhere. ``include_defaults=False``: only the tasks in
-    ``include_path`` (the harness then skips indexing its thousands of task files)."""
+    ``include_path`` (the harness then skips indexing its thousands of task files). Where
+    the Hub cannot be reached (:func:`hub_unreachable`) the harness runs offline: datasets
+    from the cache, and one that is not there is a UserError naming the task and the fixes."""
     if jax.process_index() != 0:
         lm.follow()
         return None
@@ -454,9 +529,15 @@ def run_harness(lm: HarnessLM, tasks: Sequence[str], *, include_path: str | None
                             + ("" if include_path else "; for task YAMLs of your own, add "
                                "--include-path DIR")
                             + " (`lm_eval ls tasks` lists the harness's own)")
-        return lm_eval.simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=num_fewshot,
-                                       limit=limit, task_manager=manager,
-                                       bootstrap_iters=bootstrap_iters, log_samples=log_samples)
+        why = hub_unreachable()   # then offline: the cache, or one error at once
+        with hub_offline() if why else contextlib.nullcontext():
+            try:
+                return lm_eval.simple_evaluate(
+                    model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
+                    task_manager=manager, bootstrap_iters=bootstrap_iters,
+                    log_samples=log_samples)
+            except ConnectionError as e:
+                raise UserError(offline_message(e, tasks, why)) from None
     finally:
         lm.stop_followers()
 

@@ -240,6 +240,40 @@ def test_cli_refusals(tmp_path, capsys, tasks_dir):
         2, [f"error: --output {missing}: its directory does not exist; create it first"])
 
 
+def test_a_hub_task_whose_dataset_cannot_be_fetched_is_one_error(gpt2_hf, capsys, monkeypatch,
+                                                                 tmp_path):
+    """``eval --tasks hellaswag`` where the Hub cannot be reached and the datasets cache does
+    not hold ``Rowan/hellaswag``: one error line naming the task, the dataset and the fixes,
+    exit 2, without the Hub client's minute of retries: in offline mode (as the suite runs),
+    and with it unset and the Hub's endpoint not answering (a closed local port), where the
+    harness goes offline itself and leaves the settings as they were."""
+    import datasets
+    from huggingface_hub import constants
+    cache = tmp_path / "cache"
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+
+    def message(why):
+        return [f"error: harness task 'hellaswag' needs the dataset 'Rowan/hellaswag' from the "
+                f"Hugging Face Hub, which cannot be reached ({why}), and the datasets cache "
+                f"({cache}) does not hold it: run the eval once where there is a network (the "
+                "dataset is cached, then loads offline), set HF_DATASETS_CACHE (or HF_HOME) to "
+                "a cache that holds it, or evaluate a local task (--include-path DIR)"]
+
+    args = ("eval", "--tasks", "hellaswag", "--init-from", gpt2_hf, "--limit", "2")
+    assert run_cli(capsys, *args)[::2] == (
+        2, message("offline mode is set: HF_HUB_OFFLINE or HF_DATASETS_OFFLINE"))
+    endpoint = "http://127.0.0.1:9"          # the discard port: nothing listens
+    for module, name in ((constants, "HF_HUB_OFFLINE"), (datasets.config, "HF_HUB_OFFLINE"),
+                         (datasets.config, "HF_DATASETS_OFFLINE")):
+        monkeypatch.setattr(module, name, False)
+    monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+    monkeypatch.setattr(datasets.config, "HF_ENDPOINT", endpoint)
+    assert run_cli(capsys, *args)[::2] == (2, message(f"{endpoint} did not answer: ConnectError"))
+    assert (constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE) == (False, False)
+    assert not cache.exists()
+
+
 def test_an_unknown_task_is_named(gpt2_hf, tasks_dir):
     from transformer_jax.errors import UserError
     from transformer_jax.eval_harness import HarnessLM, run_harness
