@@ -39,7 +39,7 @@ from .train.loop import LogCallback, Prefetcher, Run, run_loop
 from .train.monitor import MetricsWriter, peak_flops_per_device
 from .train.optim import make_optimizer, make_schedule
 from .train.resume import NothingToDo, restore, saved_run_config, set_aside_newer, write_config
-from .train.wandb_log import WandbLog, require_wandb
+from .train.wandb_log import WandbLog, wandb_run_mode
 from .train.step import (LossScale, compile_train_step, create_train_state, eval_step,
                          make_train_step)
 
@@ -115,7 +115,7 @@ def setup(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
     workdir = storage.path(workdir)
     resume = resume or resume_from is not None
     storage.check_workdir(workdir)
-    require_wandb(cfg.log)   # log.wandb without the package: refused before anything is written
+    wandb_mode = wandb_run_mode(cfg.log, is_main(), say=warn)   # refusals before any write
     make_schedule(cfg.schedule, **cfg.schedule_kwargs(d_model=1))   # refuses e.g. warmup >= steps early
     cfg, source, saved = _fine_tuning_config(cfg, workdir, resume)
     placement = make_placement(cfg.parallelism, cfg.mesh, cfg.batch_size, cfg.accum_steps)
@@ -180,7 +180,7 @@ def setup(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
         loss_fn=task.loss_fn, label_smoothing=cfg.label_smoothing, accum_steps=cfg.accum_steps,
         schedule=schedule, axis_name=placement.axis_name, loss_chunk=cfg.loss_chunk))
     resumed = restored is not None
-    wandb = (WandbLog.open(cfg.log, workdir, run_config, resumed=resumed)
+    wandb = (WandbLog.open(cfg.log, workdir, run_config, resumed=resumed, mode=wandb_mode)
              if cfg.log.wandb and is_main() else None)
     return Run(cfg=cfg, workdir=workdir, placement=placement, task=task, model=model,
                run_config=run_config, ckpt=ckpt, batches=Prefetcher(train_it, placement.put_batch),

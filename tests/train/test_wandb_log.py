@@ -125,3 +125,45 @@ def test_the_mode_is_offline_without_a_key(tmp_path, offline, monkeypatch):
     monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
     monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
     assert wandb_log.resolve_mode(LogConfig(wandb=True)) == "online"
+
+
+def test_an_unreachable_server_is_refused_when_chosen_and_logged_offline_when_implied(
+        tmp_path, data_dir, offline, here, monkeypatch):
+    """An API key set and W&B's server not answering (a closed local port, no retries):
+    online chosen (``log.wandb_mode=online``, ``WANDB_MODE=online``) is one error line
+    before anything is written; online implied by the key logs offline, with one warning
+    and the offline run's line. A server that answers keeps the run online."""
+    url = "http://127.0.0.1:9"               # the discard port: nothing listens
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    monkeypatch.setenv("WANDB_BASE_URL", url)
+    why = "ConnectionRefusedError: [Errno 111] Connection refused"
+    assert wandb_log.unreachable(url) == why
+    # a server that answers, whatever it answers (here 501: no HEAD), is reachable: online stays
+    import http.server
+    import threading
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=server.handle_request, daemon=True).start()
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{server.server_port}")
+    assert wandb_log.choose_mode(LogConfig(wandb=True), say=pytest.fail) == "online"
+    server.server_close()
+    monkeypatch.setenv("WANDB_BASE_URL", url)
+    workdir = tmp_path / "run"
+    sets = [x for s in TINY_RUN + [f"data_dir={data_dir}", "log.wandb=true", "eval_every=2",
+                                   "save_every=2"] for x in ("--set", s)]
+    refused = (f"logs to W&B at {url}, which cannot be reached ({why}); log offline and upload "
+               "later with `wandb sync` (--set log.wandb_mode=offline), or drop --set "
+               "log.wandb=true")
+    assert here("train", "--workdir", workdir, "--steps", 2, *sets, "--set",
+                "log.wandb_mode=online")[::2] == (2, [f"error: log.wandb_mode=online {refused}"])
+    monkeypatch.setenv("WANDB_MODE", "online")
+    assert here("train", "--workdir", workdir, "--steps", 2, *sets)[::2] == (
+        2, [f"error: WANDB_MODE=online {refused}"])
+    assert not workdir.exists()
+    monkeypatch.delenv("WANDB_MODE")
+    code, out, lines = here("train", "--workdir", workdir, "--steps", 2, *sets)
+    assert (code, lines) == (0, [
+        f"warning: W&B at {url} cannot be reached ({why}): logging offline instead, for `wandb "
+        "sync` to upload later (--set log.wandb_mode=offline chooses that, log.wandb_mode=online "
+        "refuses to start instead)"])
+    (run,) = sorted((workdir / "wandb").glob("offline-run-*"))
+    assert f"wandb: offline run in {run}; sync with: wandb sync {run}" in out.splitlines()

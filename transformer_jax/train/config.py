@@ -45,7 +45,8 @@ class LogConfig(PresetConfig):
     ``wandb``: also to Weights & Biases (``train/wandb_log.py``; the ``wandb`` extra), in
     the project ``wandb_project``, as ``wandb_run_name`` (None: the workdir's name), in
     ``wandb_mode`` "online" or "offline" (None: ``$WANDB_MODE``, else online where an API
-    key is set up and offline where none is). None of it changes what the run computes.
+    key is set up and W&B's server answers, offline otherwise). None of it changes what the
+    run computes.
     """
     wandb: bool = False
     wandb_project: str = "transformer_jax"

@@ -19,6 +19,14 @@ Mode (``log.wandb_mode``, else ``$WANDB_MODE``): "online" where an API key is se
 the network, the run is kept in its directory, and one line names it and the ``wandb sync``
 command that uploads it later. W&B itself prints nothing (``silent``) and leaves stdout
 alone (``console="off"``).
+
+Online, W&B's server (``$WANDB_BASE_URL``, default https://api.wandb.ai) is asked once
+before the run writes anything (:func:`choose_mode`; :data:`PROBE_SECONDS`), instead of
+``wandb.init`` waiting its ``init_timeout`` (90 s) and failing after the run has started.
+Where it does not answer, a mode the user chose (``log.wandb_mode=online`` or
+``WANDB_MODE=online``) is one error line, and the online mode an API key implied becomes
+offline with one warning: the run trains and is kept for ``wandb sync``, as W&B keeps an
+offline run.
 """
 from __future__ import annotations
 
@@ -72,6 +80,66 @@ def resolve_mode(log: LogConfig) -> str:
     return chosen or ("online" if has_api_key() else "offline")
 
 
+#: seconds W&B's server has to answer one request before it counts as unreachable
+PROBE_SECONDS = 3.0
+#: the modes in which ``wandb.init`` talks to the server
+ONLINE_MODES = ("online", "run", "shared")
+
+
+def server_url() -> str:
+    """W&B's server: ``$WANDB_BASE_URL``, default https://api.wandb.ai."""
+    return (os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").rstrip("/")
+
+
+def unreachable(url: str, timeout: float = PROBE_SECONDS) -> str | None:
+    """Why ``url`` cannot be reached, or None where it answers (any HTTP status counts):
+    one request, no retries (proxies from the environment, as W&B's client takes them)."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=timeout).close()
+    except urllib.error.HTTPError:
+        return None
+    except (OSError, ValueError) as e:     # URLError and timeouts are OSErrors
+        reason = getattr(e, "reason", e)
+        return f"{type(reason).__name__}: {reason}"
+    return None
+
+
+def choose_mode(log: LogConfig, say: Callable[[str], None]) -> str:
+    """The mode the run logs in (:func:`resolve_mode`), decided before anything is written:
+    online, where W&B's server does not answer (:func:`unreachable`), a mode the user chose
+    is refused (UserError) and the one an API key implied becomes "offline", ``say`` getting
+    the one line that says so."""
+    mode = resolve_mode(log)
+    if mode not in ONLINE_MODES:
+        return mode
+    url = server_url()
+    why = unreachable(url)
+    if why is None:
+        return mode
+    chosen = (f"log.wandb_mode={log.wandb_mode}" if log.wandb_mode else
+              f"WANDB_MODE={os.environ['WANDB_MODE']}" if os.environ.get("WANDB_MODE") else None)
+    if chosen:
+        raise UserError(f"{chosen} logs to W&B at {url}, which cannot be reached ({why}); log "
+                        "offline and upload later with `wandb sync` (--set log.wandb_mode=offline), "
+                        "or drop --set log.wandb=true")
+    say(f"W&B at {url} cannot be reached ({why}): logging offline instead, for `wandb sync` to "
+        "upload later (--set log.wandb_mode=offline chooses that, log.wandb_mode=online refuses "
+        "to start instead)")
+    return "offline"
+
+
+def wandb_run_mode(log: LogConfig, main: bool, say: Callable[[str], None]) -> str | None:
+    """What a run checks of W&B before it writes anything: the package
+    (:func:`require_wandb`) on every process, and on the ``main`` one the mode it logs in
+    (:func:`choose_mode`); None without ``log.wandb`` or off the main process."""
+    if require_wandb(log) is None or not main:
+        return None
+    return choose_mode(log, say)
+
+
 def local_dir(workdir) -> Path:
     """The directory W&B's own ``wandb/`` goes in: the workdir, or a local one for a bucket."""
     if storage.is_remote(workdir):
@@ -93,15 +161,16 @@ class WandbLog:
 
     @classmethod
     def open(cls, log: LogConfig, workdir, run_config: dict[str, Any], *, resumed: bool,
-             say: Callable[[str], None] = print) -> WandbLog:
-        """Start (or, ``resumed``, continue) the W&B run of ``workdir``; ``say`` gets the
-        one line that says where it logs."""
+             say: Callable[[str], None] = print, mode: str | None = None) -> WandbLog:
+        """Start (or, ``resumed``, continue) the W&B run of ``workdir``, in ``mode`` (None:
+        :func:`resolve_mode`'s; a run passes :func:`choose_mode`'s); ``say`` gets the one
+        line that says where it logs."""
         wandb = require_wandb(log)
         workdir = storage.path(workdir)
         id_file = workdir / "wandb" / "run_id"
         run_id = storage.read_text(id_file).strip() if resumed and storage.is_file(id_file) else ""
         run_id = run_id or _new_id()
-        mode = resolve_mode(log)
+        mode = mode or resolve_mode(log)
         directory = local_dir(workdir)
         directory.mkdir(parents=True, exist_ok=True)
         settings = wandb.Settings(mode=mode, silent=True, console="off", save_code=False,
