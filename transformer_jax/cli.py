@@ -205,7 +205,7 @@ def _compare_torch(args) -> int:
 
 def _train(args) -> int:
     from .train import distributed
-    from .train.config import apply_overrides, load_experiment
+    from .train.config import apply_overrides, load_experiment, named_model_fields
     from .train.resume import resume_settings
     from .run import train
 
@@ -223,6 +223,9 @@ def _train(args) -> int:
         overrides.append(f"parallelism={args.parallelism}")
     if args.mesh is not None:
         overrides.append(f"mesh={args.mesh}")
+    # an experiment without a start of its own: its model settings are for training from
+    # scratch, so that an --init-from start reports only those given here as not applying
+    given = named_model_fields(overrides) if cfg.init_from is None else None
     cfg = apply_overrides(cfg, overrides)
     if args.init_from is not None:
         cfg = cfg.replace(init_from=args.init_from)
@@ -233,7 +236,7 @@ def _train(args) -> int:
         print(f"training {cfg.name}: {model} on {dataset}, {cfg.steps} steps "
               f"-> {workdir}", flush=True)
     summary = train(cfg, workdir, resume=args.resume, progress=not args.no_progress,
-                    resume_from=args.resume_from)
+                    resume_from=args.resume_from, given_model=given)
     if summary.get("nothing_to_do"):
         if main:
             print(summary["nothing_to_do"], file=sys.stderr)

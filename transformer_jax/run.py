@@ -105,8 +105,10 @@ def _platform() -> str:
 
 def setup(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
           progress: bool = True, resume_from: int | None = None,
-          stop_at: int | None = None) -> Run:
+          stop_at: int | None = None, given_model: frozenset[str] | None = None) -> Run:
     """Everything a run needs: task, model, placement, checkpoints, state, compiled steps.
+    ``given_model``: the model settings given for an ``init_from`` start, the only ones
+    reported where they do not apply (None: all of ``cfg``'s; ``finetune.resolve``).
 
     Everything that can refuse the run (the workdir, the config, the checkpoint's
     compatibility, ``--steps`` against the checkpoint) is checked before the run writes
@@ -117,7 +119,7 @@ def setup(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
     storage.check_workdir(workdir)
     wandb_mode = wandb_run_mode(cfg.log, is_main(), say=warn)   # refusals before any write
     make_schedule(cfg.schedule, **cfg.schedule_kwargs(d_model=1))   # refuses e.g. warmup >= steps early
-    cfg, source, saved = _fine_tuning_config(cfg, workdir, resume)
+    cfg, source, saved = _fine_tuning_config(cfg, workdir, resume, given_model)
     placement = make_placement(cfg.parallelism, cfg.mesh, cfg.batch_size, cfg.accum_steps)
     # with several processes, process 0 prepares first (tokenizer, dataset), the others reuse it
     task = main_first(lambda: make_task(cfg, workdir), "transformer_jax:task")
@@ -223,7 +225,8 @@ def _abstract_params(model, rng, init_args) -> Callable[[], Any]:
     return abstract
 
 
-def _fine_tuning_config(cfg: ExperimentConfig, workdir: Path, resume: bool):
+def _fine_tuning_config(cfg: ExperimentConfig, workdir: Path, resume: bool,
+                        given_model: frozenset[str] | None = None):
     """``(cfg, source, saved run config)``: with ``init_from``, ``cfg`` takes the model and
     tokenizer of the pretrained weights (``source``), or, resuming such a run, those its
     config.json recorded (``saved``; nothing is re-read)."""
@@ -235,7 +238,7 @@ def _fine_tuning_config(cfg: ExperimentConfig, workdir: Path, resume: bool):
     elif cfg.init_from is not None:
         source = finetune.load_source(cfg.init_from, **_source_placement(cfg))
         check_task(cfg, source)
-        cfg = finetune.resolve(cfg, source, say=warn)
+        cfg = finetune.resolve(cfg, source, say=warn, given=given_model)
     return cfg, source, saved
 
 
@@ -317,7 +320,8 @@ def _fine_tuning_start(cfg: ExperimentConfig, source, saved, model_cfg, abstract
 def train(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
           progress: bool = True, on_log: LogCallback | None = None,
           on_eval: LogCallback | None = None, stop_at: int | None = None,
-          resume_from: int | None = None) -> dict[str, Any]:
+          resume_from: int | None = None,
+          given_model: frozenset[str] | None = None) -> dict[str, Any]:
     """Train (or resume) a run; returns a summary dict. See ``train/loop.py``'s docstring.
 
     ``on_log(step, row)`` gets every logged row (also written to metrics.jsonl) and
@@ -325,11 +329,13 @@ def train(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
     checkpoint at that step and return (``summary["paused"]``); ``resume=True`` continues
     from the latest checkpoint, ``resume_from=STEP`` from that one (the later ones move to
     ``<step>.superseded``). A resumed run already at ``cfg.steps`` returns at once with
-    ``summary["nothing_to_do"]`` (a message) and writes nothing.
+    ``summary["nothing_to_do"]`` (a message) and writes nothing. ``given_model``: the model
+    settings given for an ``init_from`` start (the CLI's ``--set model.*``), the only ones
+    reported where they do not apply (None: all of ``cfg``'s).
     """
     try:
         run = setup(cfg, workdir, resume=resume, progress=progress, resume_from=resume_from,
-                    stop_at=stop_at)
+                    stop_at=stop_at, given_model=given_model)
     except NothingToDo as done:
         return {"workdir": str(storage.path(workdir)), "start_step": done.step,
                 "final_step": done.step, "nothing_to_do": str(done), "interrupted": None,

@@ -19,7 +19,7 @@ from transformer_jax.models.base import RelationError
 from transformer_jax import run as run_module
 from transformer_jax.train import optim
 from transformer_jax.train.config import (TASK_MODEL_FIELDS, ExperimentConfig, LogConfig,
-                                          apply_overrides)
+                                          apply_overrides, named_model_fields)
 
 from tests.helpers import numeric_fields, probes
 
@@ -339,3 +339,14 @@ def test_cli_one_error_line_exit_2_nothing_written(capsys, tmp_path, monkeypatch
     assert len(lines) == 1 and lines[0].startswith(message), lines
     assert out.out == ""                   # refused before "training ..." is printed
     assert not workdir.exists()
+
+
+def test_named_model_fields_are_those_apply_overrides_sets():
+    """What an ``--init-from`` start reports as not applying (``run.train(given_model=)``):
+    the model fields the ``--set`` strings name, however they name them."""
+    sets = ["model.num_layers=2", "lora.rank=4", "model_overrides={'d_model': 8, 'max_len': 512}",
+            "steps=3", "task.text_key=body", "log.wandb=false"]
+    assert named_model_fields(sets) == {"num_layers", "lora", "d_model", "max_len"}
+    applied = apply_overrides(ExperimentConfig(model_overrides={}), sets)
+    assert set(applied.model_overrides) == named_model_fields(sets)
+    assert named_model_fields(["steps=3"]) == frozenset()

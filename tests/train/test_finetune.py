@@ -233,7 +233,8 @@ def test_a_lora_run_trains_the_adapters_alone_and_exports_merged(data_dir, hf_di
 # ----------------------------------------------------------------------------- the CLI
 
 def test_cli_init_from_with_the_checkpoints_tokenizer_then_export(data_dir, tmp_path, here):
-    """``train --init-from`` an HF GPT-2 directory with its own BPE tokenizer (LoRA), then
+    """``train --init-from`` an HF GPT-2 directory with its own BPE tokenizer (LoRA, and a
+    ``model.num_layers`` that does not apply: one warning naming it alone), then
     ``export --merge``: the run tokenizes with ``hf:DIR`` (the ids AutoTokenizer gives), the
     export carries the tokenizer files, and AutoModel/AutoTokenizer reproduce our logits on
     the same text. The CLI's ``main`` runs in this process (nothing here needs a process of
@@ -246,11 +247,13 @@ def test_cli_init_from_with_the_checkpoints_tokenizer_then_export(data_dir, tmp_
     code, stdout, lines = here("train", "--init-from", str(hf_dir), "--workdir", str(run),
                                "--no-progress", *(f"--set={o}" for o in SHORT),
                                f"--set=data_dir={data_dir}", "--set=lora.rank=4",
-                               "--set=learning_rate=1e-2", "--set=schedule=constant")
+                               "--set=learning_rate=1e-2", "--set=schedule=constant",
+                               "--set=model.num_layers=3")
     assert code == 0, lines
+    # the setting given here is named; the default experiment's own (num_layers=4,
+    # d_model=128, max_len=256: for training from scratch) are not
     assert lines == [f"warning: --init-from {hf_dir}: the model is the checkpoint's (gpt); the "
-                     "experiment's model settings num_layers=4 (checkpoint: 2), d_model=128 "
-                     "(checkpoint: 64), max_len=256 (checkpoint: 64) do not apply"]
+                     "model settings num_layers=3 (checkpoint: 2) do not apply"]
     arrays = len(flat(from_hf(hf_dir)[1]))               # every one of them
     assert f"init-from {hf_dir} (hf, gpt): {arrays} parameter arrays loaded\n" in stdout
     saved = json.loads((run / "config.json").read_text())

@@ -67,15 +67,25 @@ def hf_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory, hf_dir, data_dir):
-    """The LoRA run (2 steps) and what its first `train` printed."""
+    """The LoRA run (2 steps), what its first `train` printed and its warning lines."""
     workdir = tmp_path_factory.mktemp("lora") / "run"
     code, out, lines = train("--init-from", str(hf_dir), "--workdir", str(workdir), *LORA,
                              data_dir=data_dir)
     assert code == 0, lines
-    return workdir, out
+    return workdir, out, lines
+
+
+def tokenizer_warning(hf_dir) -> str:
+    return (f"warning: --init-from {hf_dir}: no tokenizer files there (tokenizer.json, "
+            "spiece.model, tokenizer.model), so the run tokenizes bytes; "
+            "if the weights were trained with another tokenizer, give it as --set "
+            "tokenizer=hf:DIR (a directory with its tokenizer.json)")
 
 
 def test_a_lora_run_says_what_trains(lora_run, hf_dir):
+    # no model setting given: the only warning is the tokenizer's (the default experiment's
+    # model settings, for training from scratch, are not reported as not applying)
+    assert lora_run[2] == [tokenizer_warning(hf_dir)]
     # rank 4 on the query and value of 2 layers: lora_a (64, 4) + lora_b (4, 4, 16) each
     base = sum(np.size(x) for x in flat(jax.tree_util.tree_map(np.asarray, from_hf(hf_dir)[1])).values())
     lora = 4 * (64 * 4 + 4 * 64)
@@ -87,7 +97,7 @@ def test_a_lora_run_says_what_trains(lora_run, hf_dir):
 def test_lora_targets_that_match_nothing_are_refused(hf_dir, data_dir, tmp_path, capsys):
     code, _, lines = refused(capsys, "--init-from", str(hf_dir), "--workdir", str(tmp_path / "run"),
                              *LORA, "--set=lora.targets=nomatch", data_dir=data_dir)
-    assert code == 2 and len(lines) == 3 and lines[-1] == (   # after the two of any such run
+    assert code == 2 and len(lines) == 2 and lines[0] == tokenizer_warning(hf_dir) and lines[-1] == (
         "error: lora.targets='nomatch' matches none of the model's 12 Dense layers (h_0/mlp/wi, "
         "h_0/mlp/wo, h_0/self_attn/key, h_0/self_attn/out, h_0/self_attn/query, "
         "h_0/self_attn/value, h_1/mlp/wi, h_1/mlp/wo and 4 more), so LoRA would train nothing; "
@@ -191,7 +201,7 @@ def test_a_checkpoint_vocabulary_smaller_than_the_tokenizer_says_where_each_come
     gpt2_model(vocab_size=256, n_positions=64).save_pretrained(hf)
     code, _, lines = refused(capsys, "--init-from", str(hf), "--workdir", str(tmp_path / "run"),
                              "--set=warmup_steps=1", data_dir=data_dir)
-    assert code == 2 and len(lines) == 3 and lines[-1] == (
+    assert code == 2 and len(lines) == 2 and lines[-1] == (   # after the tokenizer's warning
         f"error: the checkpoint {hf} has vocab_size=256, smaller than the 259 ids of the run's "
         "tokenizer, tokenizer='byte' (the default: the checkpoint brings no tokenizer files); "
         "give the tokenizer its weights were trained with as --set tokenizer=hf:DIR (a directory "

@@ -386,6 +386,22 @@ def apply_overrides(cfg: ExperimentConfig, overrides: list[str] | dict[str, Any]
                        log={**cfg.log.to_dict(), **log})
 
 
+def named_model_fields(overrides: list[str]) -> frozenset[str]:
+    """The model fields ``key=value`` strings set, as :func:`apply_overrides` reads them:
+    ``model.FIELD``, ``lora.FIELD`` (the field ``lora``), the keys of ``model_overrides={...}``."""
+    out: set[str] = set()
+    for item in overrides:
+        key, _, value = item.partition("=")
+        key = key.strip()
+        if key.startswith("model."):
+            out.add(key[len("model."):])
+        elif key.startswith("lora."):
+            out.add("lora")
+        elif key == "model_overrides" and isinstance(parsed := parse_value(value), dict):
+            out.update(parsed)
+    return frozenset(out)
+
+
 # ----------------------------------------------------------------------------- experiments
 
 def experiment_dirs() -> list[Path]:

@@ -10,7 +10,9 @@ or a transformer_jax workdir (its latest checkpoint). The run then:
   apply only where training may change them (:data:`CHANGEABLE`: dropout, dtypes, remat,
   layer scan, attention implementation, cpu tuning, LoRA, prefix tokens) and where the task
   decides (:data:`HEAD_FIELDS`: BERT's head and classes, ViT's classes and channels, CLIP's
-  channels); other settings that differ from ``DIR``'s are reported once and not used;
+  channels); other settings that differ from ``DIR``'s are not used, and reported once
+  where they were given for this start (an experiment's settings for training from
+  scratch are not: the CLI reports only the ``--set model.*`` of its command line);
 * uses ``DIR``'s tokenizer when the experiment asks for the default byte tokenizer
   (``hf:DIR`` for an HF directory with tokenizer files, ``byte`` for the byte tokenizer's
   files that ``export`` writes, ``sentencepiece:DIR/spiece.model`` for a SentencePiece
@@ -230,27 +232,30 @@ def _workdir_source(path: str) -> Source:
 
 # ----------------------------------------------------------------------------- the config
 
-def resolve(cfg, source: Source, *, say=None):
+def resolve(cfg, source: Source, *, say=None, given=None):
     """``cfg`` (an ExperimentConfig) with the model and tokenizer of ``source``: see the
-    module docstring. ``say`` gets one line naming the experiment's model settings that do
-    not apply (architecture fields that differ from the checkpoint's)."""
+    module docstring. ``say`` gets one line naming the model settings that do not apply
+    (architecture fields that differ from the checkpoint's): those in ``given`` (the
+    command line's ``--set model.*``, where it names the start), every one where None."""
     family = source.family
     config_cls = FAMILIES[family][0]
     heads = HEAD_FIELDS[family]
     base = {k: v for k, v in source.model_config.items() if k not in heads}
     same_family = cfg.model == family
+    shown = cfg.model_overrides if given is None else given
     ignored = []
     for key, value in cfg.model_overrides.items():
         if key in CHANGEABLE or key in heads:
             base[key] = value
-        elif same_family and base.get(key, value) != value:
+        elif same_family and base.get(key, value) != value and key in shown:
             ignored.append(f"{key}={value!r} (checkpoint: {base[key]!r})")
     if not same_family and cfg.model_overrides:
-        changed = sorted(k for k in cfg.model_overrides if k not in CHANGEABLE and k not in heads)
+        changed = sorted(k for k in cfg.model_overrides
+                         if k not in CHANGEABLE and k not in heads and k in shown)
         ignored += [f"{k}={cfg.model_overrides[k]!r}" for k in changed]
     if ignored and say is not None:
         say(f"--init-from {source.path}: the model is the checkpoint's ({family}); the "
-            f"experiment's model settings {', '.join(ignored)} do not apply")
+            f"model settings {', '.join(ignored)} do not apply")
     preset = cfg.model_preset if cfg.model_preset in config_cls.PRESETS else sorted(
         config_cls.PRESETS)[0]
     tokenizer = cfg.tokenizer
