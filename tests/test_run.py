@@ -286,3 +286,35 @@ def test_sentencepiece_tokenizer_is_trained_into_the_workdir(tmp_path, data_dir)
     assert run_config["task_spec"]["tokenizer"] == f"sentencepiece:{(tmp_path / 'spm.model').resolve()}"
     assert model.config.vocab_size == tok.vocab_size <= 400
     assert tok.decode(tok.encode("def main():\n    return 0")) == "def main():\n    return 0"
+
+
+# a 4 x 32 eval batch of a 1-layer model in fp32: the kernels' blockwise softmax and the
+# reference's whole-row one may differ in the last bits of the per-token losses (measured
+# 2026-12-07 on this CPU: equal, for both kernels)
+KERNEL_EVAL_ATOL = 1e-5
+
+
+@pytest.mark.parametrize("impl", ["splash", "pallas"])
+def test_a_forced_kernel_trains_evaluates_samples_and_saves(tmp_path, data_dir, capsys, impl):
+    """``model.attention_impl=splash`` (``pallas``) on the CPU (interpret mode): the run
+    trains and evaluates with the kernel, samples at eval through the KV cache by the decode
+    path's own implementation (one line says so, once) and saves its checkpoint; its eval
+    loss is the reference's on the same params."""
+    from transformer_jax.train.loop import evaluate
+
+    cfg = tiny_cfg(data_dir, steps=2, eval_every=2, save_every=2, eval_batches=1,
+                   sample_tokens=4, **{"model.attention_impl": impl})
+    summary = train(cfg, tmp_path, progress=False)
+    lines = capsys.readouterr().out.splitlines()
+    notice = (f"attention: {impl} for training and the eval loss; KV-cache sampling (samples "
+              "at eval, generate) takes the decode path's own: auto -> xla (one query row a "
+              "step)")
+    assert lines.count(notice) == 1 and f"attention: {impl} -> {impl} (cpu)" in lines
+    assert summary["final_step"] == 2 and (tmp_path / "checkpoints" / "2").is_dir()
+    assert (tmp_path / "samples.txt").read_text().startswith(
+        f"=== step 2 (eval loss {summary['eval_loss']:.3f})\n")
+    run_config, model, params, task = load_run(tmp_path)
+    assert (run_config["attention"]["train"], run_config["attention"]["eval"]) == (impl, impl)
+    reference = model.clone(config=model.config.replace(attention_impl="xla"))
+    loss = evaluate(params, reference.apply, task, model=reference)["eval_loss"]
+    assert abs(loss - summary["eval_loss"]) <= KERNEL_EVAL_ATOL

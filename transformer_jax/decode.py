@@ -116,11 +116,23 @@ def init_cache(module, batch_size: int, max_len: int) -> Any:
     return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
+def eos_ids(eos_id: int | Sequence[int] | None) -> tuple[int, ...]:
+    """``generate``'s ``eos_id`` as a tuple of ids: () for None, one id, or several (a
+    checkpoint's ``generation_config.json`` may name several, e.g. Llama 3 Instruct's
+    ``<|eot_id|>`` and ``<|end_of_text|>``)."""
+    if eos_id is None:
+        return ()
+    if isinstance(eos_id, (int, np.integer)):
+        return (int(eos_id),)
+    return tuple(int(i) for i in eos_id)
+
+
 @functools.partial(jax.jit, static_argnames=("module", "max_new_tokens", "greedy", "top_k",
                                              "use_top_p", "eos_id", "pad_id"))
 def jitted_generate(module, params, prompt, prompt_mask, rng, temperature, top_p, *,
                     max_new_tokens, greedy, top_k, use_top_p, eos_id, pad_id):
-    """The compiled decoding loop behind :func:`generate` (its arguments already checked)."""
+    """The compiled decoding loop behind :func:`generate` (its arguments already checked;
+    ``eos_id``: None, an id or a tuple of ids, :func:`eos_ids`)."""
     b, t0 = prompt.shape
     total = t0 + max_new_tokens
     cache = init_cache(module, b, total)
@@ -144,8 +156,8 @@ def jitted_generate(module, params, prompt, prompt_mask, rng, temperature, top_p
         tok = pick(last_logits, step_rng)
         tok = jnp.where(finished, pad_id, tok)
         out = jax.lax.dynamic_update_slice(out, tok[:, None], (0, i))
-        if eos_id is not None:
-            finished = finished | (tok == eos_id)
+        for stop in eos_ids(eos_id):
+            finished = finished | (tok == stop)
         logits, state = module.apply({"params": params, "cache": cache}, tok[:, None],
                                      attention_mask=mask, position_ids=pos[:, None], decode=True,
                                      mutable=["cache"])
@@ -160,8 +172,8 @@ def jitted_generate(module, params, prompt, prompt_mask, rng, temperature, top_p
 
 def generate(module, params, prompt_ids: Array | Sequence[Sequence[int]], *, max_new_tokens: int,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-             rng: Array | None = None, eos_id: int | None = None, pad_id: int | None = None,
-             prompt_mask: Array | None = None):
+             rng: Array | None = None, eos_id: int | Sequence[int] | None = None,
+             pad_id: int | None = None, prompt_mask: Array | None = None):
     """Extend prompts by ``max_new_tokens`` tokens with the KV cache.
 
     Args:
@@ -176,14 +188,16 @@ def generate(module, params, prompt_ids: Array | Sequence[Sequence[int]], *, max
       temperature: 0 = greedy; otherwise sample from softmax(logits / temperature).
       top_k, top_p: restrict sampling to the k most likely tokens / the nucleus of mass p.
       rng: a PRNG key; required when sampling.
-      eos_id: once a row emits it, the rest of that row is ``pad_id`` and the loop stops
-        early when every row has finished.
-      pad_id: filler after eos and for internal left padding (default: eos_id, else 0).
+      eos_id: once a row emits it (or, for a list of ids, any of them: where transformers'
+        ``generate`` stops with a list as ``eos_token_id``), the rest of that row is
+        ``pad_id`` and the loop stops early when every row has finished.
+      pad_id: filler after eos and for internal left padding (default: the (first) eos_id,
+        else 0).
       prompt_mask: (B, T0), 1 = real token, for prompts that are already left-padded.
 
     Returns:
       (B, T0 + max_new_tokens) int32: the prompt followed by the new tokens; for list input,
-      a list of lists holding each prompt and its new tokens (cut after eos).
+      a list of lists holding each prompt and its new tokens (cut after the first eos).
     """
     if max_new_tokens < 1:
         raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -194,7 +208,8 @@ def generate(module, params, prompt_ids: Array | Sequence[Sequence[int]], *, max
         raise UserError("sampling (temperature > 0) needs an rng: pass rng=jax.random.PRNGKey(seed)")
     if top_p is not None and not 0.0 < top_p <= 1.0:
         raise UserError(f"top_p must be in (0, 1], got {top_p}")
-    pad_id = pad_id if pad_id is not None else (eos_id if eos_id is not None else 0)
+    stops = eos_ids(eos_id)
+    pad_id = pad_id if pad_id is not None else (stops[0] if stops else 0)
 
     ragged = not hasattr(prompt_ids, "shape")
     if ragged:
@@ -230,7 +245,7 @@ def generate(module, params, prompt_ids: Array | Sequence[Sequence[int]], *, max
                               jnp.float32(temperature if not greedy else 1.0),
                               jnp.float32(top_p if top_p is not None else 1.0),
                               max_new_tokens=max_new_tokens, greedy=greedy, top_k=top_k,
-                              use_top_p=top_p is not None, eos_id=eos_id, pad_id=pad_id)
+                              use_top_p=top_p is not None, eos_id=stops, pad_id=pad_id)
     if not ragged:
         return out
     result = []
@@ -238,7 +253,8 @@ def generate(module, params, prompt_ids: Array | Sequence[Sequence[int]], *, max
     t0 = prompt.shape[1]
     for i, r in enumerate(rows):
         new = out_np[i, t0:].tolist()
-        if eos_id is not None and eos_id in new:
-            new = new[: new.index(eos_id) + 1]
+        end = next((j for j, tok in enumerate(new) if tok in stops), None)
+        if end is not None:
+            new = new[: end + 1]
         result.append(r + new)
     return result

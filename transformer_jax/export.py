@@ -5,6 +5,8 @@ a PEFT directory.
                  ``AutoModel*.from_pretrained(DIR)`` loads (GPT-2, Llama or Mistral, BERT with the
                  run's head, T5, ViT, CLIP). A LoRA run needs ``--merge`` (the adapters folded
                  into the kernels); a QLoRA run's base is read back from its quantized form.
+                 A model that generates (GPT-2, Llama, Mistral, Qwen 2/3, Gemma 3, T5) also
+                 gets ``generation_config.json``.
   --format peft  ``adapter_model.safetensors`` + ``adapter_config.json`` (LoRA, or prefix
                  tuning): ``peft.PeftModel.from_pretrained(base, DIR)`` loads it over the
                  base the run started from (``base_model_name_or_path``: its ``--init-from``).
@@ -14,7 +16,15 @@ written as a ``tokenizer.json`` with the same ids (pad 0, eos 1, unk 2, byte b -
 BERT's [CLS]/[SEP]/[MASK] after it where the run has them) that adds no special token, so
 ``AutoTokenizer`` and ``lm_eval --model hf`` see the run's ids (``data/byte_hf.py``); a
 SentencePiece model as ``spiece.model`` and as a ``tokenizer.json`` built from it that adds
-no special token either (``data/spm_hf.py``). Nothing is
+no special token either (``data/spm_hf.py``).
+
+Special ids (:func:`special_ids_config`): the task's ``generation_ids`` (a language model:
+``tasks/lm.py``'s ``lm_generation_ids``, the --init-from checkpoint's own generation ids
+first, else the tokenizer's; seq2seq: its pad, eos and decoder start) go into
+``config.json`` (``bos_token_id``, ``eos_token_id``: a list where there are several,
+``pad_token_id``) and, for a model that generates, ``generation_config.json``: what
+transformers' ``generate`` and the servers that read these files stop at, the ids our own
+``generate`` stops at. Nothing is
 written when the run is refused; the directory is filled in a temporary sibling and renamed
 into place, with the modes a plain ``mkdir``/``open`` gives (``storage.staged_dir``).
 """
@@ -61,6 +71,32 @@ def _unique_arrays(state_dict: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
             seen.add(id(array))
             out[key] = np.asarray(array, order="C")      # 0-d stays 0-d (logit_scale)
     return out
+
+
+#: the HF classes that generate text: the export writes their ``generation_config.json``
+GENERATES = ("LMHeadModel", "ForCausalLM", "ForConditionalGeneration")
+
+
+def special_ids_config(task: Any) -> dict:
+    """``config.json``'s special ids for the run's ``task`` (``Task.generation_ids``; none
+    for a task that generates nothing, whose model config holds its ids): an eos list of one
+    written as its id, as transformers writes it."""
+    ids = dict(task.generation_ids())
+    eos = ids.get("eos_token_id")
+    if isinstance(eos, list) and len(eos) == 1:
+        ids["eos_token_id"] = eos[0]
+    return ids
+
+
+def write_generation_config(out_dir: str, task: Any, architecture: str) -> None:
+    """``generation_config.json`` for a model that generates (``architecture``, the HF
+    class, in :data:`GENERATES`): the ids of :func:`special_ids_config`, greedy decoding
+    (transformers' default) that stops at the eos ids; nothing for any other model."""
+    ids = special_ids_config(task)
+    if ids and architecture.endswith(GENERATES):
+        from transformers import GenerationConfig
+
+        GenerationConfig(**ids).save_pretrained(out_dir)
 
 
 def write_hf(module: Any, params: Any, out_dir: str, *, extra_config: dict | None = None) -> None:
@@ -151,8 +187,9 @@ def export(workdir: str, out_dir: str, *, fmt: str = "hf", merge: bool = False) 
                                     "peft, or the merged model with --format hf --merge")
                 params = lora_lib.merge(params, lora)
                 _, model = _plain_model(run_config, config)
-            write_hf(model, params, staging)
+            write_hf(model, params, staging, extra_config=special_ids_config(task))
             architecture = hf_architecture(model.config)
+            write_generation_config(staging, task, architecture)
         if "tokenizer" in task.spec():          # text tasks (an image task has none)
             write_tokenizer(task.spec()["tokenizer"], staging, _mlm_specials(task))
         files = sorted(os.listdir(staging))

@@ -25,7 +25,7 @@ from jax.experimental.multihost_utils import sync_global_devices
 from . import sharding as sh
 from . import storage
 from .errors import UserError
-from .layers.attention_dispatch import tpu_generation
+from .layers.attention_dispatch import decode_implementation, resolve_implementation, tpu_generation
 from .layers.lora import LoraConfig
 from .models import build_model
 from .models.base import attention_plan, describe_attention_plan
@@ -103,6 +103,22 @@ def _platform() -> str:
     return backend if backend in ("gpu", "tpu") else "cpu"
 
 
+def _say_attention(plan: dict, model_cfg) -> None:
+    """The attention line of a run's start (``describe_attention_plan``), and one more where
+    a forced kernel ("splash", "pallas") leaves KV-cache sampling to the decode path's own
+    implementation (``attention_dispatch.decode_implementation``: "auto")."""
+    print(describe_attention_plan(plan, model_cfg), flush=True)
+    impl = model_cfg.attention_impl
+    if getattr(model_cfg, "attention", "softmax") == "linear" or decode_implementation(impl) == impl:
+        return
+    step = resolve_implementation(decode_implementation(impl), _platform(), q_len=1,
+                                  dtype=model_cfg.dtype, head_dim=model_cfg.head_dim,
+                                  tpu_generation=tpu_generation())
+    print(f"attention: {impl} for training and the eval loss; KV-cache sampling (samples at "
+          f"eval, generate) takes the decode path's own: auto -> {step} (one query row a step)",
+          flush=True)
+
+
 def setup(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
           progress: bool = True, resume_from: int | None = None,
           stop_at: int | None = None, given_model: frozenset[str] | None = None) -> Run:
@@ -131,7 +147,7 @@ def setup(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
                   "task": cfg.task, "task_spec": task.spec(), "loss_scaling": loss_scale is not None,
                   "attention": plan}
     if is_main():
-        print(describe_attention_plan(plan, model_cfg), flush=True)
+        _say_attention(plan, model_cfg)
     train_it = main_first(lambda: task.train_iterator(placement.data_index, placement.data_count),
                           "transformer_jax:data")
     rng = jax.random.PRNGKey(cfg.seed)

@@ -20,6 +20,7 @@ from transformer_jax import data
 from transformer_jax.data.hf_tokenizer import HFTokenizer
 from transformer_jax.errors import UserError
 from transformer_jax.tasks import make_task
+from transformer_jax.tasks.lm import lm_generation_ids
 from transformer_jax.train.config import ExperimentConfig
 
 pytestmark = pytest.mark.colab   # also run against Colab's versions: make test-colab
@@ -180,6 +181,29 @@ def test_decoder_start_comes_from_the_model_config(dirs, tmp_path):
     assert HFTokenizer(root).decoder_start_id == 5
     os.remove(root / "config.json")
     assert HFTokenizer(root).decoder_start_id == 0            # T5 without a config: the pad
+
+
+def test_generation_ids_come_from_the_checkpoints_files(dirs, tmp_path):
+    """``generation_ids``: generation_config.json first, then config.json, then its
+    text_config, per name; ids outside the vocabulary (701 ids) are not taken. The lm
+    task stops at them and at its own eos (``lm_generation_ids``)."""
+    root = tmp_path / "gpt2"
+    shutil.copytree(dirs["gpt2"], root)
+    os.remove(root / "config.json")
+    tok = HFTokenizer(root)
+    assert tok.generation_ids == {"bos": None, "eos": (), "pad": None}
+    assert lm_generation_ids(tok, 700, 700) == {"bos_token_id": 700, "eos_token_id": [700],
+                                                "pad_token_id": 700}
+    (root / "config.json").write_text(json.dumps({"model_type": "gemma3", "eos_token_id": [
+        50256, 7], "text_config": {"bos_token_id": 3, "pad_token_id": 0}}))
+    (root / "generation_config.json").write_text(json.dumps({"bos_token_id": 50256,
+                                                             "eos_token_id": [9, 5]}))
+    tok = HFTokenizer(root)
+    assert tok.generation_ids == {"bos": 3, "eos": (9, 5), "pad": 0}
+    assert lm_generation_ids(tok, 700, 700) == {"bos_token_id": 3, "eos_token_id": [9, 5, 700],
+                                                "pad_token_id": 0}
+    assert lm_generation_ids(data.get_tokenizer("byte"), 1, 0) == {
+        "bos_token_id": None, "eos_token_id": [1], "pad_token_id": 0}
 
 
 # ----------------------------------------------------------------------------- decode, cache key

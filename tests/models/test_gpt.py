@@ -160,6 +160,22 @@ def test_generate_eos_pads_and_stops(tiny):
         np.testing.assert_array_equal(out[r, :stop + 1], free[r, :stop + 1])
 
 
+def test_generate_stops_at_any_of_several_eos_ids(tiny):
+    """``eos_id`` a list (a generation_config.json's, e.g. Llama 3 Instruct's): each row stops
+    at the first of them it emits, the ragged form cuts there, as transformers' generate."""
+    model, params = tiny
+    prompt = ids(7, (2, 4))
+    free = np.asarray(generate(model, params, prompt, max_new_tokens=8))
+    stops = (int(free[0, 4]), int(free[1, 4]))     # each row's 1st new token
+    assert stops[0] != stops[1] and stops[1] not in free[0] and stops[0] not in free[1]
+    out = np.asarray(generate(model, params, prompt, max_new_tokens=8, eos_id=stops, pad_id=0))
+    cut = generate(model, params, prompt.tolist(), max_new_tokens=8, eos_id=list(stops))
+    for r in range(2):                              # each row at its own one of the two
+        np.testing.assert_array_equal(out[r, :5], free[r, :5])
+        assert (out[r, 5:] == 0).all() and cut[r] == free[r, :5].tolist()
+    assert decode.eos_ids(None) == () and decode.eos_ids(np.int32(3)) == (3,)
+
+
 def test_generate_sampling_is_seeded_and_topk1_is_greedy(tiny):
     model, params = tiny
     prompt = ids(8, (2, 4))

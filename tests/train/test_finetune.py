@@ -97,6 +97,63 @@ def _ours(workdir, inputs):
     return np.asarray(model.apply({"params": params}, *inputs))
 
 
+# ----------------------------------------------------------------------------- special ids
+
+def _special_ids(out) -> tuple[dict, dict | None]:
+    """(config.json's bos/eos/pad ids, generation_config.json's ids or None) of an export."""
+    config = json.loads((Path(out) / "config.json").read_text())
+    path = Path(out) / "generation_config.json"
+    generation = json.loads(path.read_text()) if path.exists() else None
+    if generation is not None:
+        generation.pop("transformers_version")
+    return {k: config.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}, generation
+
+
+GEN_TOKENS = 12
+
+
+def _doubled_row(params, row: int, source: int):
+    """Our params with the read-out row of token ``row`` twice that of ``source``."""
+    params = jax.tree_util.tree_map(np.array, params)
+    if "lm_head" in params:
+        kernel = params["lm_head"]["kernel"]                        # (D, V)
+        kernel[:, row] = 2 * kernel[:, source]
+    else:                                                           # tied: the embedding
+        table = params["wte"]["embedding"]                          # (V, D)
+        table[row] = 2 * table[source]
+    return params
+
+
+def _hf_greedy(model, prompt: list[int]) -> list[int]:
+    """transformers' greedy ``model.generate`` from ``prompt`` (its generation_config)."""
+    with torch.no_grad():
+        return model.generate(torch.tensor([prompt]), max_new_tokens=GEN_TOKENS,
+                              attention_mask=torch.ones(1, len(prompt), dtype=torch.long))[0].tolist()
+
+
+def _assert_generates_alike(run, out, prompt: list[int], eos: int) -> list[int]:
+    """Greedy generation from ``prompt`` with our ``generate`` (the run's task: where it
+    stops) and with transformers' ``model.generate`` on the export ``out`` (its
+    generation_config.json: where it stops) gives the same tokens, ending at ``eos`` after at
+    most 4 new ones. Random weights seldom emit an eos, so in both models the read-out row
+    of ``eos`` is made twice that of the 4th token emitted without it: ``eos``'s logit, twice
+    that token's, wins at that step if not before, and no earlier step changes."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    free = _hf_greedy(hf, prompt)
+    assert len(free) == len(prompt) + GEN_TOKENS and eos not in free[len(prompt):]
+    source = free[len(prompt) + 3]
+    with torch.no_grad():
+        weight = hf.get_output_embeddings().weight                  # (V, D)
+        weight[eos] = 2 * weight[source]
+    theirs = _hf_greedy(hf, prompt)
+    _, model, params, task = load_run(run)
+    ours = task.generate_ids(model, _doubled_row(params, eos, source), prompt,
+                             max_new_tokens=GEN_TOKENS, temperature=0.0)
+    new = len(ours) - len(prompt)
+    assert ours == theirs == free[:len(ours) - 1] + [eos] and 1 <= new <= 4, (ours, theirs)
+    return ours
+
+
 @pytest.mark.parametrize("kind,source,fresh,auto", [
     ("lm", "gpt2", set(), "AutoModelForCausalLM"),
     # a classifier from an MLM checkpoint: HF's MLM model has no pooler either
@@ -148,6 +205,15 @@ def test_init_from_hf_then_export(data_dir, hf_dirs, tmp_path, capsys, kind, sou
         text = "def f(x):\n    return 'é'"
         ids = (task.vocab.tokenizer if hasattr(task, "vocab") else task.tokenizer).encode(text)
         assert tokenizer(text)["input_ids"] == ids
+    # the byte tokenizer's special ids (no bos, eos 1, pad 0), not the HF classes' defaults
+    # (GPT-2's 50256, T5's); a generating model's generation_config.json holds them too
+    config_ids, generation = _special_ids(out)
+    want = {"lm": {"eos_token_id": 1, "pad_token_id": 0},
+            "seq2seq": {"eos_token_id": 1, "pad_token_id": 0, "decoder_start_token_id": 0}}
+    assert generation == want.get(kind)
+    if kind == "lm":
+        assert config_ids == {"bos_token_id": None, "eos_token_id": 1, "pad_token_id": 0}
+        _assert_generates_alike(run_dir, out, ids, eos=1)
 
 
 def test_init_from_takes_the_checkpoints_model_and_reports_what_does_not_apply(
@@ -280,6 +346,11 @@ def test_cli_init_from_with_the_checkpoints_tokenizer_then_export(data_dir, tmp_
     with torch.no_grad():
         theirs = model(torch.tensor([ids])).logits.numpy()
     np.testing.assert_allclose(_ours(run, (jnp.asarray([ids]),)), theirs, rtol=0, atol=EXPORT_ATOL)
+    # <|endoftext|> (700) is bos, eos and pad (the checkpoint's config names GPT2Config's
+    # 50256, outside the 701 ids: not taken); both generate to it
+    eot = {"bos_token_id": 700, "eos_token_id": 700, "pad_token_id": 700}
+    assert _special_ids(out) == (eot, eot)
+    _assert_generates_alike(run, out, ids, eos=700)
     code, _, lines = here("train", "--workdir", str(run), "--resume", "--no-progress",   # one step more
                           *(f"--set={o}" for o in SHORT), f"--set=data_dir={data_dir}",
                           "--set=learning_rate=1e-2", "--set=schedule=constant", "--steps=3")
@@ -289,6 +360,10 @@ def test_cli_init_from_with_the_checkpoints_tokenizer_then_export(data_dir, tmp_
     code, _, lines = here("export", "--workdir", str(run), "--out", str(tmp_path / "x"))
     assert code == 2 and lines == ["error: this run trained LoRA adapters: export them with "
                                    "--format peft, or the merged model with --format hf --merge"]
+
+
+#: the Llama 3 directory's second eos (its tokenizer has no spare special token: a piece)
+SECOND_EOS = 599
 
 
 @pytest.mark.parametrize("family", sorted(LLAMA_STYLE))
@@ -301,6 +376,8 @@ def test_cli_init_from_a_llama_style_dir_with_its_tokenizer_then_export(family, 
     with the same RoPE parameters, and it reproduces our logits on 40 tokens."""
     hf_dir, run, out = tmp_path / "hf", tmp_path / "run", tmp_path / "out"
     llama_style_dir(hf_dir, family, max_len=64)
+    if family == "llama3":   # two eos ids, as Llama 3 Instruct's <|end_of_text|>, <|eot_id|>
+        transformers.GenerationConfig(bos_token_id=1, eos_token_id=[2, SECOND_EOS]).save_pretrained(hf_dir)
     source = transformers.AutoConfig.from_pretrained(hf_dir)
     code, _, lines = here("train", "--init-from", str(hf_dir), "--workdir", str(run),
                           "--no-progress", *(f"--set={o}" for o in SHORT),
@@ -333,6 +410,13 @@ def test_cli_init_from_a_llama_style_dir_with_its_tokenizer_then_export(family, 
     with torch.no_grad():
         theirs = model(torch.tensor([ids])).logits.numpy()
     np.testing.assert_allclose(_ours(run, (jnp.asarray([ids]),)), theirs, rtol=0, atol=EXPORT_ATOL)
+    # the checkpoint's generation ids (Llama: <s> 1, </s> 2 and the second eos, pad = eos as
+    # the run pads; Qwen: <|endoftext|> 600, no bos); both generate to the (second) eos
+    want = ({"bos_token_id": 1, "eos_token_id": [2, SECOND_EOS], "pad_token_id": 2}
+            if family == "llama3" else {"bos_token_id": None, "eos_token_id": 600,
+                                        "pad_token_id": 600})
+    assert _special_ids(out) == (want, {k: v for k, v in want.items() if v is not None})
+    _assert_generates_alike(run, out, ids[:20], eos=SECOND_EOS if family == "llama3" else 600)
 
 
 def test_cli_init_from_a_gemma_dir_with_its_tokenizer_then_export(data_dir, tmp_path, here):
@@ -345,7 +429,10 @@ def test_cli_init_from_a_gemma_dir_with_its_tokenizer_then_export(data_dir, tmp_
     hf_dir = tmp_path / "hf"
     gpt2_dir(hf_dir)                                   # tokenizer (701 ids) + a config
     tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
-    base = gemma_model(vocab_size=len(tokenizer))
+    # the checkpoint names its tokenizer's ids (not Gemma3TextConfig's defaults 2, 1, 0)
+    settings = dict(vocab_size=len(tokenizer), bos_token_id=700, eos_token_id=700,
+                    pad_token_id=None)
+    base = gemma_model(**settings)
     base.save_pretrained(hf_dir)
     run = tmp_path / "run"
     code, stdout, lines = here("train", "--init-from", str(hf_dir), "--workdir", str(run),
@@ -368,8 +455,7 @@ def test_cli_init_from_a_gemma_dir_with_its_tokenizer_then_export(data_dir, tmp_
                               "--format", fmt, *(["--merge"] if fmt == "hf" else []))
         assert code == 0 and lines == [], lines
         if fmt == "peft":
-            model = peft.PeftModel.from_pretrained(gemma_model(vocab_size=len(tokenizer)),
-                                                   str(out)).eval()
+            model = peft.PeftModel.from_pretrained(gemma_model(**settings), str(out)).eval()
         else:
             assert transformers.AutoTokenizer.from_pretrained(out)(text)["input_ids"] == ids
             model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
@@ -377,6 +463,9 @@ def test_cli_init_from_a_gemma_dir_with_its_tokenizer_then_export(data_dir, tmp_
         with torch.no_grad():
             theirs = model(torch.tensor([ids])).logits.numpy()
         np.testing.assert_allclose(ours, theirs, rtol=0, atol=EXPORT_ATOL)
+    eot = {"bos_token_id": 700, "eos_token_id": 700, "pad_token_id": 700}
+    assert _special_ids(out) == (eot, eot)
+    _assert_generates_alike(run, out, ids, eos=700)
 
 
 def test_qlora_on_llama_trains_over_an_nf4_base_and_exports_merged(data_dir, tmp_path):
@@ -400,6 +489,10 @@ def test_qlora_on_llama_trains_over_an_nf4_base_and_exports_merged(data_dir, tmp
     assert stored[("lm_head", "kernel")].dtype == np.float32             # the head stays fp32
     assert np.abs(np.asarray(stored[query + ("lora_b",)])).max() > 0
     export(str(tmp_path / "run"), str(tmp_path / "out"), merge=True)
+    # the byte tokenizer's ids, not LlamaConfig's defaults (bos 1, eos 2)
+    assert _special_ids(tmp_path / "out") == (
+        {"bos_token_id": None, "eos_token_id": 1, "pad_token_id": 0},
+        {"eos_token_id": 1, "pad_token_id": 0})
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     assert type(hf).__name__ == "LlamaForCausalLM"
     inputs, theirs = _hf_logits(hf, "lm", np.random.default_rng(3))

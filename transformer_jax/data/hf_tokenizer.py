@@ -36,6 +36,10 @@ T5: ``<pad>``, ``</s>``, ``<unk>``), else the model's ``config.json`` (``eos_tok
   is ``vocab_size - 1``, counting down), ``()`` without sentinels.
 * ``all_special_ids``: every special token's id (named, sentinels, added tokens marked
   special).
+* ``generation_ids``: what a model saved in the directory names for generation
+  (``generation_config.json``, else ``config.json``): ``{"bos": id, "eos": (ids...), "pad":
+  id}`` (None / ``()`` where it names none in the vocabulary); a language model stops at
+  these eos ids and exports them (``tasks/lm.py``'s ``lm_generation_ids``).
 
 ``vocab_size`` counts every id, added tokens included (``len(AutoTokenizer(...))``; it may
 be less than the model's ``vocab_size``, e.g. T5's 32,100 vs 32,128). ``decode`` skips
@@ -64,7 +68,7 @@ TOKENIZER_JSON = "tokenizer.json"
 SENTENCEPIECE_FILES = ("spiece.model", "tokenizer.model")
 #: files read besides the vocabulary; all are optional
 CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                "config.json")
+                "config.json", "generation_config.json")
 SPECIAL_NAMES = ("bos", "eos", "unk", "pad", "cls", "sep", "mask")
 _SENTINEL = re.compile(r"<extra_id_(\d+)>")
 
@@ -200,6 +204,7 @@ class HFTokenizer(Tokenizer):
         else:
             self._load_sentencepiece(files)
         self._set_special_ids()
+        self.generation_ids = self._generation_ids(files.json("generation_config.json"))
         key = files.digest((self.vocab_file, *CONFIG_FILES[:3]))
         key.update(json.dumps(self.special_token_ids, sort_keys=True).encode())
         key.update(repr((self.decoder_start_id, self.sentinel_ids)).encode())
@@ -384,6 +389,28 @@ class HFTokenizer(Tokenizer):
         self._add_bos = bool(self.tokenizer_config.get("add_bos_token", llama))
         self._add_eos = bool(self.tokenizer_config.get("add_eos_token",
                                                        self.family == _T5_FAMILY))
+
+    def _generation_ids(self, generation_config: dict) -> dict[str, Any]:
+        """What the directory's checkpoint names for generation: per name the first of
+        ``generation_config.json``, ``config.json`` and its ``text_config`` (Gemma 3's) that
+        names an id inside the vocabulary (HF's class defaults saved with a smaller model,
+        e.g. GPT-2's 50256 over 701 ids, name none): ``bos`` and ``pad`` an id or None,
+        ``eos`` a tuple of ids (Llama 3 Instruct's generation_config.json names three)."""
+        text_config = self.model_config.get("text_config")
+        sources = [generation_config, self.model_config,
+                   text_config if isinstance(text_config, dict) else {}]
+        out: dict[str, Any] = {}
+        for name in ("bos", "eos", "pad"):
+            found: list[int] = []
+            for source in sources:
+                value = source.get(f"{name}_token_id")
+                found = [i for i in (value if isinstance(value, list) else [value])
+                         if isinstance(i, int) and not isinstance(i, bool)
+                         and 0 <= i < self.vocab_size]
+                if found:
+                    break
+            out[name] = tuple(found) if name == "eos" else (found[0] if found else None)
+        return out
 
     def _id_of(self, token: str | None) -> int | None:
         if token is None:

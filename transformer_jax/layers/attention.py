@@ -34,6 +34,12 @@ Softmax attention has several implementations (``attention_impl=``, one of
                   the kernels cannot serve (dropout, returned weights, one query row of a
                   KV-cache decode step) take the reference everywhere.
 
+A model forced onto ``"splash"`` or ``"pallas"`` trains and evaluates its loss with that
+kernel and decodes with a KV cache (generation, the samples at eval) by the decode path's
+own choice, ``"auto"`` (``attention_dispatch.decode_implementation``, applied by
+``multi_head.MultiHeadAttention``): splash cannot express the cache's mask, and neither
+kernel is made for a step's one query row.
+
 The route: the kind first (linear attention here), then the reference and chunked paths
 here; the kernels ("auto", "pallas", "splash", "jax", "cudnn") in ``attention_dispatch.py``. Under a
 mesh (``jax.set_mesh`` with flax's logical-axis rules, as ``sharding.use_mesh`` sets them)

@@ -142,6 +142,22 @@ def check_attention_impl(attention_impl: str) -> None:
                         f"choose one of {IMPLEMENTATIONS}")
 
 
+#: the kernels a model may be forced onto that leave its KV-cache decoding (``decode=True``:
+#: generation, the samples at eval) to the decode path's own implementation
+#: (:func:`decode_implementation`)
+TRAINING_KERNELS = ("pallas", "splash")
+
+
+def decode_implementation(attention_impl: str) -> str:
+    """What a KV-cache decode call (``decode=True``) runs for a model's ``attention_impl``:
+    "auto", the decode path's own choice, for a forced ``"splash"`` or ``"pallas"`` (the
+    reference for a step's one query row; for the prompt's prefill over the cache's
+    (B, N, T, S) mask, which splash cannot express, what "auto" takes on the platform),
+    every other implementation itself. The forced kernel still runs training and the eval
+    loss."""
+    return "auto" if attention_impl in TRAINING_KERNELS else attention_impl
+
+
 def resolve_implementation(attention_impl: str, platform: str, **call: Any) -> str:
     """What ``attention_impl`` runs on ``platform`` ("cpu", "gpu" or "tpu") for a call
     of this description: ``"xla"``, ``"chunked"``, ``"pallas"``, ``"splash"`` or

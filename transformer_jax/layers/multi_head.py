@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from ..errors import UserError
 from .attention import dot_product_attention
 from .attention_base import check_broadcast
+from .attention_dispatch import decode_implementation
 from .dense import Dense, Initializer, default_kernel_init
 from .embeddings import RopeScaling, apply_rope
 from .linear_attention import linear_attention_step
@@ -123,7 +124,9 @@ class MultiHeadAttention(nn.Module):
     call appends its T new positions and attends over the filled cache (with ``causal``,
     query i at absolute position index + i sees cached keys <= its position).
     Cross-attention keeps the keys and values of ``inputs_kv`` (the encoder output),
-    computed once when the cache is created and reused at every step. Heads before
+    computed once when the cache is created and reused at every step. A model forced onto
+    a kernel (``attention_impl`` "splash" or "pallas") decodes with the decode path's own
+    implementation (``attention_dispatch.decode_implementation``). Heads before
     positions: a decode step then reads each head's keys as one contiguous (S, H) block and
     writes its new row in place (with (B, S, K, H), XLA:CPU copied the whole cache into
     that order at every step; measurements in docs/performance.md).
@@ -360,7 +363,8 @@ class MultiHeadAttention(nn.Module):
             q, k, v, mask=mask, bias=bias, causal=causal, scale=self.scale,
             dropout_rate=self.dropout_rate, dropout_rng=dropout_rng, deterministic=deterministic,
             return_weights=return_weights, attention=self.attention,
-            attention_impl=self.attention_impl,
+            attention_impl=decode_implementation(self.attention_impl) if decode
+            else self.attention_impl,
             precision=self.precision, cpu_tuning=self.cpu_tuning, pattern=pattern,
             segment_ids=segment_ids)
         out, weights = result if return_weights else (result, None)

@@ -115,6 +115,13 @@ class Task(abc.ABC):
         normally would read the data's metadata; None: the task reads none to be built."""
         return None
 
+    def generation_ids(self) -> dict[str, Any]:
+        """The special ids a model of this task generates with, which ``export`` writes into
+        ``config.json`` and ``generation_config.json`` (``bos_token_id``, ``eos_token_id``,
+        ``pad_token_id``, ``decoder_start_token_id``); empty for a task that generates
+        nothing (its model config holds what ids it has)."""
+        return {}
+
     @abc.abstractmethod
     def make_iterator(self, split: str, process_index: int, process_count: int, *, train: bool):
         """This process's batches of ``split``: with ``train``, an endless shuffled iterator

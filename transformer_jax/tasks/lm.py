@@ -7,6 +7,11 @@ vocabulary without an eos, such as BERT's WordPiece, ends documents with its ``[
 eval pass pads with the tokenizer's pad (0), or with the eos when the tokenizer has no pad
 of its own (GPT-2, ``pad_is_eos``). Padding never weighs: when pad and eos are one id the
 batches still weigh every eos target 1 and only the padding 0 (:class:`PadAsEos`).
+
+Generation (:func:`lm_generation_ids`) stops at the eos ids a checkpoint's
+``generation_config.json`` names (an ``hf:DIR`` tokenizer's directory: the ``--init-from``
+one), and at the run's eos; ``export`` writes the same ids into ``config.json`` and
+``generation_config.json``, so that transformers' ``generate`` stops where ours does.
 """
 from __future__ import annotations
 
@@ -35,6 +40,23 @@ def lm_special_ids(tokenizer) -> tuple[int, int]:
                         "packed documents with; use a tokenizer that has one")
     pad = tokenizer.pad_id if tokenizer.pad_id is not None else eos
     return eos, pad
+
+
+def lm_generation_ids(tokenizer, eos_id: int, pad_id: int) -> dict:
+    """The special ids a language model generates with, and its export writes
+    (``config.json``, ``generation_config.json``): ``bos_token_id``, ``eos_token_id`` (a
+    list: generation stops at any of them) and ``pad_token_id``. What a checkpoint saved
+    with an ``hf:DIR`` tokenizer names comes first (``HFTokenizer.generation_ids``: the
+    ``--init-from`` directory's generation_config.json, else its config.json); the run's
+    ``eos_id`` (what its documents end with) always stops generation too; the rest is the
+    tokenizer's: its bos (bytes and SentencePiece: none) and the run's ``pad_id``."""
+    named = getattr(tokenizer, "generation_ids", None) or {}
+    eos = list(named.get("eos", ()))
+    if eos_id not in eos:
+        eos.append(eos_id)
+    bos = named.get("bos") if named.get("bos") is not None else tokenizer.bos_id
+    pad = named.get("pad") if named.get("pad") is not None else pad_id
+    return {"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": pad}
 
 
 class PadAsEos:
@@ -95,6 +117,7 @@ class LMTask(Task):
                           "positions": ("int32", ("T",))}
         self.tokenizer, self.tokenizer_spec = self._tokenizer(spec)
         self.eos_id, self.pad_id = lm_special_ids(self.tokenizer)
+        self.generation = lm_generation_ids(self.tokenizer, self.eos_id, self.pad_id)
         limit = self.options["train_tokens"]
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 2):
             raise UserError(f"task.train_tokens={limit!r} must be an int >= 2 (the size of the "
@@ -121,6 +144,9 @@ class LMTask(Task):
 
     def model_overrides(self) -> dict:
         return {"vocab_size": self.tokenizer.vocab_size}
+
+    def generation_ids(self) -> dict:
+        return {**self.generation, "eos_token_id": list(self.generation["eos_token_id"])}
 
     def make_iterator(self, split, process_index, process_count, *, train: bool):
         cfg = self.cfg
@@ -167,7 +193,16 @@ class LMTask(Task):
                     f"the model's max_len={max_len}: at most {room} new tokens, "
                     f"{max_new_tokens - room} cut ({why}); a shorter prompt leaves more room")
             max_new_tokens = room
-        out = generate(model, params, [ids], max_new_tokens=max_new_tokens,
+        out = self.generate_ids(model, params, ids, max_new_tokens=max_new_tokens,
+                                temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        return tok.decode(out)
+
+    def generate_ids(self, model, params, ids, *, max_new_tokens, temperature=0.8, top_k=40,
+                     top_p=None, seed=0) -> list[int]:
+        """``ids`` and up to ``max_new_tokens`` new ids, cut after the first eos of
+        :func:`lm_generation_ids` (where an export's transformers ``generate`` stops)."""
+        out = generate(model, params, [list(ids)], max_new_tokens=max_new_tokens,
                        temperature=temperature, top_k=top_k or None, top_p=top_p,
-                       rng=jax.random.PRNGKey(seed), eos_id=self.eos_id)
-        return tok.decode(out[0])
+                       rng=jax.random.PRNGKey(seed),
+                       eos_id=tuple(self.generation["eos_token_id"]), pad_id=self.pad_id)
+        return out[0]

@@ -377,6 +377,10 @@ class Seq2SeqTask(Task):
         return {"vocab_size": self.tokenizer.vocab_size, "pad_token_id": self.pad_id,
                 "eos_token_id": self.eos_id, "decoder_start_token_id": self.start_id}
 
+    def generation_ids(self) -> dict:
+        return {"eos_token_id": self.eos_id, "pad_token_id": self.pad_id,
+                "decoder_start_token_id": self.start_id}
+
     def make_iterator(self, split, process_index, process_count, *, train: bool) -> PairIterator:
         cfg = self.cfg
         return PairIterator(
