@@ -24,12 +24,13 @@ from jax.experimental.multihost_utils import sync_global_devices
 
 from . import sharding as sh
 from . import storage
+from .data.hf_datasets import is_hf_dataset, progress_bars
 from .errors import UserError
 from .layers.attention_dispatch import tpu_generation
 from .layers.lora import LoraConfig
 from .models import build_model
 from .models.base import attention_plan, describe_attention_plan
-from .tasks import TASKS, make_task, tasks_for
+from .tasks import TASKS, check_data, make_task, tasks_for
 from .train import finetune
 from .train.checkpoint import CheckpointManager
 from .train.config import ExperimentConfig, experiments_for
@@ -108,15 +109,15 @@ def setup(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
           stop_at: int | None = None) -> Run:
     """Everything a run needs: task, model, placement, checkpoints, state, compiled steps.
 
-    Everything that can refuse the run (the workdir, the config, the checkpoint's
+    Everything that can refuse the run (the workdir, the config, the data: every split it
+    reads, :meth:`~transformer_jax.tasks.base.Task.check_data`; the checkpoint's
     compatibility, ``--steps`` against the checkpoint) is checked before the run writes
     anything into ``workdir``; :class:`NothingToDo` when the checkpoint is already done.
     """
     workdir = storage.path(workdir)
     resume = resume or resume_from is not None
     storage.check_workdir(workdir)
-    require_wandb(cfg.log)   # log.wandb without the package: refused before anything is written
-    make_schedule(cfg.schedule, **cfg.schedule_kwargs(d_model=1))   # refuses e.g. warmup >= steps early
+    _check_early(cfg)
     cfg, source, saved = _fine_tuning_config(cfg, workdir, resume)
     placement = make_placement(cfg.parallelism, cfg.mesh, cfg.batch_size, cfg.accum_steps)
     # with several processes, process 0 prepares first (tokenizer, dataset), the others reuse it
@@ -191,6 +192,16 @@ def setup(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
                state=state, start=start, resumed=resumed, tokens_per_step=task.tokens_per_step(),
                flops_per_step=task.flops_per_step(model_cfg), peak_flops=peak_flops_per_device(),
                watch=LossWatch(cfg.loss_spike_factor, cfg.loss_spike_window, warn=warn))
+
+
+def _check_early(cfg: ExperimentConfig) -> None:
+    """What refuses a run from its settings and its data alone, before pretrained weights
+    are read and before the task writes anything (a tokenizer) into the workdir."""
+    require_wandb(cfg.log)   # log.wandb without the package
+    make_schedule(cfg.schedule, **cfg.schedule_kwargs(d_model=1))   # e.g. warmup >= steps
+    # every split the run reads, opened and its rows checked (process 0 first: it may
+    # prepare the dataset)
+    main_first(lambda: check_data(cfg), "transformer_jax:check_data")
 
 
 def _initial_state(cfg, placement, task, tx, create, pretrained, split, plan):
@@ -327,11 +338,12 @@ def train(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
     ``<step>.superseded``). A resumed run already at ``cfg.steps`` returns at once with
     ``summary["nothing_to_do"]`` (a message) and writes nothing.
     """
-    try:
-        run = setup(cfg, workdir, resume=resume, progress=progress, resume_from=resume_from,
-                    stop_at=stop_at)
-    except NothingToDo as done:
-        return {"workdir": str(storage.path(workdir)), "start_step": done.step,
-                "final_step": done.step, "nothing_to_do": str(done), "interrupted": None,
-                "paused": False}
-    return run_loop(run, progress=progress, on_log=on_log, on_eval=on_eval, stop_at=stop_at)
+    with progress_bars(progress or not is_hf_dataset(cfg.dataset)):   # datasets' own bars
+        try:
+            run = setup(cfg, workdir, resume=resume, progress=progress, resume_from=resume_from,
+                        stop_at=stop_at)
+        except NothingToDo as done:
+            return {"workdir": str(storage.path(workdir)), "start_step": done.step,
+                    "final_step": done.step, "nothing_to_do": str(done), "interrupted": None,
+                    "paused": False}
+        return run_loop(run, progress=progress, on_log=on_log, on_eval=on_eval, stop_at=stop_at)
