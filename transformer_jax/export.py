@@ -187,7 +187,8 @@ def export(workdir: str, out_dir: str, *, fmt: str = "hf", merge: bool = False) 
                                     "peft, or the merged model with --format hf --merge")
                 params = lora_lib.merge(params, lora)
                 _, model = _plain_model(run_config, config)
-            write_hf(model, params, staging, extra_config=special_ids_config(task))
+            write_hf(model, params, staging,
+                     extra_config={**special_ids_config(task), **_label_config(task, model.config)})
             architecture = hf_architecture(model.config)
             write_generation_config(staging, task, architecture)
         if "tokenizer" in task.spec():          # text tasks (an image task has none)
@@ -195,6 +196,17 @@ def export(workdir: str, out_dir: str, *, fmt: str = "hf", merge: bool = False) 
         files = sorted(os.listdir(staging))
     return {"out": out_dir, "format": fmt, "files": files, "architecture": architecture,
             "merged": bool(merge and lora is not None)}
+
+
+def _label_config(task: Any, config: Any) -> dict:
+    """A classifier's class names (the run's task spec: ``classes``, an image set's
+    ``label_names``) as ``config.json``'s ``id2label`` / ``label2id``; {} for other models."""
+    spec = task.spec()
+    names = spec.get("classes") or spec.get("label_names")
+    if not names or len(names) != getattr(config, "num_classes", None):
+        return {}
+    return {"id2label": dict(enumerate(names)),
+            "label2id": {name: i for i, name in enumerate(names)}}
 
 
 def _trained_heads(model: Any, run_config: dict) -> list[str] | None:

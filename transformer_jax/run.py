@@ -24,12 +24,13 @@ from jax.experimental.multihost_utils import sync_global_devices
 
 from . import sharding as sh
 from . import storage
+from .data.hf_datasets import is_hf_dataset, progress_bars
 from .errors import UserError
 from .layers.attention_dispatch import decode_implementation, resolve_implementation, tpu_generation
 from .layers.lora import LoraConfig
 from .models import build_model
 from .models.base import attention_plan, describe_attention_plan
-from .tasks import TASKS, make_task, tasks_for
+from .tasks import TASKS, check_data, make_task, tasks_for
 from .train import finetune
 from .train.checkpoint import CheckpointManager
 from .train.config import ExperimentConfig, experiments_for
@@ -126,15 +127,15 @@ def setup(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
     ``given_model``: the model settings given for an ``init_from`` start, the only ones
     reported where they do not apply (None: all of ``cfg``'s; ``finetune.resolve``).
 
-    Everything that can refuse the run (the workdir, the config, the checkpoint's
+    Everything that can refuse the run (the workdir, the config, the data: every split it
+    reads, :meth:`~transformer_jax.tasks.base.Task.check_data`; the checkpoint's
     compatibility, ``--steps`` against the checkpoint) is checked before the run writes
     anything into ``workdir``; :class:`NothingToDo` when the checkpoint is already done.
     """
     workdir = storage.path(workdir)
     resume = resume or resume_from is not None
     storage.check_workdir(workdir)
-    wandb_mode = wandb_run_mode(cfg.log, is_main(), say=warn)   # refusals before any write
-    make_schedule(cfg.schedule, **cfg.schedule_kwargs(d_model=1))   # refuses e.g. warmup >= steps early
+    wandb_mode = _check_early(cfg)
     cfg, source, saved = _fine_tuning_config(cfg, workdir, resume, given_model)
     placement = make_placement(cfg.parallelism, cfg.mesh, cfg.batch_size, cfg.accum_steps)
     # with several processes, process 0 prepares first (tokenizer, dataset), the others reuse it
@@ -209,6 +210,19 @@ def setup(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
                state=state, start=start, resumed=resumed, tokens_per_step=task.tokens_per_step(),
                flops_per_step=task.flops_per_step(model_cfg), peak_flops=peak_flops_per_device(),
                watch=LossWatch(cfg.loss_spike_factor, cfg.loss_spike_window, warn=warn))
+
+
+def _check_early(cfg: ExperimentConfig) -> str | None:
+    """What refuses a run from its settings and its data alone, before pretrained weights
+    are read and before the task writes anything (a tokenizer) into the workdir. Returns the
+    W&B mode the run logs in (``wandb_log.wandb_run_mode``: the package, and the server
+    asked once where the mode is online), None without W&B."""
+    wandb_mode = wandb_run_mode(cfg.log, is_main(), say=warn)
+    make_schedule(cfg.schedule, **cfg.schedule_kwargs(d_model=1))   # e.g. warmup >= steps
+    # every split the run reads, opened and its rows checked (process 0 first: it may
+    # prepare the dataset)
+    main_first(lambda: check_data(cfg), "transformer_jax:check_data")
+    return wandb_mode
 
 
 def _initial_state(cfg, placement, task, tx, create, pretrained, split, plan):
@@ -349,11 +363,12 @@ def train(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
     settings given for an ``init_from`` start (the CLI's ``--set model.*``), the only ones
     reported where they do not apply (None: all of ``cfg``'s).
     """
-    try:
-        run = setup(cfg, workdir, resume=resume, progress=progress, resume_from=resume_from,
-                    stop_at=stop_at, given_model=given_model)
-    except NothingToDo as done:
-        return {"workdir": str(storage.path(workdir)), "start_step": done.step,
-                "final_step": done.step, "nothing_to_do": str(done), "interrupted": None,
-                "paused": False}
-    return run_loop(run, progress=progress, on_log=on_log, on_eval=on_eval, stop_at=stop_at)
+    with progress_bars(progress or not is_hf_dataset(cfg.dataset)):   # datasets' own bars
+        try:
+            run = setup(cfg, workdir, resume=resume, progress=progress, resume_from=resume_from,
+                        stop_at=stop_at, given_model=given_model)
+        except NothingToDo as done:
+            return {"workdir": str(storage.path(workdir)), "start_step": done.step,
+                    "final_step": done.step, "nothing_to_do": str(done), "interrupted": None,
+                    "paused": False}
+        return run_loop(run, progress=progress, on_log=on_log, on_eval=on_eval, stop_at=stop_at)

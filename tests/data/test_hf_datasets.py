@@ -68,8 +68,11 @@ def test_parquet_splits_and_texts(parquet_dir):
     assert data.load_texts(spec, "validation") == TEXTS[48:]
     with pytest.raises(UserError) as e:
         open_source(spec, "test")
-    assert str(e.value) == (f"dataset {spec!r} has splits ['train', 'validation'], not 'test'; "
-                            "set eval_split (or the split) to one of them")
+    assert str(e.value) == (
+        f"dataset {spec!r} has no 'test' split to evaluate on (its splits: ['train', "
+        "'validation']); set --set eval_split=NAME to one of them (eval_split=train scores the "
+        "training rows), or give the held-out rows a split of their own (data files named "
+        "test.parquet or test-*.parquet beside the train ones)")
 
 
 def test_save_to_disk_and_single_file(tmp_path):
@@ -79,7 +82,8 @@ def test_save_to_disk_and_single_file(tmp_path):
     assert data.load_texts(f"hf:{tmp_path / 'saved'}", "test") == TEXTS[30:]
     datasets.Dataset.from_dict({"text": TEXTS}).to_parquet(str(tmp_path / "one.parquet"))
     assert data.load_texts(f"hf:{tmp_path / 'one.parquet'}", "train") == TEXTS
-    with pytest.raises(UserError, match=r"has splits \['train'\], not 'validation'"):
+    with pytest.raises(UserError, match=r"no 'validation' split to evaluate on \(its splits: "
+                                        r"\['train'\]\)"):
         open_source(f"hf:{tmp_path / 'one.parquet'}", "validation")
     with pytest.raises(UserError, match="neither a local file or directory nor a Hub repository"):
         open_source(f"hf:{tmp_path / 'missing'}", "train")

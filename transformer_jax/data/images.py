@@ -62,7 +62,8 @@ from transformer_jax.data.sources import (check_tfds_dataset, default_data_dir, 
                                           read_examples)
 from transformer_jax.errors import UserError
 
-__all__ = ["DatasetInfo", "ImageIterator", "configured_info", "dataset_info", "default_workers",
+__all__ = ["DatasetInfo", "ImageIterator", "check_image_split", "configured_info", "dataset_info",
+           "default_workers",
            "digits_split", "load_digits_arrays", "make_image_iterator", "open_image_source",
            "prepare_row", "preprocess_image"]
 
@@ -125,13 +126,43 @@ def digits_split(split: str, *, test_fraction: float = 0.2, split_seed: int = 0)
 # ----------------------------------------------------------------------------- sources
 
 def open_image_source(dataset: str, split: str, *, data_dir: str | None = None,
-                      test_fraction: float = 0.2, split_seed: int = 0):
-    """Random-access source of ``{"image": (h, w, c), "label": int}`` examples."""
+                      test_fraction: float = 0.2, split_seed: int = 0,
+                      label_names: tuple[str, ...] = ()):
+    """Random-access source of ``{"image": (h, w, c), "label": int}`` examples; an ``hf:``
+    set's labels that are strings become the ids of ``label_names`` (the run's classes)."""
     if dataset == "digits":
         return digits_split(split, test_fraction=test_fraction, split_seed=split_seed)
     if is_hf_dataset(dataset):
-        return HFImageSource(open_hf_source(dataset, split))
+        return HFImageSource(open_hf_source(dataset, split), label_names)
     source, _ = open_source(dataset, split, data_dir=data_dir or default_data_dir())
+    return source
+
+
+def check_image_split(dataset: str, split: str, *, label_names: tuple[str, ...] = (),
+                      caption_keys: tuple[str, ...] = ()) -> HFImageSource | None:
+    """Refuses, before a run writes anything, an image split it could not read: a digits
+    split that is not ``train`` or ``test``; an ``hf:`` split that is missing or empty,
+    without an image column or whose first image does not decode, with an empty cell in
+    its image, label or caption columns (``caption_keys``, those it has), or with string
+    labels outside ``label_names`` (the train split's). Returns the ``hf:`` split's
+    source (None for the others: TFDS reads its own)."""
+    if dataset == "digits" and split not in DIGITS_SPLITS:
+        digits_split(split)   # refused, naming the splits
+    if not is_hf_dataset(dataset):
+        return None
+    source = HFImageSource(open_hf_source(dataset, split), label_names)
+    columns = [source.image_key, source.label_key, *(k.split("/")[0] for k in caption_keys)]
+    for column in dict.fromkeys(c for c in columns if c is not None):
+        row = source.source.null_row(column)
+        if row is not None:
+            raise UserError(f"dataset {dataset!r} split {split!r} row {row} has no {column!r} "
+                            "(an empty cell); drop the rows with empty cells, or fill them")
+    if label_names and source.ids is not None:
+        unknown = sorted(set(source.source.label_strings(source.label_key)) - set(label_names))
+        if unknown:
+            raise UserError(f"dataset {dataset!r} split {split!r} has labels {unknown[:5]} that "
+                            f"the train split lacks (its classes: {list(label_names)[:10]}); "
+                            "drop those rows or relabel them")
     return source
 
 
@@ -415,7 +446,7 @@ def make_image_iterator(dataset: str, split: str, *, image_size: int, batch_size
                         f"{process_count}")
     info = info or dataset_info(dataset, data_dir=data_dir)
     source = open_image_source(dataset, split, data_dir=data_dir, test_fraction=test_fraction,
-                               split_seed=split_seed)
+                               split_seed=split_seed, label_names=info.label_names)
     return ImageIterator(source, name=dataset, split=split, image_size=image_size,
                          num_channels=info.num_channels, max_value=info.max_value,
                          batch_size=batch_size, seed=seed, shuffle=shuffle, repeat=repeat,

@@ -18,7 +18,7 @@ import numpy as np
 
 from transformer_jax.errors import UserError
 
-__all__ = ["READ_CHUNK", "check_tfds_dataset", "default_data_dir", "document_text",
+__all__ = ["READ_CHUNK", "check_split", "check_tfds_dataset", "default_data_dir", "document_text",
            "iter_text_chunks", "iter_texts", "load_texts", "open_source", "read_examples"]
 
 #: Documents read per data-source call.
@@ -137,15 +137,16 @@ def open_source(dataset: Any, split: str, *, data_dir: str | None = None):
     return source, dataset
 
 
-def document_text(example: Any, text_key: str) -> str:
+def document_text(example: Any, text_key: str, option: str = "task.text_key") -> str:
     """The text of one example: the example itself (str or UTF-8 bytes) or its ``text_key``
-    field (a dict's); a clear error for anything else."""
+    field (a dict's); a clear error for anything else (``option`` is the setting that names
+    the field)."""
     if isinstance(example, dict):
         if text_key not in example:
-            raise UserError(
-                f"document has no field {text_key!r} (fields: {sorted(example)}); "
-                "pass text_key=..."
-            )
+            texts = [k for k, v in example.items() if isinstance(v, (str, bytes))]
+            field = texts[0] if len(texts) == 1 else "FIELD"
+            raise UserError(f"document has no field {text_key!r} (fields: {sorted(example)}); "
+                            f"name its text field with --set {option}={field}")
         example = example[text_key]
     if isinstance(example, np.ndarray) and example.shape == ():
         example = example.item()
@@ -153,7 +154,53 @@ def document_text(example: Any, text_key: str) -> str:
         return bytes(example).decode("utf-8", errors="replace")
     if isinstance(example, str):
         return example
+    if example is None:
+        raise UserError("document has no text (None: an empty cell?); drop the rows without "
+                        "text or fill them (with '')")
     raise UserError(f"document text must be str or bytes, got {type(example).__name__}")
+
+
+def check_split(dataset: Any, split: str, *, texts: dict[str, str] | None = None,
+                labels: dict[str, str] | None = None, data_dir: str | None = None):
+    """Refuses, before a run writes anything, a split it could not read: opens it (a missing
+    split or file, an empty one, a repository's configurations: :func:`open_source` and
+    :mod:`~transformer_jax.data.hf_datasets` refuse those) and checks its rows hold the
+    fields the task reads, ``texts`` and ``labels`` (field -> the option that names it,
+    e.g. ``{"text": "task.text_key"}``): the first row's (a text is str or bytes; a label
+    an int or a string), and in an ``hf:`` split every row's (no empty cell, from Arrow's
+    null counts). Returns the opened source."""
+    source, name = open_source(dataset, split, data_dir=data_dir)
+    where = f"dataset {name!r} split {split!r}"
+    if not len(source):
+        raise UserError(f"{where} is empty (no rows); give it rows" + (
+            "" if split == "train" else ", or set --set eval_split=NAME to a split that has some"))
+    first = read_examples(source, [0])[0]
+    for field, option in {**(texts or {}), **(labels or {})}.items():
+        row = source.null_row(field) if hasattr(source, "null_row") else None
+        if row is not None:
+            raise UserError(f"{where} row {row} has no {field!r} (an empty cell); drop the rows "
+                            "with empty cells, or fill them")
+        try:
+            if field in (texts or {}):
+                document_text(first, field, option)
+            else:
+                _check_label(first, field, option)
+        except UserError as e:
+            raise UserError(f"{where} row 0: {e}") from None
+    return source
+
+
+def _check_label(example: Any, field: str, option: str) -> None:
+    """An example's ``field`` is a class: an int (a ``ClassLabel``'s id) or a string."""
+    if not isinstance(example, dict) or field not in example:
+        have = sorted(example) if isinstance(example, dict) else type(example).__name__
+        raise UserError(f"document has no field {field!r} (fields: {have}); name its label "
+                        f"field with --set {option}=FIELD")
+    value = example[field]
+    value = value.item() if isinstance(value, np.ndarray) and value.shape == () else value
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer, str)):
+        raise UserError(f"label {value!r} in {field!r} is no class (an int or a string); "
+                        f"name the label field with --set {option}=FIELD")
 
 
 def read_examples(source: Any, indices: Sequence[int]) -> list[Any]:
@@ -176,7 +223,13 @@ def iter_text_chunks(source: Any, text_key: str, indices: Iterable[int] | None =
     indices = range(len(source)) if indices is None else list(indices)
     for start in range(0, len(indices), READ_CHUNK):
         examples = read_examples(source, indices[start : start + READ_CHUNK])
-        yield [document_text(example, text_key) for example in examples]
+        texts = []
+        for i, example in zip(indices[start : start + READ_CHUNK], examples):
+            try:
+                texts.append(document_text(example, text_key))
+            except UserError as e:
+                raise UserError(f"row {i}: {e}") from None
+        yield texts
 
 
 def iter_texts(source: Any, text_key: str, indices: Iterable[int] | None = None):

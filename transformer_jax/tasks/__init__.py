@@ -10,7 +10,7 @@
 
 Each task module registers itself; importing this package registers them all.
 """
-from .base import TASKS, Task, make_task, register_task, tasks_for
+from .base import TASKS, Task, check_data, make_task, register_task, tasks_for
 from . import lm  # noqa: F401  (registers "lm")
 from . import image_classification  # noqa: F401,E402  (registers "image_classification")
 from . import classify, mlm  # noqa: F401,E402  (registers "classify", "mlm")
@@ -18,4 +18,4 @@ from . import seq2seq  # noqa: F401,E402  (registers "seq2seq")
 from . import contrastive  # noqa: F401,E402  (registers "contrastive")
 from . import pretrain  # noqa: F401,E402  (registers "pretrain")
 
-__all__ = ["TASKS", "Task", "make_task", "register_task", "tasks_for"]
+__all__ = ["TASKS", "Task", "check_data", "make_task", "register_task", "tasks_for"]

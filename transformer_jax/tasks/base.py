@@ -17,6 +17,7 @@ from typing import Any, ClassVar, Iterable
 
 from .. import storage
 from ..data.background import Background
+from ..data.sources import check_split
 from ..errors import UserError
 from ..losses import LossFn
 from ..models import FAMILIES
@@ -84,18 +85,53 @@ class Task(abc.ABC):
     #: (0: made when asked for, on the caller's thread)
     BACKGROUND_DEPTH: ClassVar[int] = 2
 
+    #: the options naming fields every example must hold, as text (``text_key``) and as a
+    #: class (``label_key``): what :meth:`check_split` checks by default
+    TEXT_FIELDS: ClassVar[tuple[str, ...]] = ()
+    LABEL_FIELDS: ClassVar[tuple[str, ...]] = ()
+
     def __init__(self, cfg, workdir: str | Path, *, spec: dict | None = None):
         self.cfg = cfg
         self.workdir = storage.path(workdir)   # local or gs://: files go through the storage layer
-        unknown = sorted(set(cfg.task_options) - set(self.OPTIONS))
-        if unknown:
-            hints = {u: difflib.get_close_matches(u, self.OPTIONS, n=1) for u in unknown}
-            raise UserError(
-                f"unknown option(s) for task {self.name!r}: "
-                + ", ".join(f"{u!r}" + (f" (did you mean {h[0]!r}?)" if h else "") for u, h in hints.items())
-                + f"; valid options: {sorted(self.OPTIONS) or 'none'}")
-        self.options = {**self.OPTIONS, **cfg.task_options}
+        self.options = self.task_options(cfg)
         self.saved_spec = spec
+
+    @classmethod
+    def task_options(cls, cfg) -> dict[str, Any]:
+        """The options: ``OPTIONS``' defaults, then ``cfg.task_options`` (an unknown one is
+        refused)."""
+        unknown = sorted(set(cfg.task_options) - set(cls.OPTIONS))
+        if unknown:
+            hints = {u: difflib.get_close_matches(u, cls.OPTIONS, n=1) for u in unknown}
+            raise UserError(
+                f"unknown option(s) for task {cls.name!r}: "
+                + ", ".join(f"{u!r}" + (f" (did you mean {h[0]!r}?)" if h else "") for u, h in hints.items())
+                + f"; valid options: {sorted(cls.OPTIONS) or 'none'}")
+        return {**cls.OPTIONS, **cfg.task_options}
+
+    # -- the data, checked before a run starts -----------------------------------------
+    @classmethod
+    def check_data(cls, cfg) -> None:
+        """Refuses data a run of ``cfg`` could not read, before the run writes anything: every
+        split it reads (``train`` and ``eval_split``) is opened, holds a row, and holds the
+        fields the task reads (:meth:`check_split`). A classmethod: it runs before the task
+        is built, which may train a tokenizer into the workdir."""
+        options = cls.task_options(cfg)
+        for split in dict.fromkeys(("train", cfg.eval_split)):
+            cls.check_split(cfg, options, split)
+
+    @classmethod
+    def check_split(cls, cfg, options: dict[str, Any], split: str) -> None:
+        """One split of ``cfg.dataset``, opened and its rows checked for the fields the
+        options in ``TEXT_FIELDS`` and ``LABEL_FIELDS`` name
+        (:func:`~transformer_jax.data.sources.check_split`); nothing to check without
+        them. A task whose data is read otherwise (TFDS builders, images) overrides it."""
+        if not (cls.TEXT_FIELDS or cls.LABEL_FIELDS):
+            return
+        named = lambda keys: {options[k]: f"task.{k}" for k in keys  # noqa: E731
+                              if isinstance(options[k], str)}   # else refused by the task
+        check_split(cfg.dataset, split, texts=named(cls.TEXT_FIELDS),
+                    labels=named(cls.LABEL_FIELDS), data_dir=cfg.data_dir)
 
     # -- required -----------------------------------------------------------------
     loss_fn: LossFn
@@ -246,12 +282,22 @@ def tasks_for(family: str) -> list[str]:
     return sorted(name for name, cls in TASKS.items() if family in cls.MODELS)
 
 
+def task_class(name: str) -> type[Task]:
+    """The registered task ``name``; an unknown one is refused, with the nearest name."""
+    if name not in TASKS:
+        hint = difflib.get_close_matches(name, TASKS, n=1)
+        raise UserError(f"unknown task {name!r}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
+                        + f"; choose one of {sorted(TASKS)}")
+    return TASKS[name]
+
+
 def make_task(cfg, workdir: str | Path, *, spec: dict | None = None, plan: bool = False) -> Task:
     """The task of ``cfg``: from a saved ``spec``, or with ``plan`` from the config alone
     (:meth:`Task.planned_spec`: no dataset opened), or from the data."""
-    if cfg.task not in TASKS:
-        hint = difflib.get_close_matches(cfg.task, TASKS, n=1)
-        raise UserError(f"unknown task {cfg.task!r}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
-                        + f"; choose one of {sorted(TASKS)}")
-    cls = TASKS[cfg.task]
+    cls = task_class(cfg.task)
     return cls(cfg, workdir, spec=cls.planned_spec(cfg) if plan and spec is None else spec)
+
+
+def check_data(cfg) -> None:
+    """The data of a run of ``cfg``, checked before it starts (:meth:`Task.check_data`)."""
+    task_class(cfg.task).check_data(cfg)

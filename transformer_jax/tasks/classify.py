@@ -46,7 +46,9 @@ import numpy as np
 from .. import data as data_lib
 from .. import storage
 from ..data.shuffle import EpochIterator, permutation
-from ..data.sources import check_tfds_dataset, document_text, open_source, read_examples
+from ..data.hf_datasets import is_hf_dataset, open_hf_source
+from ..data.sources import (check_split, check_tfds_dataset, document_text, open_source,
+                            read_examples)
 from ..errors import UserError
 from ..losses import token_loss
 from ..train.checkpoint import load_params
@@ -162,6 +164,10 @@ def classify_loss(apply_fn, params, batch, rngs, deterministic: bool, smoothing:
 
 # ----------------------------------------------------------------------------- task
 
+def _is_stdlib(dataset) -> bool:
+    return dataset.split("/")[0].split(":")[0] == "python_stdlib"
+
+
 def _read_pretrained_config(path: str | Path) -> dict:
     config = storage.path(path) / "config.json"
     if not config.is_file():
@@ -182,6 +188,7 @@ class ClassifyTask(Task):
     OPTIONS = {"pretrained": None, "context_lines": 2, "text_key": "sentence",
                "text_b_key": None, "label_key": "label", "num_classes": None}
     loss_fn = staticmethod(classify_loss)
+    TEXT_FIELDS, LABEL_FIELDS = ("text_key", "text_b_key"), ("label_key",)
     ID_FIELDS = {"input_ids": "vocab_size", "token_type_ids": "type_vocab_size",
                  "labels": "num_classes"}
     BATCH = {"input_ids": ("int32", ("T",)), "token_type_ids": ("int32", ("T",)),
@@ -196,7 +203,9 @@ class ClassifyTask(Task):
             raise UserError(f"task option context_lines={ctx!r} must be an int >= 0")
         if cfg.seq_len < 4:
             raise UserError(f"seq_len={cfg.seq_len} is too short for [CLS] a [SEP] b [SEP]")
-        self.stdlib = cfg.dataset.split("/")[0].split(":")[0] == "python_stdlib"
+        self.stdlib = _is_stdlib(cfg.dataset)
+        self.classes = (list(spec["classes"]) if spec is not None else self._class_names())
+        self.class_ids = {name: i for i, name in enumerate(self.classes)}
         tok_spec = spec
         if spec is None and self.options["pretrained"] is not None:
             tok_spec = _read_pretrained_config(self.options["pretrained"])["task_spec"]
@@ -205,26 +214,72 @@ class ClassifyTask(Task):
             self.options[k] for k in ("text_key", "text_b_key") if self.options[k] is not None)
         tokenizer, self.tokenizer_spec = build_tokenizer(cfg, self.workdir, tok_spec, keys)
         self.vocab = MLMVocab(tokenizer)
-        self.classes = (list(spec["classes"]) if spec is not None else self._class_names())
         self._encoded: dict[str, dict[str, np.ndarray]] = {}
+
+    @classmethod
+    def check_split(cls, cfg, options, split) -> None:
+        """The embedded corpus: the split exists; an ``hf:`` set: the text and label fields
+        of every row (:meth:`Task.check_split`), and the eval split's string labels among
+        the train split's; another TFDS set is read by its builder when the task is built."""
+        if not isinstance(cfg.dataset, str):
+            return
+        if _is_stdlib(cfg.dataset):
+            check_split(cfg.dataset, split, data_dir=cfg.data_dir)
+        elif is_hf_dataset(cfg.dataset):
+            super().check_split(cfg, options, split)
+        if split == "train" or not is_hf_dataset(cfg.dataset):
+            return
+        label = options["label_key"]
+        train, held = (open_hf_source(cfg.dataset, part).label_strings(label)
+                       for part in ("train", split))
+        unknown = sorted(set(held or ()) - set(train or ()))
+        if train is not None and unknown:
+            raise UserError(f"dataset {cfg.dataset!r} split {split!r} has labels {unknown[:5]} "
+                            f"that the train split lacks (its classes: {list(train)[:10]}); drop "
+                            "those rows or relabel them")
 
     # -- data -------------------------------------------------------------------------
     def _class_names(self) -> list[str]:
+        """The classes: the line roles; or, for a label column of strings, its distinct
+        strings sorted (ids as ``datasets``' ``class_encode_column`` gives them); else
+        ``num_classes`` numbered ones, or the names of the label's ``ClassLabel``."""
         if self.stdlib:
             return list(LINE_CLASSES)
-        k = self.options["num_classes"]
-        if k is None:
-            source, _ = self._source("train")
-            feature = getattr(source, "features", None)   # an hf: dataset's
-            if feature is None:
-                feature = getattr(getattr(source, "dataset_info", None), "features", {})
-            try:
-                return list(feature[self.options["label_key"]].names)
-            except (KeyError, TypeError, AttributeError):
-                raise UserError(f"cannot tell the number of classes of {self.cfg.dataset!r} "
-                                f"(its {self.options['label_key']!r} feature is no ClassLabel); "
-                                "set task.num_classes") from None
-        return [str(i) for i in range(int(k))]
+        k, label = self.options["num_classes"], self.options["label_key"]
+        source = self._source("train")[0] if k is None or is_hf_dataset(self.cfg.dataset) else None
+        strings = source.label_strings(label) if hasattr(source, "label_strings") else None
+        if strings is not None:
+            if k is not None and int(k) != len(strings):
+                raise UserError(f"task.num_classes={k}, but the {label!r} labels of "
+                                f"{self.cfg.dataset!r} (train split) are {len(strings)} strings "
+                                f"{list(strings)[:10]}; drop task.num_classes (string labels "
+                                "are mapped to ids, sorted)")
+            return list(strings)
+        if k is not None:
+            return [str(i) for i in range(int(k))]
+        feature = getattr(source, "features", None)   # an hf: dataset's
+        if feature is None:
+            feature = getattr(getattr(source, "dataset_info", None), "features", {})
+        try:
+            return list(feature[label].names)
+        except (KeyError, TypeError, AttributeError):
+            raise UserError(f"cannot tell the number of classes of {self.cfg.dataset!r} (its "
+                            f"{label!r} feature is no ClassLabel, nor strings); set "
+                            "--set task.num_classes=N") from None
+
+    def _label(self, value, name: str, split: str, row: int) -> int:
+        """A row's class id: an int as it is, a string by the run's classes."""
+        value = value.item() if isinstance(value, np.ndarray) and value.shape == () else value
+        if not isinstance(value, str):
+            if value is None:
+                raise UserError(f"{name!r} split {split!r} row {row} has no label (an empty "
+                                "cell); drop the rows without a label, or fill them")
+            return int(value)
+        if value not in self.class_ids:
+            raise UserError(f"{name!r} split {split!r} row {row} has label {value!r}, not one of "
+                            f"the run's classes {self.classes[:10]} (the train split's labels); "
+                            "drop those rows or relabel them")
+        return self.class_ids[value]
 
     def _source(self, split):
         if not self.stdlib and not self.cfg.dataset.startswith("hf:"):
@@ -240,13 +295,14 @@ class ClassifyTask(Task):
         source, name = self._source(split)
         a_key, b_key, label_key = (self.options[k] for k in ("text_key", "text_b_key", "label_key"))
         for start in range(0, len(source), 512):
-            for ex in read_examples(source, range(start, min(start + 512, len(source)))):
+            rows = range(start, min(start + 512, len(source)))
+            for row, ex in zip(rows, read_examples(source, rows)):
                 if label_key not in ex:
                     raise UserError(f"{name!r} examples have no field {label_key!r} (fields: "
-                                    f"{sorted(ex)}); set task.label_key")
+                                    f"{sorted(ex)}); set --set task.label_key=FIELD")
                 yield (document_text(ex, a_key),
-                       None if b_key is None else document_text(ex, b_key),
-                       int(np.asarray(ex[label_key])))
+                       None if b_key is None else document_text(ex, b_key, "task.text_b_key"),
+                       self._label(ex[label_key], name, split, row))
 
     def encoded(self, split: str) -> dict[str, np.ndarray]:
         """All examples of ``split`` as arrays (cached): input_ids, token_type_ids,

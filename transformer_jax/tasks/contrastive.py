@@ -355,6 +355,22 @@ class ContrastiveTask(Task):
         self._check_template_lengths()
         self._encoders = None
 
+    @classmethod
+    def check_data(cls, cfg) -> None:
+        """The train and eval splits opened and their first image decoded, no empty cell in
+        the image, label or caption columns, the eval split's string labels among the train
+        split's (:func:`~transformer_jax.data.images.check_image_split`)."""
+        key = cls.task_options(cfg)["caption_key"]
+        if not isinstance(cfg.dataset, str):
+            return   # refused when the task is built
+        train = image_data.check_image_split(cfg.dataset, "train")
+        labelled = train is not None and train.label_key is not None and not key
+        captions = () if train is None or labelled else (key,) if key else CAPTION_KEYS
+        names = train.label_names() if labelled else ()
+        for split in dict.fromkeys(("train", cfg.eval_split)):
+            image_data.check_image_split(cfg.dataset, split, label_names=names,
+                                         caption_keys=captions)
+
     def _check_template_lengths(self) -> None:
         """Every template caption must fit: a cut one could read like another class's."""
         if not self.names:

@@ -88,6 +88,17 @@ class ImageClassificationTask(Task):
         self.image_size = self.model_config.image_size
         self._predict = None
 
+    @classmethod
+    def check_data(cls, cfg) -> None:
+        """The train and eval splits opened and their first image decoded, no empty cell,
+        the eval split's string labels among the train split's
+        (:func:`~transformer_jax.data.images.check_image_split`)."""
+        cls.task_options(cfg)
+        train = image_data.check_image_split(cfg.dataset, "train")
+        names = () if train is None else train.label_names()
+        if cfg.eval_split != "train":
+            image_data.check_image_split(cfg.dataset, cfg.eval_split, label_names=names)
+
     # -- model ---------------------------------------------------------------------
     def _model_config(self):
         cfg = self.cfg

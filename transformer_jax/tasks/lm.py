@@ -94,6 +94,7 @@ class LMTask(Task):
     name = "lm"
     MODELS = ("gpt", "gemma")
     OPTIONS = {"train_tokens": None, "text_key": "text", "packing": "concatenate"}
+    TEXT_FIELDS = ("text_key",)   # checked in every split before a run starts
     loss_fn = staticmethod(lm_loss)
     ID_FIELDS = {"inputs": "vocab_size", "targets": "vocab_size"}
     PERPLEXITY = {"loss": "ppl"}   # eval_ppl: per next token

@@ -362,6 +362,7 @@ class MLMTask(Task):
     MODELS = ("bert",)
     OPTIONS = {"mask_prob": 0.15, "mask_token_prob": 0.8, "random_token_prob": 0.1,
                "text_key": "text"}
+    TEXT_FIELDS = ("text_key",)   # checked in every split before a run starts
     loss_fn = staticmethod(mlm_loss)
     PERPLEXITY = {"loss": "ppl"}   # eval_ppl: per masked token
     ID_FIELDS = {"input_ids": "vocab_size", "targets": "vocab_size"}

@@ -221,6 +221,7 @@ class PretrainTask(Task):
     MODELS = ("bert",)
     OPTIONS = {"next_prob": 0.5, "mask_prob": 0.15, "mask_token_prob": 0.8,
                "random_token_prob": 0.1, "text_key": "text"}
+    TEXT_FIELDS = ("text_key",)   # checked in every split before a run starts
     loss_fn = staticmethod(pretraining_loss)
     PERPLEXITY = {"mlm_loss": "mlm_ppl"}   # eval_mlm_ppl; eval_loss adds NSP: no eval_ppl
     ID_FIELDS = {"input_ids": "vocab_size", "targets": "vocab_size",

@@ -65,7 +65,7 @@ import numpy as np
 from .. import data as data_lib
 from ..beam_search import beam_search, greedy_search
 from ..data.shuffle import EpochIterator
-from ..data.sources import check_tfds_dataset, open_source, read_examples
+from ..data.sources import check_split, check_tfds_dataset, open_source, read_examples
 from ..errors import UserError
 from ..losses import head_loss, hidden_kwargs
 from ..models import FAMILIES
@@ -126,6 +126,10 @@ def identifier_pairs(train_texts: Sequence[str], eval_texts: Sequence[str] | Non
 
 
 # ----------------------------------------------------------------------------- sources
+
+def _is_stdlib(dataset: str) -> bool:
+    return dataset.split("/")[0].split(":")[0] == "python_stdlib"
+
 
 class _TFDSPairs:
     """(source, target) texts read by index from a TFDS split."""
@@ -320,13 +324,27 @@ class Seq2SeqTask(Task):
         if self.src_len < 2 or self.tgt_len < 2:
             raise UserError(f"seq2seq needs seq_len >= 2 and max_target_len >= 2 (room for a "
                             f"token and eos); got {self.src_len}, {self.tgt_len}")
-        self.stdlib = cfg.dataset.split("/")[0].split(":")[0] == "python_stdlib"
+        self.stdlib = _is_stdlib(cfg.dataset)
         self._pairs_cache: dict[str, Any] = {}
         self.tokenizer, self.tokenizer_spec = self._tokenizer(spec)
         self.pad_id, self.eos_id, self.start_id = seq2seq_special_ids(self.tokenizer)
         #: the tokenizer with the task's pad and eos (bytes, SentencePiece, T5: itself)
         self.pair_tokenizer = data_lib.with_special_ids(self.tokenizer, pad_id=self.pad_id,
                                                         eos_id=self.eos_id)
+
+    @classmethod
+    def check_split(cls, cfg, options, split) -> None:
+        """The embedded corpus: the split exists; an ``hf:`` set: it holds a row, and its
+        first row the source and target texts (columns, or keys of ``translation``);
+        another TFDS set is read by its builder when the task is built."""
+        if not isinstance(cfg.dataset, str):
+            return
+        hf = cfg.dataset.startswith("hf:")
+        if hf or _is_stdlib(cfg.dataset):
+            check_split(cfg.dataset, split, data_dir=cfg.data_dir)
+        if hf:
+            _TFDSPairs(cfg.dataset, split, cfg.data_dir, options["source_key"],
+                       options["target_key"]).get([0])
 
     # -- data ---------------------------------------------------------------------
     def _texts(self, split: str) -> list[str]:
