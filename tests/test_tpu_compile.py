@@ -6,7 +6,8 @@ for the Pallas kernels), and ``memory_analysis()`` says what each device needs. 
 models of every family compile their train, eval and decode steps for v3 (XLA's attention:
 Mosaic cannot compile Pallas kernels for v2/v3), v4, v5e, v5p and v6e; the flash kernel
 compiles at the shapes its lowering tests use for every generation that takes it; a
-multi-host slice compiles with a data x fsdp x tensor mesh and gathers no Q/K/V.
+multi-host slice compiles with a data x fsdp x tensor mesh and gathers no Q/K/V; an NF4
+Dense compiles to the NF4 matmul kernels, no dequantized kernel outside them.
 
 ``make test`` installs libtpu (the ``tpu`` extra). Without it these tests skip, except
 under CI, where a missing compiler is a failure.
