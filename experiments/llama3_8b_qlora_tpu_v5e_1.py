@@ -1,14 +1,15 @@
 """QLoRA of Llama 3.1 8B on one TPU chip: Colab's v5e-1 (16 GiB HBM; also right for its v6e-1).
 
 Compiled for the chip on a CPU host (``transformer-jax compile``, libtpu 0.0.42.1, jax
-0.10.2; 75-160 s, 2.2 GB of host memory: shapes only, no weight is made): per device
-11.02 GiB of 16 (arguments 5.85: parameters 5.69, of them the NF4 projections 3.66 and
-the bf16 embedding and untied head 1.96, the adapters' AdamW moments 0.16; temporaries
-5.02; outputs 5.93, 5.77 of them over the donated arguments), 4.98 GiB headroom.
-v6e-1: 11.07 GiB of 32 (temporaries 5.06; compiled with the same shapes before the
-preset's RoPE scaling), 1.04 s a step.
-Estimated step 4.85 s at 40% MFU (3.82e14 model FLOPs per 8,192 tokens); not
-measured. docs/tpu.md says what takes the memory.
+0.10.2; 60-160 s, 2.2 GB of host memory: shapes only, no weight is made), 2026-12-07,
+with the NF4 matmul kernel (``layers/quant_matmul.py``: the base dequantized in VMEM):
+per device 6.95 GiB of 16 (arguments 5.85: parameters 5.69, of them the NF4 projections
+3.66 and the bf16 embedding and untied head 1.96, the adapters' AdamW moments 0.16;
+temporaries 0.95; outputs 5.93, 5.77 of them over the donated arguments), 9.05 GiB
+headroom. Roofline 1.81 s a step, compute-bound (501 GiB of HBM traffic); estimated step
+3.31 s at 40% MFU (2.61e14 model FLOPs per 8,192 tokens, the frozen base at 4 per
+weight); not measured. docs/tpu.md says what takes the memory, and what it was before
+the kernel (11.02 GiB, memory-bound at 5.4-6.9 s).
 
 Command (in a Colab TPU runtime, with Meta's weights as a Hugging Face directory)::
 

@@ -147,3 +147,57 @@ def test_costs_read_each_computations_types_once(monkeypatch):
     monkeypatch.setattr(hlo.Program, "_read_types", types)
     hlo.costs(MODULE)
     assert sorted(calls) == ["body", "main", "slice_dot"]
+
+
+def test_slices_copies_and_in_place_updates_count_what_moves():
+    """A fusion that dynamic-slices one [16,32] layer of a stacked [12,16,32] weight after
+    retiling it (a nested copy fusion: what XLA:TPU does for a scanned stack) reads the
+    slice (16 x 32 x 4) and the index, and writes its [16,32]; a fusion whose root updates
+    a [12,8,32] buffer in place reads the update and the index and writes the update, not
+    the buffer; an async slice into VMEM reads its [16,128] slice, an async copy into VMEM
+    its [64,128] operand, once (their tuples hold the operand too), and write nothing to
+    HBM."""
+    module = """HloModule m
+
+%copy_fusion (input: f32[12,16,32]) -> f32[12,16,32] {
+  %input = f32[12,16,32]{2,1,0:T(8,128)} parameter(0)
+  ROOT %c = f32[12,16,32]{2,1,0:T(2,128)} copy(%input)
+}
+
+%slice_through_copy (param_0: f32[12,16,32], param_1: s32[]) -> f32[16,32] {
+  %param_0 = f32[12,16,32]{2,1,0:T(8,128)} parameter(0)
+  %param_1 = s32[] parameter(1)
+  %retiled = f32[12,16,32]{2,1,0:T(2,128)} fusion(%param_0), kind=kLoop, calls=%copy_fusion
+  %zero = s32[] constant(0)
+  %ds = f32[1,16,32]{2,1,0} dynamic-slice(%retiled, %param_1, %zero, %zero), dynamic_slice_sizes={1,16,32}
+  %b = f32[16,32]{1,0} bitcast(%ds)
+  ROOT %out = f32[16,32]{1,0:T(8,128)} copy(%b)
+}
+
+%update (param_0: f32[12,8,32], param_1: f32[1,8,32], param_2: s32[]) -> f32[12,8,32] {
+  %param_0 = f32[12,8,32]{2,1,0} parameter(0)
+  %param_1 = f32[1,8,32]{2,1,0} parameter(1)
+  %param_2 = s32[] parameter(2)
+  %zero = s32[] constant(0)
+  ROOT %dus = f32[12,8,32]{2,1,0} dynamic-update-slice(%param_0, %param_1, %param_2, %zero, %zero)
+}
+
+ENTRY %main (ws: f32[12,16,32], i: s32[], ys: f32[12,8,32], y: f32[1,8,32], a: f32[64,128]) -> f32[16,32] {
+  %ws = f32[12,16,32]{2,1,0:T(8,128)} parameter(0)
+  %i = s32[] parameter(1)
+  %ys = f32[12,8,32]{2,1,0} parameter(2)
+  %y = f32[1,8,32]{2,1,0} parameter(3)
+  %a = f32[64,128]{1,0} parameter(4)
+  %w = f32[16,32]{1,0:T(8,128)} fusion(%ws, %i), kind=kLoop, calls=%slice_through_copy
+  %ys2 = f32[12,8,32]{2,1,0} fusion(%ys, %y, %i), kind=kLoop, calls=%update
+  %s = ((f32[64,128]{1,0}), f32[16,128]{1,0:S(1)}, s32[]) slice-start(%a), slice={[0:16], [0:128]}
+  %sd = f32[16,128]{1,0:S(1)} slice-done(%s)
+  %c = (f32[64,128]{1,0:S(1)}, f32[64,128]{1,0}, u32[]) copy-start(%a)
+  %cd = f32[64,128]{1,0:S(1)} copy-done(%c)
+  ROOT %t = (f32[16,32], f32[12,8,32], f32[16,128], f32[64,128]) tuple(%w, %ys2, %sd, %cd)
+}
+"""
+    layer = 16 * 32 * 4 + 4 + 16 * 32 * 4
+    update = 8 * 32 * 4 + 4 + 8 * 32 * 4
+    assert hlo.costs(module) == {"flops": 0.0,
+                                 "bytes": layer + update + 16 * 128 * 4 + 64 * 128 * 4}

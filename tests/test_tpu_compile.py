@@ -6,13 +6,15 @@ for the Pallas kernels), and ``memory_analysis()`` says what each device needs. 
 models of every family compile their train, eval and decode steps for v3 (XLA's attention:
 Mosaic cannot compile Pallas kernels for v2/v3), v4, v5e, v5p and v6e; the flash kernel
 compiles at the shapes its lowering tests use for every generation that takes it; a
-multi-host slice compiles with a data x fsdp x tensor mesh and gathers no Q/K/V.
+multi-host slice compiles with a data x fsdp x tensor mesh and gathers no Q/K/V; an NF4
+Dense compiles to the NF4 matmul kernels, no dequantized kernel outside them.
 
 ``make test`` installs libtpu (the ``tpu`` extra). Without it these tests skip, except
 under CI, where a missing compiler is a failure.
 """
 import importlib.util
 import json
+import math
 import os
 import re
 import sys
@@ -621,8 +623,9 @@ def test_the_8b_qlora_state_holds_the_nf4_base_and_moments_for_the_adapters_alon
     mesh = aot._mesh_for(cfg, tpu, None)
     task, overrides = aot._planned_task(cfg, data_dir)
     model_cfg, model = build(cfg, overrides)
-    _, _, (parameter_bytes, optimizer_bytes, _), _, _ = aot._state_and_step(
+    _, _, (parameter_bytes, optimizer_bytes, _), _, _, adapted = aot._state_and_step(
         cfg, task, model_cfg, model, mesh, "train", None)
+    assert adapted == (0, 32 * 16 * (2 * 8192 + 2 * 5120 + 3 * 18432))   # no head; adapters
     assert parameter_bytes == _qlora_8b_parameter_bytes(32)
     adapters = 32 * 16 * (2 * 8192 + 2 * 5120 + 3 * 18432) * 2           # 32 layers, bf16
     assert adapters * 2 <= optimizer_bytes < adapters * 2 + 2**10       # mu, nu (+ counts)
@@ -644,3 +647,58 @@ def test_the_chunked_loss_frees_the_logits_on_a_v5e(data_dir):
 
     plain, chunked = temp_bytes(0), temp_bytes(16)
     assert plain >= logits_bytes and chunked < logits_bytes / 2, (plain, chunked)
+
+
+def test_an_estimate_below_the_roofline_is_the_roofline(data_dir):
+    """A tiny model at a v5e's 197 TFLOP/s x 40% would take less time than its compiled
+    program's HBM traffic allows: the estimate is the roofline bound, and says so."""
+    cfg = tiny("gpt", data_dir, "model.num_layers=1", "batch_size=1", "model.dtype=bfloat16")
+    report = aot.compile_experiment(cfg, "v5e-1", mesh=None)
+    mfu_seconds = report.flops_per_step / (197e12 * 0.4)
+    assert mfu_seconds < report.roofline_seconds == report.estimated_step_seconds
+    assert report.estimate_basis == (
+        f"the roofline bound: model FLOPs / (1 devices x 197 TFLOP/s bf16 x 40% MFU) gives "
+        f"{aot._ms(mfu_seconds)}, below the bound")
+    assert report.flops_convention == ("6 per weight per token (forward, input and weight "
+                                       "gradients), plus attention")
+
+
+def test_an_nf4_dense_dequantizes_inside_its_matmul_on_a_v5e():
+    """A QLoRA projection (NF4 in blocks of 64, 1,024 -> 4,096, bf16, 256 rows): its
+    forward and input gradient compiled for v5e are the two Mosaic kernels of
+    ``layers/quant_matmul.py``, 2 x 2 M K N FLOPs; outside them no array holds the
+    kernel's 1024 x 4096 values, nor its 1024 x 2048 bytes in any dtype but the packed
+    uint8; the HBM traffic is within 1.5x of what has to move (the codes, 2 MiB, their
+    absmax, 256 KiB, and the activations x, dx and y's two halves, written and read back,
+    3.5 MiB) and under one bf16 kernel (8 MiB): XLA's dequantization writes that, and its
+    fp32 and unpacked int32 codes, per call."""
+    from transformer_jax import sharding as sh
+    from transformer_jax.layers import Dense, quant
+
+    m, k, n = 256, 1024, 4096
+    mesh = sh.make_mesh(None, devices=TpuSlice.parse("v5e-1").jax_devices())
+    stored = jax.eval_shape(lambda: quant.quantize_kernel(jnp.zeros((k, n)), "nf4", 64))
+    layer = Dense(n, use_bias=False, dtype=jnp.bfloat16)
+    rep = sh.replicated(mesh)
+    params = {key: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=rep)
+              for key, v in stored.items()}
+    x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16, sharding=rep)
+
+    def loss(x, p):
+        return jnp.sum(layer.apply({"params": p}, x).astype(jnp.float32) ** 2)
+
+    with sh.use_mesh(mesh):
+        text = jax.jit(jax.grad(loss)).trace(x, params).lower().compile().as_text()
+    program = hlo.Program(text)
+    inside = hlo._inside_fusions(program)
+    kernels = re.findall(r"%(nf4_matmul(?:_dx)?)\S* = .*custom-call\(", text)
+    assert sorted(kernels) == ["nf4_matmul", "nf4_matmul_dx"]
+    results = [hlo._SHAPE.findall(mm.group(2)) for comp, lines in program.comps.items()
+               if comp not in inside for line in lines if (mm := hlo._INSTRUCTION.match(line))]
+    sizes = [(dtype, math.prod(hlo._dims(dims))) for r in results for dtype, dims in r]
+    assert ("u8", k * n // 2) in sizes
+    assert [(d, s) for d, s in sizes if s == k * n or (s == k * n // 2 and d != "u8")] == []
+    cost = hlo.costs(text)
+    assert cost["flops"] == 2 * 2 * m * k * n
+    moved = k * n // 2 + k * n // 64 * 4 + 2 * m * k * 2 + 2 * m * n * 2
+    assert cost["bytes"] < 1.5 * moved and cost["bytes"] < k * n * 2, (cost, moved)

@@ -16,9 +16,12 @@ compiler reports is what the hardware would need:
               its time per device: the slower of its FLOPs at the generation's bf16 peak
               and its HBM bytes at its bandwidth (:mod:`.hlo` counts both from the HLO,
               loop bodies times their trip counts), which one binds, and its FLOPs against
-              the model FLOPs (6N + attention); and the older estimate: the model FLOPs at
-              a stated MFU (for the decode loop, the prefill at the MFU, then each token
-              reading the parameters and KV cache from HBM). Neither is a measurement.
+              the model FLOPs (6N + attention; over a frozen base, LoRA or QLoRA, 4 per
+              frozen weight and 6 per trained one); and the older estimate: the model
+              FLOPs at a stated MFU (for the decode loop, the prefill at the MFU, then each
+              token reading the parameters and KV cache from HBM), never below the
+              roofline (the bound is printed as the estimate where it would be). Neither
+              is a measurement.
 
 :func:`compile_experiment` returns a :class:`CompileReport`; :func:`collectives` reads the
 collectives from a compiled program's HLO text, loops counted by their trip counts.
@@ -79,6 +82,7 @@ class CompileReport:
     notes: list[str] = dataclasses.field(default_factory=list)
     out_of_memory: bool = False     # the compiler refused it for HBM
     estimate_basis: str = ""        # what estimated_step_seconds is computed from
+    flops_convention: str = ""      # how flops_per_step counts (PaLM's 6N, a frozen base's 4N)
     decode_shape: dict | None = None   # --what decode: batch, prompt_len, new_tokens, max_len
     levers: list[str] = dataclasses.field(default_factory=list)   # what lowers the need
     attention_why: str = ""         # why "auto" took that attention path
@@ -126,7 +130,8 @@ class CompileReport:
                 f"{k} x{v['count']} ({v['bytes'] / 2**20:.1f} MiB)"
                 for k, v in self.collectives.items()) or "none"),
             self.roofline_line(),
-            f"model FLOPs per step {self.flops_per_step:.3g}; estimated "
+            f"model FLOPs per step {self.flops_per_step:.3g}"
+            + (f" ({self.flops_convention})" if self.flops_convention else "") + "; estimated "
             f"{'decode' if self.decode_shape else 'step'} time "
             f"{_ms(self.estimated_step_seconds)} ({self.estimate_basis}; an estimate, "
             "not a measurement)",
@@ -263,7 +268,8 @@ def _check_batch(cfg: ExperimentConfig, mesh) -> None:
 
 def _state_and_step(cfg, task, model_cfg, model, mesh, what: str, decode_tokens: int | None):
     """``(jitted function, abstract arguments, (parameter, optimizer, batch) bytes, notes,
-    the decode shape or None)``."""
+    the decode shape or None, the parameters that train over a frozen base or None)``
+    (the last: ``finetune.trainable_counts``, for the model FLOPs)."""
     rng = jax.random.PRNGKey(cfg.seed)
     init_args = task.init_args()
     tx, schedule = make_tx(cfg, model_cfg)
@@ -273,6 +279,7 @@ def _state_and_step(cfg, task, model_cfg, model, mesh, what: str, decode_tokens:
         partition=None if split is None else split.split)
     abstract, shardings, notes = sh.train_state_shardings(
         create_state, lambda: model.init(rng, *init_args), mesh)
+    adapted = finetune.trainable_counts(split, abstract.params)
     params_bytes = _per_device_bytes((abstract.params, abstract.frozen),
                                      (shardings.params, shardings.frozen))
     opt_bytes = _per_device_bytes(abstract.opt_state, shardings.opt_state)
@@ -288,15 +295,15 @@ def _state_and_step(cfg, task, model_cfg, model, mesh, what: str, decode_tokens:
         fn = jax.jit(step, in_shardings=(shardings, batch_sh), out_shardings=(shardings, rep),
                      donate_argnums=(0,))
         return fn, (sh.with_shardings(abstract, shardings), batch), \
-            (params_bytes, opt_bytes, batch_bytes), notes, None
+            (params_bytes, opt_bytes, batch_bytes), notes, None, adapted
     param_sh = _whole_param_shardings(abstract, shardings, split)
     params = sh.with_shardings(_whole_params(abstract, split), param_sh)
     if what == "eval":
         fn = jax.jit(lambda p, b: eval_step(p, b, model.apply, task.loss_fn),
                      in_shardings=(param_sh, batch_sh), out_shardings=rep)
-        return fn, (params, batch), (params_bytes, 0, batch_bytes), notes, None
+        return fn, (params, batch), (params_bytes, 0, batch_bytes), notes, None, adapted
     fn, args, shape = _decode_step(cfg, model, params, param_sh, mesh, decode_tokens)
-    return fn, args, (params_bytes, 0, _tree_bytes(args[1:])), notes, shape
+    return fn, args, (params_bytes, 0, _tree_bytes(args[1:])), notes, shape, adapted
 
 
 def _whole_params(abstract, split):
@@ -418,7 +425,7 @@ def compile_experiment(cfg: ExperimentConfig, tpu: TpuSlice | str, *, mesh: str 
         model_cfg, model = build(cfg, overrides)
         generation = tpu_generation_of(device_mesh.devices.flat[0].device_kind)
         plan = attention_plan(model_cfg, cfg.seq_len, "tpu", generation)
-        fn, args, (p_bytes, o_bytes, b_bytes), notes, shape = _state_and_step(
+        fn, args, (p_bytes, o_bytes, b_bytes), notes, shape, adapted = _state_and_step(
             cfg, task, model_cfg, model, device_mesh, what, decode_tokens)
         notes = _planned_note(cfg, task, overrides) + notes
         start = time.perf_counter()
@@ -431,7 +438,7 @@ def compile_experiment(cfg: ExperimentConfig, tpu: TpuSlice | str, *, mesh: str 
             flops, seconds_est, basis = decode_estimate(model, model_cfg, args[0], shape, tpu,
                                                         mesh_shape, mfu)
         else:
-            flops = task.flops_per_step(model_cfg) if what == "train" else (
+            flops = task.flops_per_step(model_cfg, adapted) if what == "train" else (
                 task.flops_per_step(model_cfg) / 3)          # forward only: 2N of 6N
             seconds_est = flops / (tpu.devices * tpu.peak_bf16 * mfu)
             basis = (f"model FLOPs / ({tpu.devices} devices x {tpu.peak_bf16 / 1e12:.3g} "
@@ -444,6 +451,9 @@ def compile_experiment(cfg: ExperimentConfig, tpu: TpuSlice | str, *, mesh: str 
     why = plan["why"] if plan[key] == plan["eval"] else "attention dropout"
     text = compiled.as_text()
     roofline = roofline_figures(costs(text), tpu, flops)
+    if seconds_est < roofline["roofline_seconds"]:     # no estimate below its lower bound
+        basis = (f"the roofline bound: {basis} gives {_ms(seconds_est)}, below the bound")
+        seconds_est = roofline["roofline_seconds"]
     return CompileReport(
         experiment=cfg.name, what=what, tpu=tpu.name, topology=tpu.topology, devices=tpu.devices,
         hosts=tpu.hosts, mesh=sh.describe(device_mesh), attention=attention, attention_why=why,
@@ -453,8 +463,20 @@ def compile_experiment(cfg: ExperimentConfig, tpu: TpuSlice | str, *, mesh: str 
         hbm_bytes=tpu.hbm_bytes, compile_seconds=seconds,
         collectives=collectives(text), flops_per_step=flops, mfu=mfu,
         estimated_step_seconds=seconds_est, notes=notes[:4], out_of_memory=bool(oom),
-        estimate_basis=basis, decode_shape=shape,
+        estimate_basis=basis, decode_shape=shape, flops_convention=_convention(what, adapted),
         levers=levers(cfg, model_cfg, tpu, mesh_shape, what), **roofline)
+
+
+def _convention(what: str, adapted: tuple[int, int] | None) -> str:
+    """How the model FLOPs of a ``what`` step count (``Task.flops_per_step``)."""
+    if what == "decode":
+        return "forward: 2 per weight per token, plus attention"
+    if what == "eval":
+        return "forward: 2 per weight per token, plus attention (a third of 6N)"
+    if adapted is None:
+        return "6 per weight per token (forward, input and weight gradients), plus attention"
+    return ("a frozen base: 4 per frozen weight per token (forward and input gradient, no "
+            "weight gradient), 6 per trained one (adapters, head), plus attention")
 
 
 def roofline_figures(cost: dict, tpu: TpuSlice, model_flops: float) -> dict:

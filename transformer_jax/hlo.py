@@ -8,11 +8,15 @@ its trip count (XLA's known count, or the ``i < N`` bound of its condition):
 * :func:`collectives`: the collectives per device, count and bytes (async pairs at their
   ``-start``);
 * :func:`costs`: FLOPs (matmuls: ``dot`` and ``convolution``, wherever fused; the Mosaic
-  flash-attention kernels from their Q and K shapes, :data:`MOSAIC_MATMULS`; elementwise
+  flash-attention kernels from their Q and K shapes, :data:`MOSAIC_MATMULS`, the NF4
+  matmul kernels from their rows and packed codes, :data:`NF4_MATMULS`; elementwise
   work not counted) and HBM bytes (each top-level instruction's operands and results, as
   XLA's cost analysis counts them: a fusion's inputs read, its outputs written; a dynamic
-  slice reads only its slice, a dynamic update writes only its update; arrays the compiler
-  placed in VMEM, memory space ``S(1)``, and bookkeeping ops move no HBM bytes).
+  slice reads only its slice, in a fusion also through a change of tiling or a nested
+  fusion; a dynamic update writes only its update, and its buffer, updated in place, is not
+  read; a slice, an async slice or an async copy moves its slice or its operand once;
+  arrays the compiler placed in VMEM, memory space ``S(1)``, and bookkeeping ops move no
+  HBM bytes).
 """
 from __future__ import annotations
 
@@ -28,6 +32,9 @@ COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "coll
 MOSAIC_MATMULS = {"flash_attention_fwd": 2, "flash_attention_dkdv": 4,
                   "flash_attention_dq": 3, "flash_attention_dbias": 2,
                   "splash_fwd": 2, "splash_dkv": 4, "splash_dq": 3}
+# the NF4 matmul kernels (layers/quant_matmul.py): x (M, K) or dy's even columns (M, N2)
+# first, the packed codes (K, N2) uint8 among the operands; 2 M K N FLOPs with N = 2 N2
+NF4_MATMULS = ("nf4_matmul", "nf4_matmul_dx")
 # instructions that move no data (or whose data moves in the computations they call)
 FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "call",
         "conditional", "after-all", "partition-id", "replica-id", "opt-barrier", "iota",
@@ -70,6 +77,8 @@ class Program:
     def __init__(self, hlo_text: str):
         self.comps: dict[str, list[str]] = {}
         self._types: dict[str, dict[str, str]] = {}
+        self._users: dict[str, dict[str, list[tuple]]] = {}
+        self._lines: dict[str, dict[str, str]] = {}
         self.entry, name = None, None
         for line in hlo_text.splitlines():
             m = _COMPUTATION.match(line) if line[:1].strip() else None   # headers: unindented
@@ -123,6 +132,43 @@ class Program:
                     out[k] = out.get(k, 0) + v * trips
         memo[comp] = out
         return out
+
+    def parameters(self, comp: str) -> dict[int, str]:
+        """``{parameter number: instruction name}`` of ``comp``."""
+        out = {}
+        for line in self.comps.get(comp, ()):
+            m = _INSTRUCTION.match(line)
+            if m and m.group(3) == "parameter":
+                out[int(re.match(r"(\d+)", m.group(4)).group(1))] = m.group(1)
+        return out
+
+    def root(self, comp: str) -> str:
+        return next((ln for ln in self.comps.get(comp, ()) if ln.lstrip().startswith("ROOT")), "")
+
+    def users(self, comp: str) -> dict[str, list[tuple]]:
+        """``{name: [(op, operand position, result type, user's name, user is the root)]}``
+        of the instructions of ``comp`` (read once per computation)."""
+        if comp not in self._users:
+            out: dict[str, list[tuple]] = {}
+            for line in self.comps.get(comp, ()):
+                m = _INSTRUCTION.match(line)
+                if m:
+                    root = line.lstrip().startswith("ROOT")
+                    for i, o in enumerate(_operands(m.group(4))):
+                        out.setdefault(o, []).append((m.group(3), i, m.group(2), m.group(1), root))
+            self._users[comp] = out
+        return self._users[comp]
+
+    def line(self, comp: str, name: str) -> str:
+        """The line of instruction ``name`` in ``comp`` ("" if none)."""
+        if comp not in self._lines:
+            self._lines[comp] = {m.group(1): ln for ln in self.comps.get(comp, ())
+                                 if (m := _INSTRUCTION.match(ln))}
+        return self._lines[comp].get(name, "")
+
+    def callees_of(self, comp: str, name: str) -> list[str]:
+        """The computations instruction ``name`` of ``comp`` calls."""
+        return self.callees(self.line(comp, name), comp)
 
     def types(self, comp: str) -> dict[str, str]:
         """``{instruction name: its result type}`` in ``comp``, read once per computation
@@ -239,6 +285,10 @@ def _mosaic_flops(line: str, types: dict[str, str]) -> float:
     matmuls = MOSAIC_MATMULS.get(f"splash_{splash.group(1)}" if splash else name, 0)
     operands = _operands(line.split("custom-call(", 1)[1])
     shapes = [_SHAPE.search(types.get(o, "")) for o in operands]
+    if name in NF4_MATMULS:
+        codes = [_dims(s.group(2)) for s in shapes if s is not None and s.group(1) == "u8"]
+        rows = _dims(shapes[0].group(2))[0] if shapes and shapes[0] is not None else 0
+        return 4.0 * rows * math.prod(codes[0]) if codes else 0.0
     if splash:       # Q and K: the first two floating-point operands (after the tables)
         shapes = [m for m in shapes if m is not None and m.group(1)[0] in "bf"]
     shapes = shapes[:2]
@@ -249,32 +299,79 @@ def _mosaic_flops(line: str, types: dict[str, str]) -> float:
 
 
 def _fusion_bytes(program: Program, fused: str, operand_types: list[str], result: str) -> int:
-    """HBM bytes of one fusion: its operands (only the slice where a parameter is used by
-    dynamic slices alone) and its outputs (only the update of a dynamic-update-slice root)."""
-    lines = program.comps.get(fused, [])
-    params, users = {}, {}
-    for line in lines:
-        m = _INSTRUCTION.match(line)
-        if not m:
-            continue
-        if m.group(3) == "parameter":
-            params[int(re.match(r"(\d+)", m.group(4)).group(1))] = m.group(1)
-        for i, o in enumerate(_operands(m.group(4))):
-            users.setdefault(o, []).append((m.group(3), i, m.group(2)))
+    """HBM bytes of one fusion: its operands (:func:`_reads`: only the slice of one that is
+    dynamic-sliced, nothing of the buffer a dynamic-update-slice root writes into) and its
+    outputs (only the update of a dynamic-update-slice root)."""
+    params = program.parameters(fused)
     total = 0
     for i, t in enumerate(operand_types):
-        uses = users.get(params.get(i, ""), [])
-        if uses and all(op == "dynamic-slice" and pos == 0 for op, pos, _ in uses):
-            total += sum(_hbm_bytes(r) for _, _, r in uses) if _hbm_bytes(t) else 0
-        else:
-            total += _hbm_bytes(t)
-    root = next((ln for ln in lines if ln.lstrip().startswith("ROOT")), "")
+        full = _hbm_bytes(t)
+        total += min(full, _reads(program, fused, params.get(i, ""), full, top=True)) if full else 0
+    root = program.root(fused)
     m = _INSTRUCTION.match(root)
     if m and m.group(3) == "dynamic-update-slice":
         update = _operands(m.group(4))[1:2]
         types = program.types(fused)
         return total + sum(_hbm_bytes(types.get(u, "")) for u in update) * bool(_hbm_bytes(result))
     return total + _hbm_bytes(result)
+
+
+# ops through which a fusion operand reaches a dynamic slice unchanged in size
+_THROUGH = ("bitcast", "copy")
+
+
+def _reads(program: Program, comp: str, name: str, full: float, top: bool = False) -> float:
+    """Bytes that computation ``comp`` reads of its value ``name`` (``full`` bytes in all):
+    a dynamic slice of it (operand 0) reads its slice, the buffer operand of a root
+    dynamic-update-slice of the fusion (``top``) nothing (it is updated in place); through
+    bitcasts, copies (a change of tiling) and the parameters of nested fusions; any
+    other use reads all of it."""
+    uses = program.users(comp).get(name, [])
+    if not uses:
+        return full
+    total = 0.0
+    for op, pos, result, user, root in uses:
+        if op == "dynamic-slice" and pos == 0:
+            total += result_bytes(result)
+        elif op == "dynamic-update-slice" and pos == 0 and root and top:
+            continue
+        elif op in _THROUGH:
+            total += _reads(program, comp, user, full)
+        elif op == "fusion" and len(program.callees_of(comp, user)) == 1:
+            callee = program.callees_of(comp, user)[0]
+            param = program.parameters(callee).get(pos, "")
+            if _copy_of(program, callee, param):      # a nested copy: its users read it
+                total += _reads(program, comp, user, full)
+            else:
+                total += _reads(program, callee, param, full)
+        else:
+            return full
+    return min(total, full)
+
+
+def _copy_of(program: Program, comp: str, name: str) -> bool:
+    """Whether the root of ``comp`` is its value ``name`` through bitcasts and copies alone."""
+    line = program.root(comp)
+    while (m := _INSTRUCTION.match(line)) and m.group(1) != name:
+        operands = _operands(m.group(4))
+        if m.group(3) not in _THROUGH or len(operands) != 1:
+            return False
+        line = program.line(comp, operands[0])
+    return m is not None
+
+
+def _copy_bytes(op: str, result: str, operand_types: list[str]) -> int:
+    """A slice reads its slice (where its operand is in HBM) and writes it (where its
+    result is); an async slice's or copy's tuple holds its operand(s) and context beside
+    the result (``slice-start``: ``((operand), result, context)``; ``copy-start``:
+    ``(result, operand, context)``), which count once, as the operand read."""
+    arrays = _ARRAY.findall(result)
+    out = arrays[len(operand_types)] if op == "slice-start" else arrays[0]
+    size = int(math.prod(_dims(out[1])) * _BYTES[out[0]])
+    written = size if "S(1)" not in (out[2] or "") else 0
+    if op == "copy-start":
+        return sum(map(_hbm_bytes, operand_types)) + written
+    return (size if not operand_types or _hbm_bytes(operand_types[0]) else 0) + written
 
 
 def _inside_fusions(program: Program) -> set[str]:
@@ -312,8 +409,8 @@ def costs(hlo_text: str) -> dict[str, float]:
         if op == "fusion":
             callee = program.callees(line, comp)
             nbytes = _fusion_bytes(program, callee[0], operand_types, result) if callee else 0
-        elif op == "dynamic-slice":
-            nbytes = 2 * _hbm_bytes(result)
+        elif op in ("dynamic-slice", "slice", "slice-start", "copy-start"):
+            nbytes = _copy_bytes(op, result, operand_types)
         elif op == "dynamic-update-slice":
             nbytes = 2 * _hbm_bytes(operand_types[1]) if len(operand_types) > 1 else 0
         else:

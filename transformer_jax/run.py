@@ -208,7 +208,8 @@ def setup(cfg: ExperimentConfig, workdir: str | Path, *, resume: bool = False,
                writer=MetricsWriter(workdir, resume_step=start if resumed else None,
                                     enabled=is_main(), wandb=wandb),
                state=state, start=start, resumed=resumed, tokens_per_step=task.tokens_per_step(),
-               flops_per_step=task.flops_per_step(model_cfg), peak_flops=peak_flops_per_device(),
+               flops_per_step=_flops_per_step(task, model_cfg, split, abstract),
+               peak_flops=peak_flops_per_device(),
                watch=LossWatch(cfg.loss_spike_factor, cfg.loss_spike_window, warn=warn))
 
 
@@ -223,6 +224,13 @@ def _check_early(cfg: ExperimentConfig) -> str | None:
     # prepare the dataset)
     main_first(lambda: check_data(cfg), "transformer_jax:check_data")
     return wandb_mode
+
+
+def _flops_per_step(task, model_cfg, split, abstract) -> float:
+    """The model FLOPs of a step, for MFU: a frozen base's weights at 4 a token, what
+    trains at 6 (``Task.flops_per_step``)."""
+    shapes = abstract() if split is not None else {}
+    return task.flops_per_step(model_cfg, finetune.trainable_counts(split, shapes))
 
 
 def _initial_state(cfg, placement, task, tx, create, pretrained, split, plan):

@@ -263,3 +263,31 @@ def test_lm_loss_chunked_refuses_a_lora_adapter_on_the_head():
                                         "which a LoRA adapter targets; leave it out of "
                                         "lora.targets, or set loss_chunk=0"):
         lm_loss(model.apply, params, batch, None, True, 0.0, loss_chunk=4)
+
+
+def test_flops_per_step_counts_a_frozen_base_at_4_and_what_trains_at_6(tmp_path):
+    """MFU's model FLOPs of a LoRA run, by hand for a 1-layer GPT-2 (D 16, MLP 64, tied
+    embedding of V = 259 byte ids, 2 heads) with rank-2 adapters on the query and value
+    projections: the N = 7,456 base weights (per layer 4 D^2 + 2 D F attention and MLP
+    weights, 3 D + D + F + D biases, two layer norms; the final norm; the V D read-out)
+    cost 4 a token over the frozen base (forward and input gradient) where full training
+    costs 6; the A = 2 x 2 (16 + 16) = 128 adapter weights cost 6; attention 12 L D T."""
+    import flax.linen as nn
+
+    from transformer_jax.models.gpt import GPT, GPTConfig
+    from transformer_jax.train import finetune
+
+    task = lm_task(tmp_path)
+    d, f, v, tokens = 16, 64, 259, B * T
+    n = 4 * d * d + 2 * d * f + 5 * d + f + 4 * d + 2 * d + v * d
+    cfg = GPTConfig(vocab_size=v, max_len=8, num_layers=1, num_heads=2, d_model=d, mlp_dim=f,
+                    lora=dict(rank=2, targets="attn/(query|value)"))
+    assert n == 7_456 and cfg.num_params(non_embedding=True) + v * d == n
+    shapes = nn.meta.unbox(jax.eval_shape(lambda: GPT(cfg).init(
+        jax.random.PRNGKey(0), np.zeros((1, T), np.int32))))["params"]
+    adapted = finetune.trainable_counts(finetune.make_split(cfg, None, "gpt"), shapes)
+    assert adapted == (0, 2 * 2 * (16 + 16))
+    attention = 12 * 1 * d * T
+    assert task.flops_per_step(cfg) == (6 * n + attention) * tokens
+    assert task.flops_per_step(cfg, adapted) == (4 * n + 6 * 128 + attention) * tokens
+    assert task.flops_per_step(cfg, (10, 128)) == (4 * n + 2 * 10 + 6 * 128 + attention) * tokens

@@ -11,7 +11,9 @@ gradient are plain 2-D products. Their weight, and the tied read-out's, passes t
 ``cpu_tuning.matmul_weight`` (the orientation of the weight gradient on XLA:CPU; an
 identity elsewhere, or everywhere with ``cpu_tuning=False``). A Dense that the model's
 LoRA config targets adds its low-rank update (``layers/lora.py``); one whose kernel is
-stored quantized (``kernel_q`` and its scales, ``layers/quant.py``) dequantizes it per call.
+stored quantized (``kernel_q`` and its scales, ``layers/quant.py``) dequantizes it per call:
+an NF4 kernel on a TPU inside the matmul's kernel (``layers/quant_matmul.py``), elsewhere
+with XLA before the matmul.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from ..errors import UserError
-from . import lora, quant
+from . import lora, quant, quant_matmul
 from .cpu_tuning import matmul_weight
 
 Array = jax.Array
@@ -82,20 +84,24 @@ class Dense(nn.Module):
         if len(axes) != len(kernel_shape):
             raise UserError(f"{self.name}: kernel_axes {axes} do not match kernel shape {kernel_shape}")
         dtype = canonical_dtype(self.dtype)
-        stored = quant.stored_kernel(self)     # a frozen base kernel stored quantized (QLoRA)
-        if stored is not None:                 # dequantized to the matmul's input dtype
-            kernel = quant.dequantize_kernel(stored, kernel_shape, dtype)
-        else:
-            kernel = self.param(
-                "kernel",
-                nn.with_logical_partitioning(_flat_init(self.kernel_init, in_shape, features), axes),
-                kernel_shape, self.param_dtype)
         lead = x.shape[:-self.in_axes]
         x2 = x.reshape((-1, math.prod(in_shape))).astype(dtype)
-        w2 = kernel.reshape((math.prod(in_shape), math.prod(features))).astype(dtype)
-        if weights_only:
-            return self._weights(w2, features, axes)
-        y = jnp.dot(x2, matmul_weight(w2, self.cpu_tuning), precision=self.precision)
+        stored = quant.stored_kernel(self)     # a frozen base kernel stored quantized (QLoRA)
+        y = None
+        if stored is not None and not weights_only:   # NF4 on a TPU: dequantized in VMEM
+            y = quant_matmul.matmul(x2, stored, kernel_shape, math.prod(in_shape))
+        if y is None:
+            if stored is not None:             # dequantized to the matmul's input dtype
+                kernel = quant.dequantize_kernel(stored, kernel_shape, dtype)
+            else:
+                kernel = self.param(
+                    "kernel", nn.with_logical_partitioning(
+                        _flat_init(self.kernel_init, in_shape, features), axes),
+                    kernel_shape, self.param_dtype)
+            w2 = kernel.reshape((math.prod(in_shape), math.prod(features))).astype(dtype)
+            if weights_only:
+                return self._weights(w2, features, axes)
+            y = jnp.dot(x2, matmul_weight(w2, self.cpu_tuning), precision=self.precision)
         delta = lora.adapter_delta(self, x2, in_shape, features, axes, self.in_axes, dtype,
                                    self.param_dtype, self.precision)   # LoRA, where targeted
         if delta is not None:

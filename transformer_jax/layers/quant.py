@@ -168,12 +168,17 @@ def dequantize_kernel(stored: Mapping[str, Array], shape: tuple[int, ...] | None
     if fmt == "int8":
         kernel = q.astype(jnp.float32) * stored["kernel_scale"]
     else:
-        absmax = (stored["kernel_absmax"] if "kernel_absmax" in stored
-                  else _dequantize_absmax(stored))
+        absmax = block_absmax(stored)
         codes = jnp.take(jnp.asarray(NF4), unpack_nibbles(q).astype(jnp.int32))   # K
         block = math.prod(want[absmax.ndim - 1:]) // absmax.shape[-1]
         kernel = (codes.reshape(absmax.shape + (block,)) * absmax[..., None]).reshape(want)
     return kernel.astype(dtype)
+
+
+def block_absmax(stored: Mapping[str, Array]) -> Array:
+    """The absmax of each block of a stored nf4 kernel (``kernel_absmax``, or its double
+    quantization undone), fp32, in ``kernel_absmax``'s shape."""
+    return stored["kernel_absmax"] if "kernel_absmax" in stored else _dequantize_absmax(stored)
 
 
 def stored_format(stored: Mapping[str, Any]) -> str:

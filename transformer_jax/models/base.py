@@ -581,19 +581,20 @@ class EncoderDecoderConfig:
         return ((("encoder",), "layers", self.num_layers),
                 (("decoder",), "layers", self.decoder_layers))
 
-    def flops_per_example(self, src_len: int, tgt_len: int) -> float:
+    def flops_per_example(self, src_len: int, tgt_len: int, *,
+                          frozen_base: bool = False) -> float:
         """Training FLOPs of one (source, target) pair: 6 per matmul weight per token (the
-        encoder's weights x S, the decoder's and the V D read-out x T) + 12 N H per attention
-        logit per layer (L_enc S^2 + L_dec (T^2 + T S)). Embedding lookups, position terms
-        and norms' elementwise work are not counted."""
+        encoder's weights x S, the decoder's and the V D read-out x T; 4 with ``frozen_base``)
+        + 12 N H per attention logit per layer (L_enc S^2 + L_dec (T^2 + T S)). Embedding
+        lookups, position terms and norms' elementwise work are not counted."""
         enc, dec = self._layer_params()
         s, t = src_len, tgt_len
         weights = self.num_layers * enc * s + self.decoder_layers * dec * t
         weights += self.vocab_size * self.d_model * t
         width = self.num_heads * self.head_dim
         attn = width * (self.num_layers * s * s + self.decoder_layers * (t * t + t * s))
-        return 6.0 * weights + 12.0 * attn
+        return (4.0 if frozen_base else 6.0) * weights + 12.0 * attn
 
-    def flops_per_token(self, seq_len: int) -> float:
+    def flops_per_token(self, seq_len: int, *, frozen_base: bool = False) -> float:
         """``flops_per_example(seq_len, seq_len)`` per token of the pair (2 seq_len tokens)."""
-        return self.flops_per_example(seq_len, seq_len) / (2 * seq_len)
+        return self.flops_per_example(seq_len, seq_len, frozen_base=frozen_base) / (2 * seq_len)

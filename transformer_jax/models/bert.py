@@ -157,17 +157,19 @@ class BertConfig(EfficientAttentionConfig, PresetConfig):
                   "classification": pooler + d * self.num_classes + self.num_classes}[head]
         return total if non_embedding else total + tables
 
-    def flops_per_token(self, seq_len: int) -> float:
+    def flops_per_token(self, seq_len: int, *, frozen_base: bool = False) -> float:
         """Training FLOPs per token, PaLM convention: 6 N + 12 L D T.
 
         N excludes the position and token-type tables (lookups) and, for heads without an
         MLM read-out, the word embedding too; with an MLM head the word embedding counts,
         since its transpose is the tied read-out matmul (evaluated at every position).
+        ``frozen_base``: 4 per weight, not 6 (``GPTConfig.flops_per_token``).
         """
         n = self.num_params(non_embedding=True)
         if self.head in ("pretraining", "mlm"):
             n += self.vocab_size * self.d_model
-        return 6 * n + 12 * self.num_layers * self.d_model * self.attention_reach(seq_len)
+        return ((4 if frozen_base else 6) * n
+                + 12 * self.num_layers * self.d_model * self.attention_reach(seq_len))
 
 
 # ----------------------------------------------------------------------------- layers

@@ -215,7 +215,8 @@ class CLIPConfig(EfficientAttentionConfig, PresetConfig):
             return total - text_tables - self.vision_config.seq_len * self.vision_width
         return total
 
-    def flops_per_example(self, text_len: int | None = None) -> float:
+    def flops_per_example(self, text_len: int | None = None, *,
+                          frozen_base: bool = False) -> float:
         """Training FLOPs (forward + backward, PaLM convention) of one image and one caption
         of ``text_len`` tokens (default ``max_len``).
 
@@ -223,21 +224,23 @@ class CLIPConfig(EfficientAttentionConfig, PresetConfig):
         its projection. The caption: 6 x (block and final-norm weights) x T + 12 L_t D_t T
         x reach (T for full attention), plus 6 D_t E for its projection; the lookups are
         not counted. The (B_img, B_txt) similarity matrix (6 E per pair, so 6 E B per
-        example) depends on the batch and is left out.
+        example) depends on the batch and is left out. ``frozen_base``: 4 per weight use,
+        not 6 (no weight gradients).
         """
         t = self.max_len if text_len is None else text_len
-        e = self.projection_dim
-        image = self.vision_config.flops_per_image() + 6 * self.vision_width * e
+        e, w = self.projection_dim, 4 if frozen_base else 6
+        image = (self.vision_config.flops_per_image(frozen_base=frozen_base)
+                 + w * self.vision_width * e)
         body = self.text_layers * self._text_layer_params() + 2 * self.text_width
-        text = (6 * body * t + 12 * self.text_layers * self.text_width * t * self.attention_reach(t)
-                + 6 * self.text_width * e)
+        text = (w * body * t + 12 * self.text_layers * self.text_width * t * self.attention_reach(t)
+                + w * self.text_width * e)
         return float(image + text)
 
-    def flops_per_token(self, seq_len: int | None = None) -> float:
+    def flops_per_token(self, seq_len: int | None = None, *, frozen_base: bool = False) -> float:
         """:meth:`flops_per_example` per caption token (``seq_len`` tokens, default
         ``max_len``): a step of B pairs of T tokens costs ``B T flops_per_token(T)``."""
         t = self.max_len if seq_len is None else seq_len
-        return self.flops_per_example(t) / t
+        return self.flops_per_example(t, frozen_base=frozen_base) / t
 
 
 # ============================================================================ pure functions

@@ -172,13 +172,14 @@ class GemmaConfig(PresetConfig):
         emb = self.vocab_size * d * (1 if self.tie_embeddings else 2)
         return total if non_embedding else total + emb
 
-    def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token, PaLM/nanoGPT convention (``GPTConfig.flops_per_token``):
-        6 N + 12 (N H) x the keys each layer reads (T, or min(T, W) for a local layer)."""
+    def flops_per_token(self, seq_len: int, *, frozen_base: bool = False) -> float:
+        """Training FLOPs per token, PaLM/nanoGPT convention (``GPTConfig.flops_per_token``,
+        ``frozen_base`` too): 6 N + 12 (N H) x the keys each layer reads (T, or min(T, W)
+        for a local layer)."""
         n = self.num_params(non_embedding=True) + self.vocab_size * self.d_model
         reach = sum(min(seq_len, self.sliding_window) if k == "local" else seq_len
                     for k in self.layer_kinds)
-        return 6 * n + 12 * self.num_heads * self.head_dim * reach
+        return (4 if frozen_base else 6) * n + 12 * self.num_heads * self.head_dim * reach
 
 
 class GemmaBlock(nn.Module):

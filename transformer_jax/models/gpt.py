@@ -212,16 +212,19 @@ class GPTConfig(EfficientAttentionConfig, PresetConfig):
             emb += self.vocab_size * d
         return total if non_embedding else total + emb
 
-    def flops_per_token(self, seq_len: int) -> float:
+    def flops_per_token(self, seq_len: int, *, frozen_base: bool = False) -> float:
         """Training FLOPs per token, PaLM/nanoGPT convention: 6 N + 12 L (N H) T.
 
         N excludes the lookups (the position table, and the token embedding of an untied
         model) but counts the V x D read-out matmul once: the tied embedding's transpose,
-        or the untied ``lm_head``.
+        or the untied ``lm_head``. ``frozen_base``: none of the N weights trains (LoRA,
+        QLoRA, prefix tuning), so each costs 4, its forward and its input's gradient, not 6
+        (no weight gradient); the adapters are the task's to add (``Task.flops_per_step``).
         """
         n = self.num_params(non_embedding=True) + self.vocab_size * self.d_model
         width = self.num_heads * self.head_dim               # N H (= D unless head_size)
-        return 6 * n + 12 * self.num_layers * width * self.attention_reach(seq_len)
+        return ((4 if frozen_base else 6) * n
+                + 12 * self.num_layers * width * self.attention_reach(seq_len))
 
 
 class GPT(nn.Module):

@@ -193,23 +193,25 @@ class ViTConfig(EfficientAttentionConfig, PresetConfig):
         return (embed + self.num_layers * self._layer_params() + 2 * d  # + encoder_norm
                 + self._head_params())
 
-    def flops_per_image(self, seq_len: int | None = None) -> float:
+    def flops_per_image(self, seq_len: int | None = None, *, frozen_base: bool = False) -> float:
         """Training FLOPs of one image (forward + backward), PaLM convention.
 
         6 x (parameters used) x (tokens that use them) + 12 L D T^2 for attention:
         the patch embedding runs on the N = T - 1 patches, the blocks and the final norm
         on all T tokens, the head once per image; the CLS token and the position table
-        are additions (no matmul) and are not counted.
+        are additions (no matmul) and are not counted. ``frozen_base``: 4 per parameter
+        use, not 6 (no weight gradients).
         """
         t = self.seq_len if seq_len is None else seq_len
+        w = 4 if frozen_base else 6
         body = self.num_layers * self._layer_params() + 2 * self.d_model
-        return (6 * self._patch_params() * (t - 1) + 6 * body * t + 6 * self._head_params()
+        return (w * self._patch_params() * (t - 1) + w * body * t + w * self._head_params()
                 + 12 * self.num_layers * self.d_model * t * self.attention_reach(t))
 
-    def flops_per_token(self, seq_len: int | None = None) -> float:
+    def flops_per_token(self, seq_len: int | None = None, *, frozen_base: bool = False) -> float:
         """:meth:`flops_per_image` / T, T = patches + 1 (``seq_len`` defaults to ``self.seq_len``)."""
         t = self.seq_len if seq_len is None else seq_len
-        return self.flops_per_image(t) / t
+        return self.flops_per_image(t, frozen_base=frozen_base) / t
 
 
 # ============================================================================ resizing

@@ -252,9 +252,24 @@ class Task(abc.ABC):
         """Tokens (or patches) one global batch holds, for tokens/s."""
         return self.cfg.batch_size * self.cfg.seq_len
 
-    def flops_per_step(self, model_cfg) -> float:
-        """Model FLOPs of one training step (6N + attention, PaLM convention), for MFU."""
-        return model_cfg.flops_per_token(self.cfg.seq_len) * self.tokens_per_step()
+    def flops_per_step(self, model_cfg, adapted: tuple[int, int] | None = None) -> float:
+        """Model FLOPs of one training step, for MFU: 6 N + attention per token (PaLM
+        convention). ``adapted``: (head, adapters), the parameters that train over a frozen
+        base (``finetune.trainable_counts``; None: every parameter trains): then the base's
+        N weights cost 4 each per token (forward and input gradient, no weight gradient),
+        the head's (a part of N) and the adapters' 6 (:meth:`adapter_flops`)."""
+        flops = model_cfg.flops_per_token(self.cfg.seq_len, frozen_base=adapted is not None)
+        return flops * self.tokens_per_step() + self.adapter_flops(adapted)
+
+    def adapter_flops(self, adapted: tuple[int, int] | None, head_uses: int | None = None) -> float:
+        """What the trained parameters over a frozen base add to its 4 per weight use:
+        2 more per use of a head weight (``head_uses`` a step; default: every token, as
+        N counts it per token) and 6 per use of an adapter weight (every token)."""
+        if adapted is None:
+            return 0.0
+        head, adapters = adapted
+        tokens = self.tokens_per_step()
+        return 2.0 * head * (tokens if head_uses is None else head_uses) + 6.0 * adapters * tokens
 
     def extra_eval(self, model, params) -> dict[str, float]:
         """Metrics beyond the loss (e.g. exact match or BLEU from decoding)."""

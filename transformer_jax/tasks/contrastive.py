@@ -500,8 +500,13 @@ class ContrastiveTask(Task):
         """Image tokens (patches + 1) and caption tokens of one global batch."""
         return self.cfg.batch_size * (self.model_config.vision_config.seq_len + self.cfg.seq_len)
 
-    def flops_per_step(self, model_cfg) -> float:
-        return self.cfg.batch_size * model_cfg.flops_per_example(self.cfg.seq_len)
+    def flops_per_step(self, model_cfg, adapted: tuple[int, int] | None = None) -> float:
+        """``batch_size`` pairs (``Task.flops_per_step``; an adapter counts every image
+        and caption token)."""
+        frozen = adapted is not None
+        return (self.cfg.batch_size * model_cfg.flops_per_example(self.cfg.seq_len,
+                                                                  frozen_base=frozen)
+                + self.adapter_flops(adapted))
 
     # -- evaluation ----------------------------------------------------------------
     def _jitted(self, model):

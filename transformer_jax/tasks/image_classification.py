@@ -170,9 +170,12 @@ class ImageClassificationTask(Task):
         """Tokens of one global batch: (patches + 1) per image."""
         return self.cfg.batch_size * self.model_config.seq_len
 
-    def flops_per_step(self, model_cfg) -> float:
-        """``batch_size`` x the model's training FLOPs per image."""
-        return self.cfg.batch_size * model_cfg.flops_per_image()
+    def flops_per_step(self, model_cfg, adapted: tuple[int, int] | None = None) -> float:
+        """``batch_size`` x the model's training FLOPs per image (``Task.flops_per_step``;
+        the head runs once per image)."""
+        frozen = adapted is not None
+        return (self.cfg.batch_size * model_cfg.flops_per_image(frozen_base=frozen)
+                + self.adapter_flops(adapted, head_uses=self.cfg.batch_size))
 
     # -- pretrained start ------------------------------------------------------------
     def init_params(self, params):

@@ -419,8 +419,12 @@ class Seq2SeqTask(Task):
     def tokens_per_step(self) -> int:
         return self.cfg.batch_size * (self.src_len + self.tgt_len)
 
-    def flops_per_step(self, model_cfg) -> float:
-        return self.cfg.batch_size * model_cfg.flops_per_example(self.src_len, self.tgt_len)
+    def flops_per_step(self, model_cfg, adapted: tuple[int, int] | None = None) -> float:
+        """``batch_size`` pairs (``Task.flops_per_step``; an adapter counts every token of
+        the pair, source and target alike)."""
+        frozen = adapted is not None
+        return (self.cfg.batch_size * model_cfg.flops_per_example(
+            self.src_len, self.tgt_len, frozen_base=frozen) + self.adapter_flops(adapted))
 
     # -- decoding -----------------------------------------------------------------
     def _decode(self, model, params, inputs, input_mask, max_new_tokens: int | None = None):

@@ -487,6 +487,22 @@ def check_adapters(model_config: Any, shapes: dict) -> None:
                     "found in some of these paths, e.g. --set lora.targets='attn/(query|value)'")
 
 
+def trainable_counts(split: ParamSplit | None, shapes: dict) -> tuple[int, int] | None:
+    """``(head, adapters)``: the parameters that train over the frozen base, other than
+    adapters (a task head) and the LoRA adapters' (prefix keys and values are no matmul
+    weights: not counted); None when every parameter trains (``split`` None). For
+    ``Task.flops_per_step``. ``shapes``: the whole parameter tree."""
+    if split is None:
+        return None
+    head = adapters = 0
+    for path, leaf in _flat(shapes).items():
+        if split.trains(path) and path[-1] in lora_lib.ADAPTER_NAMES:
+            adapters += int(np.prod(leaf.shape))
+        elif split.trains(path) and path[-1] not in ("prefix_key", "prefix_value"):
+            head += int(np.prod(leaf.shape))
+    return head, adapters
+
+
 def describe_trainable(split: ParamSplit, shapes: dict) -> str:
     """One line: how many parameters each kind of adapter trains (LoRA, prefix, a task
     head) and how many are frozen. ``shapes``: the whole parameter tree."""

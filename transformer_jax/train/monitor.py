@@ -5,8 +5,11 @@ With ``log.wandb`` the same rows, samples and plot also go to Weights & Biases
 (:mod:`transformer_jax.train.wandb_log`).
 
 MFU (model FLOPs utilisation) = achieved training FLOP/s / peak FLOP/s. Achieved FLOPs
-follow the PaLM/nanoGPT convention (``GPTConfig.flops_per_token``). The peak comes from a
-table for known accelerators and is *measured* on CPUs (a large fp32 matmul), so CPU MFU
+follow the PaLM/nanoGPT convention (``GPTConfig.flops_per_token``: 6 per weight per token),
+except over a frozen base (LoRA, QLoRA, prefix tuning; ``Task.flops_per_step``): 4 per
+frozen weight (forward and input gradient, no weight gradient), 6 per trained one. The
+peak comes from a table for known accelerators and is *measured* on CPUs (a large fp32
+matmul), so CPU MFU
 is relative to what this machine's matmuls can actually do.
 """
 from __future__ import annotations
