@@ -88,11 +88,10 @@ def special_ids_config(task: Any) -> dict:
     return ids
 
 
-def write_generation_config(out_dir: str, task: Any, architecture: str) -> None:
+def write_generation_config(out_dir: str, ids: dict, architecture: str) -> None:
     """``generation_config.json`` for a model that generates (``architecture``, the HF
-    class, in :data:`GENERATES`): the ids of :func:`special_ids_config`, greedy decoding
+    class, in :data:`GENERATES`): ``ids`` (:func:`special_ids_config`), greedy decoding
     (transformers' default) that stops at the eos ids; nothing for any other model."""
-    ids = special_ids_config(task)
     if ids and architecture.endswith(GENERATES):
         from transformers import GenerationConfig
 
@@ -187,10 +186,11 @@ def export(workdir: str, out_dir: str, *, fmt: str = "hf", merge: bool = False) 
                                     "peft, or the merged model with --format hf --merge")
                 params = lora_lib.merge(params, lora)
                 _, model = _plain_model(run_config, config)
+            ids = special_ids_config(task)
             write_hf(model, params, staging,
-                     extra_config={**special_ids_config(task), **_label_config(task, model.config)})
+                     extra_config={**ids, **_label_config(task, model.config)})
             architecture = hf_architecture(model.config)
-            write_generation_config(staging, task, architecture)
+            write_generation_config(staging, ids, architecture)
         if "tokenizer" in task.spec():          # text tasks (an image task has none)
             write_tokenizer(task.spec()["tokenizer"], staging, _mlm_specials(task))
         files = sorted(os.listdir(staging))

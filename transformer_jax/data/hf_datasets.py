@@ -91,6 +91,16 @@ class HFSource:
         import pyarrow.compute as pc
         return int(pc.index(pc.is_null(column), True).as_py())
 
+    def refuse_empty_cells(self, fields) -> None:
+        """A UserError naming the first row with an empty cell (:meth:`null_row`) in any of
+        ``fields``, and the fix; nothing where every cell holds a value."""
+        for field in fields:
+            row = self.null_row(field)
+            if row is not None:
+                raise UserError(f"dataset {self.name!r} split {self.split!r} row {row} has no "
+                                f"{field!r} (an empty cell); drop the rows with empty cells, or "
+                                "fill them")
+
     def label_strings(self, field: str) -> tuple[str, ...] | None:
         """For a label column of strings, its distinct strings, sorted: the classes
         ``datasets``' ``class_encode_column`` makes of them, id = place in this list. None
@@ -98,6 +108,15 @@ class HFSource:
         if not self.holds_strings(field):
             return None
         return tuple(sorted(v for v in self.dataset.unique(field) if v is not None))
+
+    def refuse_unknown_labels(self, field: str, classes: Sequence[str]) -> None:
+        """A UserError where this split's string labels in ``field`` include some outside
+        ``classes`` (the train split's), naming them and the fix; nothing otherwise."""
+        unknown = sorted(set(self.label_strings(field) or ()) - set(classes))
+        if unknown:
+            raise UserError(f"dataset {self.name!r} split {self.split!r} has labels {unknown[:5]} "
+                            f"that the train split lacks (its classes: {list(classes)[:10]}); "
+                            "drop those rows or relabel them")
 
     def holds_strings(self, field: str) -> bool:
         """Whether ``field`` is a column of strings."""

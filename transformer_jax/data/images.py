@@ -58,8 +58,8 @@ import numpy as np
 from transformer_jax.data.image_workers import BatchPool, host_cores
 from transformer_jax.data.shuffle import hash_order, shuffled
 from transformer_jax.data.hf_datasets import HFImageSource, is_hf_dataset, open_hf_source
-from transformer_jax.data.sources import (check_tfds_dataset, default_data_dir, open_source,
-                                          read_examples)
+from transformer_jax.data.sources import (base_name, check_tfds_dataset, default_data_dir,
+                                          open_source, read_examples)
 from transformer_jax.errors import UserError
 
 __all__ = ["DatasetInfo", "ImageIterator", "check_image_split", "configured_info", "dataset_info",
@@ -79,6 +79,18 @@ class DatasetInfo:
     max_value: float                 # the pixel value that maps to +1
     label_names: tuple[str, ...]
     flip: bool                       # is left-right mirroring a label-preserving augmentation?
+
+    def to_spec(self) -> dict:
+        """Its JSON in a task's spec (:meth:`from_spec` reads it back)."""
+        return {"dataset": self.name, "num_classes": self.num_classes,
+                "num_channels": self.num_channels, "max_value": self.max_value,
+                "label_names": list(self.label_names), "flip": self.flip}
+
+    @classmethod
+    def from_spec(cls, spec: dict) -> "DatasetInfo":
+        """The inverse of :meth:`to_spec` (the spec may hold other keys too)."""
+        return cls(spec["dataset"], spec["num_classes"], spec["num_channels"], spec["max_value"],
+                   tuple(spec["label_names"]), spec["flip"])
 
 
 # ----------------------------------------------------------------------------- digits
@@ -152,17 +164,9 @@ def check_image_split(dataset: str, split: str, *, label_names: tuple[str, ...] 
         return None
     source = HFImageSource(open_hf_source(dataset, split), label_names)
     columns = [source.image_key, source.label_key, *(k.split("/")[0] for k in caption_keys)]
-    for column in dict.fromkeys(c for c in columns if c is not None):
-        row = source.source.null_row(column)
-        if row is not None:
-            raise UserError(f"dataset {dataset!r} split {split!r} row {row} has no {column!r} "
-                            "(an empty cell); drop the rows with empty cells, or fill them")
+    source.source.refuse_empty_cells(dict.fromkeys(c for c in columns if c is not None))
     if label_names and source.ids is not None:
-        unknown = sorted(set(source.source.label_strings(source.label_key)) - set(label_names))
-        if unknown:
-            raise UserError(f"dataset {dataset!r} split {split!r} has labels {unknown[:5]} that "
-                            f"the train split lacks (its classes: {list(label_names)[:10]}); "
-                            "drop those rows or relabel them")
+        source.source.refuse_unknown_labels(source.label_key, label_names)
     return source
 
 
@@ -191,8 +195,7 @@ def dataset_info(dataset: str, *, data_dir: str | None = None) -> DatasetInfo:
     label, image = features["label"], features["image"]
     names = tuple(getattr(label, "names", None) or (str(i) for i in range(label.num_classes)))
     channels = image.shape[-1] or 3
-    base = dataset.split("/")[0].split(":")[0]
-    return DatasetInfo(base, int(label.num_classes), int(channels), 255.0, names, True)
+    return DatasetInfo(base_name(dataset), int(label.num_classes), int(channels), 255.0, names, True)
 
 
 def configured_info(dataset: str, num_classes: int, num_channels: int) -> DatasetInfo:
@@ -202,7 +205,7 @@ def configured_info(dataset: str, num_classes: int, num_channels: int) -> Datase
     able to read) the data; the digits' facts need no data and are their own."""
     if dataset == "digits":
         return dataset_info("digits")
-    name = dataset if is_hf_dataset(dataset) else dataset.split("/")[0].split(":")[0]
+    name = dataset if is_hf_dataset(dataset) else base_name(dataset)
     return DatasetInfo(name, num_classes, num_channels, 255.0,
                        tuple(str(i) for i in range(num_classes)), True)
 

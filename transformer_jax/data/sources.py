@@ -18,8 +18,9 @@ import numpy as np
 
 from transformer_jax.errors import UserError
 
-__all__ = ["READ_CHUNK", "check_split", "check_tfds_dataset", "default_data_dir", "document_text",
-           "iter_text_chunks", "iter_texts", "load_texts", "open_source", "read_examples"]
+__all__ = ["READ_CHUNK", "base_name", "check_split", "check_tfds_dataset", "default_data_dir",
+           "document_text", "is_stdlib", "iter_text_chunks", "iter_texts", "load_texts",
+           "open_source", "read_examples"]
 
 #: Documents read per data-source call.
 READ_CHUNK = 512
@@ -41,8 +42,14 @@ NO_TENSORFLOW_ALTERNATIVES = {
 }
 
 
-def _base_name(dataset: str) -> str:
+def base_name(dataset: str) -> str:
+    """A TFDS name without its config and version (``glue/sst2:2.0.0`` -> ``glue``)."""
     return dataset.split("/")[0].split(":")[0]
+
+
+def is_stdlib(dataset: Any) -> bool:
+    """Whether ``dataset`` is the embedded corpus, ``python_stdlib`` (any config or version)."""
+    return isinstance(dataset, str) and base_name(dataset) == "python_stdlib"
 
 
 def check_tfds_dataset(dataset: str, data_dir: str | None = None) -> None:
@@ -51,7 +58,7 @@ def check_tfds_dataset(dataset: str, data_dir: str | None = None) -> None:
     installed (prepared: a ``dataset_info.json`` under ``data_dir/NAME[/CONFIG]/VERSION``,
     looked for without TFDS's builders, which import TensorFlow). ``python_stdlib`` prepares
     without TensorFlow; under ``tfds.testing.mock_data`` nothing is prepared."""
-    if _base_name(dataset) == "python_stdlib" or importlib.util.find_spec("tensorflow"):
+    if base_name(dataset) == "python_stdlib" or importlib.util.find_spec("tensorflow"):
         return
     import tensorflow_datasets as tfds
 
@@ -67,13 +74,13 @@ def check_tfds_dataset(dataset: str, data_dir: str | None = None) -> None:
         return   # prepared (TFDS reads it, or says which version or format it lacks)
     config = dataset.split(":")[0]
     alternative = NO_TENSORFLOW_ALTERNATIVES.get(config) or NO_TENSORFLOW_ALTERNATIVES.get(
-        _base_name(dataset))
+        base_name(dataset))
     use = f"use dataset={alternative}, or " if alternative else ""
     raise UserError(
         f"dataset {dataset!r} is not prepared in {data_dir}, and TFDS needs TensorFlow (not "
         f"installed) to find or prepare it: {use}run `tfds build {config} "
         f"--file_format=array_record` where TensorFlow is installed and copy its "
-        f"{_base_name(dataset)}/ folder into {data_dir} (or set data_dir=gs://BUCKET/DIR); "
+        f"{base_name(dataset)}/ folder into {data_dir} (or set data_dir=gs://BUCKET/DIR); "
         "see docs/datasets.md")
 
 
@@ -114,7 +121,7 @@ def open_source(dataset: Any, split: str, *, data_dir: str | None = None):
     # Random access (and reading without TensorFlow) needs array_record files;
     # TFDS only picks that format by itself when no data_dir is given.
     kwargs: dict[str, Any] = {"builder_kwargs": {"file_format": "array_record"}}
-    if dataset.split("/")[0].split(":")[0] == "python_stdlib":
+    if is_stdlib(dataset):
         # Registers the builder with TFDS; it needs no download, nor GCS.
         from transformer_jax.data import stdlib_corpus  # noqa: F401
 
@@ -176,10 +183,8 @@ def check_split(dataset: Any, split: str, *, texts: dict[str, str] | None = None
             "" if split == "train" else ", or set --set eval_split=NAME to a split that has some"))
     first = read_examples(source, [0])[0]
     for field, option in {**(texts or {}), **(labels or {})}.items():
-        row = source.null_row(field) if hasattr(source, "null_row") else None
-        if row is not None:
-            raise UserError(f"{where} row {row} has no {field!r} (an empty cell); drop the rows "
-                            "with empty cells, or fill them")
+        if hasattr(source, "refuse_empty_cells"):     # an hf: split, from Arrow's null counts
+            source.refuse_empty_cells([field])
         try:
             if field in (texts or {}):
                 document_text(first, field, option)

@@ -47,8 +47,8 @@ from .. import data as data_lib
 from .. import storage
 from ..data.shuffle import EpochIterator, permutation
 from ..data.hf_datasets import is_hf_dataset, open_hf_source
-from ..data.sources import (check_split, check_tfds_dataset, document_text, open_source,
-                            read_examples)
+from ..data.sources import (check_split, check_tfds_dataset, document_text, is_stdlib,
+                            open_source, read_examples)
 from ..errors import UserError
 from ..losses import token_loss
 from ..train.checkpoint import load_params
@@ -164,10 +164,6 @@ def classify_loss(apply_fn, params, batch, rngs, deterministic: bool, smoothing:
 
 # ----------------------------------------------------------------------------- task
 
-def _is_stdlib(dataset) -> bool:
-    return dataset.split("/")[0].split(":")[0] == "python_stdlib"
-
-
 def _read_pretrained_config(path: str | Path) -> dict:
     config = storage.path(path) / "config.json"
     if not config.is_file():
@@ -203,7 +199,7 @@ class ClassifyTask(Task):
             raise UserError(f"task option context_lines={ctx!r} must be an int >= 0")
         if cfg.seq_len < 4:
             raise UserError(f"seq_len={cfg.seq_len} is too short for [CLS] a [SEP] b [SEP]")
-        self.stdlib = _is_stdlib(cfg.dataset)
+        self.stdlib = is_stdlib(cfg.dataset)
         self.classes = (list(spec["classes"]) if spec is not None else self._class_names())
         self.class_ids = {name: i for i, name in enumerate(self.classes)}
         tok_spec = spec
@@ -223,20 +219,16 @@ class ClassifyTask(Task):
         the train split's; another TFDS set is read by its builder when the task is built."""
         if not isinstance(cfg.dataset, str):
             return
-        if _is_stdlib(cfg.dataset):
+        if is_stdlib(cfg.dataset):
             check_split(cfg.dataset, split, data_dir=cfg.data_dir)
         elif is_hf_dataset(cfg.dataset):
             super().check_split(cfg, options, split)
         if split == "train" or not is_hf_dataset(cfg.dataset):
             return
         label = options["label_key"]
-        train, held = (open_hf_source(cfg.dataset, part).label_strings(label)
-                       for part in ("train", split))
-        unknown = sorted(set(held or ()) - set(train or ()))
-        if train is not None and unknown:
-            raise UserError(f"dataset {cfg.dataset!r} split {split!r} has labels {unknown[:5]} "
-                            f"that the train split lacks (its classes: {list(train)[:10]}); drop "
-                            "those rows or relabel them")
+        train = open_hf_source(cfg.dataset, "train").label_strings(label)
+        if train is not None:
+            open_hf_source(cfg.dataset, split).refuse_unknown_labels(label, train)
 
     # -- data -------------------------------------------------------------------------
     def _class_names(self) -> list[str]:

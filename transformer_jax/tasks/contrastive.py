@@ -70,6 +70,7 @@ from .. import data as data_lib
 from ..data import images as image_data
 from ..data.hf_datasets import is_hf_dataset, open_hf_source
 from ..data.hf_tokenizer import HFTokenizer
+from ..data.sources import base_name
 from ..data.shuffle import splitmix64
 from ..errors import UserError
 from ..models import build_model
@@ -287,10 +288,7 @@ def recall_at_1(similarity: np.ndarray, labels: np.ndarray | None = None) -> flo
 
 def _spec(tokenizer_spec, info: image_data.DatasetInfo, caption_key: str | None) -> dict:
     """The task's spec: the tokenizer, the image facts and the caption feature."""
-    return {"tokenizer": tokenizer_spec, "dataset": info.name,
-            "num_classes": info.num_classes, "num_channels": info.num_channels,
-            "max_value": info.max_value, "label_names": list(info.label_names),
-            "flip": info.flip, "caption_key": caption_key}
+    return {"tokenizer": tokenizer_spec, **info.to_spec(), "caption_key": caption_key}
 
 
 @register_task
@@ -335,9 +333,7 @@ class ContrastiveTask(Task):
         self.templates = tuple(templates)
         if spec is not None:
             self.tokenizer_spec = spec["tokenizer"]
-            self.info = image_data.DatasetInfo(
-                spec["dataset"], spec["num_classes"], spec["num_channels"], spec["max_value"],
-                tuple(spec["label_names"]), spec["flip"])
+            self.info = image_data.DatasetInfo.from_spec(spec)
             self.caption_key = spec["caption_key"]
         else:
             if cfg.tokenizer == "sentencepiece":
@@ -417,8 +413,7 @@ class ContrastiveTask(Task):
             raise UserError(f"dataset {cfg.dataset!r} has neither labels nor a caption feature "
                             f"({sorted(flat)}); set task.caption_key")
         channels = features["image"].shape[-1] or 3
-        base = cfg.dataset.split("/")[0].split(":")[0]
-        return image_data.DatasetInfo(base, 0, int(channels), 255.0, (), True), key
+        return image_data.DatasetInfo(base_name(cfg.dataset), 0, int(channels), 255.0, (), True), key
 
     def _hf_dataset_info(self, key: str | None) -> tuple[image_data.DatasetInfo, str | None]:
         """An ``hf:`` set: labelled (captions from the templates) unless ``caption_key`` is

@@ -50,13 +50,6 @@ def image_classification_loss(apply_fn, params, batch, rngs, deterministic: bool
     return token_loss(logits, batch["labels"], batch.get("weights"), smoothing)
 
 
-def _info_spec(info: image_data.DatasetInfo) -> dict:
-    """The JSON of a :class:`~transformer_jax.data.images.DatasetInfo` in a task's spec."""
-    return {"dataset": info.name, "num_classes": info.num_classes,
-            "num_channels": info.num_channels, "max_value": info.max_value,
-            "label_names": list(info.label_names), "flip": info.flip}
-
-
 @register_task
 class ImageClassificationTask(Task):
     """ViT image classification; options in the module docstring."""
@@ -72,9 +65,7 @@ class ImageClassificationTask(Task):
     def __init__(self, cfg, workdir, *, spec=None):
         super().__init__(cfg, workdir, spec=spec)
         if spec is not None:
-            self.info = image_data.DatasetInfo(
-                spec["dataset"], spec["num_classes"], spec["num_channels"], spec["max_value"],
-                tuple(spec["label_names"]), spec["flip"])
+            self.info = image_data.DatasetInfo.from_spec(spec)
         else:
             if cfg.dataset == "python_stdlib":
                 raise UserError("task 'image_classification' needs an image dataset; set "
@@ -128,7 +119,7 @@ class ImageClassificationTask(Task):
         return out
 
     def spec(self) -> dict:
-        return {**_info_spec(self.info), "image_size": self.image_size}
+        return {**self.info.to_spec(), "image_size": self.image_size}
 
     @classmethod
     def planned_spec(cls, cfg) -> dict | None:
@@ -144,8 +135,8 @@ class ImageClassificationTask(Task):
         if not model_cfg.num_classes:
             raise UserError("task 'image_classification' needs classes: model.num_classes=0 "
                             "builds a ViT without a head; drop it (the dataset sets it)")
-        return _info_spec(image_data.configured_info(cfg.dataset, model_cfg.num_classes,
-                                                     model_cfg.num_channels))
+        return image_data.configured_info(cfg.dataset, model_cfg.num_classes,
+                                          model_cfg.num_channels).to_spec()
 
     def batch_dims(self) -> dict[str, int]:
         return {"H": self.image_size, "W": self.image_size, "C": self.info.num_channels}

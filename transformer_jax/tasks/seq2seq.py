@@ -65,7 +65,8 @@ import numpy as np
 from .. import data as data_lib
 from ..beam_search import beam_search, greedy_search
 from ..data.shuffle import EpochIterator
-from ..data.sources import check_split, check_tfds_dataset, open_source, read_examples
+from ..data.sources import (base_name, check_split, check_tfds_dataset, is_stdlib, open_source,
+                            read_examples)
 from ..errors import UserError
 from ..losses import head_loss, hidden_kwargs
 from ..models import FAMILIES
@@ -127,16 +128,12 @@ def identifier_pairs(train_texts: Sequence[str], eval_texts: Sequence[str] | Non
 
 # ----------------------------------------------------------------------------- sources
 
-def _is_stdlib(dataset: str) -> bool:
-    return dataset.split("/")[0].split(":")[0] == "python_stdlib"
-
-
 class _TFDSPairs:
     """(source, target) texts read by index from a TFDS split."""
 
     def __init__(self, dataset: str, split: str, data_dir: str | None, source_key: str,
                  target_key: str):
-        module = _BUILDER_MODULES.get(dataset.split("/")[0].split(":")[0])
+        module = _BUILDER_MODULES.get(base_name(dataset))
         if not dataset.startswith("hf:"):
             check_tfds_dataset(dataset, data_dir)
         if module is not None:
@@ -324,7 +321,7 @@ class Seq2SeqTask(Task):
         if self.src_len < 2 or self.tgt_len < 2:
             raise UserError(f"seq2seq needs seq_len >= 2 and max_target_len >= 2 (room for a "
                             f"token and eos); got {self.src_len}, {self.tgt_len}")
-        self.stdlib = _is_stdlib(cfg.dataset)
+        self.stdlib = is_stdlib(cfg.dataset)
         self._pairs_cache: dict[str, Any] = {}
         self.tokenizer, self.tokenizer_spec = self._tokenizer(spec)
         self.pad_id, self.eos_id, self.start_id = seq2seq_special_ids(self.tokenizer)
@@ -340,7 +337,7 @@ class Seq2SeqTask(Task):
         if not isinstance(cfg.dataset, str):
             return
         hf = cfg.dataset.startswith("hf:")
-        if hf or _is_stdlib(cfg.dataset):
+        if hf or is_stdlib(cfg.dataset):
             check_split(cfg.dataset, split, data_dir=cfg.data_dir)
         if hf:
             _TFDSPairs(cfg.dataset, split, cfg.data_dir, options["source_key"],

@@ -9,8 +9,7 @@ follow the PaLM/nanoGPT convention (``GPTConfig.flops_per_token``: 6 per weight 
 except over a frozen base (LoRA, QLoRA, prefix tuning; ``Task.flops_per_step``): 4 per
 frozen weight (forward and input gradient, no weight gradient), 6 per trained one. The
 peak comes from a table for known accelerators and is *measured* on CPUs (a large fp32
-matmul), so CPU MFU
-is relative to what this machine's matmuls can actually do.
+matmul), so CPU MFU is relative to what this machine's matmuls can actually do.
 """
 from __future__ import annotations
 
